@@ -1,0 +1,3 @@
+from bubblesnap.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""The ``bubblesnap`` command: ``daemon`` runs one, ``status`` asks one what it holds."""
+
+import argparse
+import json
+import logging
+import re
+import sys
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB' -> 4294967296; '500MB' -> 500000000; '1024' -> 1024."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: use a number with an optional unit, e.g. 512MiB, 4GiB, 2GB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+
+
+def _daemon_parser(sub):
+    from bubblesnap.service import DaemonOptions, StoreOptions
+    d, s = DaemonOptions(), StoreOptions()
+    p = sub.add_parser(
+        "daemon", help="run the per-host snapshot daemon",
+        description="Run the per-host bubblesnap daemon. It holds training snapshots in shared "
+                    "memory (so they outlive a crashed trainer) and serves them back on restore. "
+                    "Prints one JSON line with its addresses when ready; SIGTERM stops it "
+                    "gracefully and frees its shared memory.")
+    p.add_argument("--listen", default=d.listen, metavar="HOST:PORT",
+                   help=f"gRPC address for trainers and tools; port 0 picks a free one "
+                        f"(default {d.listen}, loopback only)")
+    p.add_argument("--memory-budget", type=parse_bytes, default=s.memory_budget_bytes,
+                   metavar="SIZE", help="shared memory the daemon may hold, e.g. 16GiB; new "
+                   "snapshots beyond it are refused with RESOURCE_EXHAUSTED (default "
+                   f"{_human(s.memory_budget_bytes)}; capped to the free space of --shm-dir)")
+    p.add_argument("--shm-dir", default=d.shm_dir, metavar="DIR",
+                   help=f"tmpfs directory for snapshot memory (default {d.shm_dir})")
+    p.add_argument("--keep", type=int, default=s.keep_steps, metavar="N",
+                   help=f"committed steps kept per job (default {s.keep_steps})")
+    p.add_argument("--metrics", default=d.metrics, metavar="HOST:PORT",
+                   help=f"Prometheus endpoint; port 0 picks one; '' disables (default {d.metrics})")
+    p.add_argument("--max-message", type=parse_bytes, default=d.max_message_bytes,
+                   metavar="SIZE", help=f"largest gRPC message accepted (default "
+                   f"{_human(d.max_message_bytes)})")
+    p.add_argument("--checksum-threads", type=int, default=s.checksum_threads, metavar="N",
+                   help=f"threads hashing shards (default {s.checksum_threads})")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(func=_run_daemon)
+
+
+def _run_daemon(args) -> int:
+    from bubblesnap.service import DaemonOptions, StoreOptions, run
+    if args.keep < 1:
+        raise SystemExit("--keep must be at least 1")
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    store = StoreOptions(memory_budget_bytes=args.memory_budget, keep_steps=args.keep,
+                         checksum_threads=max(1, args.checksum_threads))
+    return run(DaemonOptions(listen=args.listen, metrics=args.metrics, shm_dir=args.shm_dir,
+                             store=store, max_message_bytes=args.max_message))
+
+
+def _status_parser(sub):
+    p = sub.add_parser(
+        "status", help="show what a daemon holds",
+        description="Show the snapshots a daemon holds: per job, step and rank, whether the "
+                    "step is committed (every rank holds it) and how much memory it uses.")
+    p.add_argument("--daemon", default="127.0.0.1:7070", metavar="HOST:PORT",
+                   help="daemon address (default 127.0.0.1:7070)")
+    p.add_argument("--job", default="", help="only this job")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.set_defaults(func=_run_status)
+
+
+def _run_status(args) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
+    with grpc.insecure_channel(args.daemon) as channel:
+        try:
+            status = daemon_pb2_grpc.DaemonStub(channel).Status(
+                daemon_pb2.StatusRequest(job=args.job), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"bubblesnap status: {args.daemon}: {err.code().name}: {err.details()}",
+                  file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(json_format.MessageToDict(
+            status, always_print_fields_with_no_presence=True), indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def format_status(status) -> str:
+    """A readable table of a StatusResponse."""
+    from bubblesnap.protos import daemon_pb2
+    mem = status.memory
+    lines = [f"memory: {_human(mem.used_bytes)} used, {_human(mem.pooled_bytes)} pooled, "
+             f"budget {_human(mem.budget_bytes)}; {mem.shm_dir} has "
+             f"{_human(mem.shm_free_bytes)} free"]
+    if not status.jobs:
+        lines.append("no jobs registered")
+    for job in status.jobs:
+        latest = job.latest_committed_step if job.latest_committed_step >= 0 else "none"
+        lines.append("")
+        lines.append(f"job {job.job}: {len(job.registered_ranks)}/{job.world_size} ranks "
+                     f"registered, latest committed step {latest}")
+        lines.append(f"  {'step':>8}  {'committed':<9}  {'rank':>4}  {'state':<8}  "
+                     f"{'shards':>6}  {'bytes':>10}")
+        for step in job.steps:
+            for rank in step.ranks:
+                lines.append(f"  {step.step:>8}  {'yes' if step.committed else 'no':<9}  "
+                             f"{rank.rank:>4}  {daemon_pb2.CopyState.Name(rank.state):<8}  "
+                             f"{len(rank.shards):>6}  {_human(rank.nbytes):>10}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="bubblesnap",
+        description="Snapshots of JAX training state in pipeline bubbles, held in host memory.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _daemon_parser(sub)
+    _status_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)

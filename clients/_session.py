@@ -1,0 +1,199 @@
+"""The framework-neutral core of a client: talk to the daemon, stage, commit, restore.
+
+The JAX and numpy clients turn their arrays into shard specs and host
+buffers and leave the rest to :class:`Session`. A session never lets a slow
+or missing daemon stall training: every call has a deadline, a failure turns
+into "no snapshot this step" with the reason, and after a timeout the session
+stops asking for a while instead of paying the deadline every step.
+"""
+
+import dataclasses
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from bubblesnap.clients._shared_memory import SegmentMaps, copy_out
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos import daemon_pb2_grpc
+
+log = logging.getLogger("bubblesnap.client")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientOptions:
+    """How a client reaches its daemon and how patient it is.
+
+    Attributes:
+      daemon: address of the local daemon. Default ``127.0.0.1:7070``.
+      rpc_timeout_seconds: deadline of each call. Default 5 s.
+      backoff_seconds: after the daemon timed out or was unreachable, how long
+        snapshots are skipped without asking it again. Default 10 s.
+      verify_restore: recompute checksums while copying restored bytes out of
+        shared memory (the daemon has already checked them). Default True.
+    """
+
+    daemon: str = "127.0.0.1:7070"
+    rpc_timeout_seconds: float = 5.0
+    backoff_seconds: float = 10.0
+    verify_restore: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotResult:
+    """What became of one snapshot request.
+
+    Attributes:
+      step: the training step.
+      taken: the bytes reached the daemon's memory (and, if the call waited,
+        the daemon committed them).
+      committed: every rank of the job holds this step (None: not waited for).
+      reason: why no snapshot was taken, empty when it was.
+      stall_seconds: how long the call held the training loop.
+    """
+
+    step: int
+    taken: bool
+    committed: bool | None = None
+    reason: str = ""
+    stall_seconds: float = 0.0
+
+
+class RestoreError(RuntimeError):
+    """A restore could not be done; the message says why and what is held."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RawStep:
+    """A restored step before it is turned back into framework arrays."""
+
+    step: int
+    tensors: tuple  # pb.TensorSpec, in registration order
+    shards: dict    # (tensor index, shard index) -> private uint8 buffer
+
+
+class Session:
+    """One rank of one job, talking to its daemon."""
+
+    def __init__(self, job: str, rank: int, world_size: int, options: ClientOptions,
+                 replica_group=()):
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self.options = options
+        self._replica_group = tuple(replica_group)
+        self._channel = grpc.insecure_channel(options.daemon)
+        self._stub = daemon_pb2_grpc.DaemonStub(self._channel)
+        self._maps = SegmentMaps()
+        self._tensors: tuple = ()
+        self._registered = False
+        self._quiet_until = 0.0
+        self._pending = None  # (step, future) of a commit not yet waited for
+
+    # -- calls with deadlines -------------------------------------------------
+
+    def call(self, method: str, request):
+        return getattr(self._stub, method)(request, timeout=self.options.rpc_timeout_seconds)
+
+    def register(self, tensors) -> pb.RegisterResponse:
+        """Declares the layout; raises grpc.RpcError if the daemon refuses it."""
+        response = self.call("Register", pb.RegisterRequest(
+            job=self.job, rank=self.rank, world_size=self.world_size, tensors=tensors,
+            replica_group=self._replica_group))
+        self._tensors, self._registered = tuple(tensors), True
+        return response
+
+    # -- snapshot -------------------------------------------------------------
+
+    def snapshot(self, step: int, tensors, fetch, wait: bool = True) -> SnapshotResult:
+        """Stages one step: ``fetch()`` returns host arrays in slot order.
+
+        ``tensors`` is the layout of this step; it is (re)registered when it
+        differs from the last one. Never raises for daemon trouble.
+        """
+        started = time.perf_counter()
+        earlier = self.wait()
+        if earlier is not None and not earlier.taken:
+            log.warning("snapshot of step %d was not committed: %s", earlier.step, earlier.reason)
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return self._skipped(step, started, f"daemon {self.options.daemon} did not answer "
+                                 f"recently; retrying in {self._quiet_until - now:.1f} s")
+        try:
+            if not self._registered or tuple(tensors) != self._tensors:
+                self.register(tensors)
+            staging = self.call("BeginStep", pb.BeginStepRequest(
+                job=self.job, rank=self.rank, step=step))
+            segment = self._maps.view(staging.segment_path, staging.segment_bytes)
+            host = fetch()
+            for slot, array in zip(staging.slots, host, strict=True):
+                np.copyto(segment[slot.offset:slot.offset + slot.nbytes], array)
+            future = self._stub.CommitStep.future(
+                pb.CommitStepRequest(job=self.job, rank=self.rank, step=step),
+                timeout=self.options.rpc_timeout_seconds)
+        except grpc.RpcError as err:
+            return self._failed(step, started, err)
+        self._pending = (step, future, started)
+        if not wait:
+            return SnapshotResult(step, True, None, "", time.perf_counter() - started)
+        return self.wait()
+
+    def wait(self) -> SnapshotResult | None:
+        """Waits for the commit still in flight, if any, and returns its outcome."""
+        if self._pending is None:
+            return None
+        step, future, started = self._pending
+        self._pending = None
+        try:
+            response = future.result()
+        except grpc.RpcError as err:
+            return self._failed(step, started, err)
+        return SnapshotResult(step, True, response.job_committed, "",
+                              time.perf_counter() - started)
+
+    def _skipped(self, step: int, started: float, reason: str) -> SnapshotResult:
+        return SnapshotResult(step, False, False, reason, time.perf_counter() - started)
+
+    def _failed(self, step: int, started: float, err: grpc.RpcError) -> SnapshotResult:
+        code = err.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._quiet_until = time.monotonic() + self.options.backoff_seconds
+            self._registered = False  # a restarted daemon has forgotten us
+            reason = (f"daemon {self.options.daemon} {code.name.lower().replace('_', ' ')}; "
+                      f"no snapshots for {self.options.backoff_seconds:.0f} s")
+        else:
+            reason = f"daemon refused: {code.name}: {err.details()}"
+        log.warning("no snapshot of step %d: %s", step, reason)
+        return SnapshotResult(step, False, False, reason, time.perf_counter() - started)
+
+    # -- restore --------------------------------------------------------------
+
+    def restore(self, step: int | None = None) -> RawStep:
+        """Fetches a committed step into private memory; raises RestoreError."""
+        request = pb.RestoreRequest(job=self.job, rank=self.rank)
+        if step is not None:
+            request.step = step
+        try:
+            found = self.call("Restore", request)
+        except grpc.RpcError as err:
+            raise RestoreError(f"daemon {self.options.daemon}: {err.code().name}: "
+                               f"{err.details()}") from None
+        segment = self._maps.view(found.segment_path,
+                                  max(s.offset + s.nbytes for s in found.slots))
+        shards = {}
+        for slot, expected in zip(found.slots, found.checksums, strict=True):
+            data, digest = copy_out(segment, slot.offset, slot.nbytes, self.options.verify_restore)
+            if digest is not None and digest != expected:
+                raise RestoreError(
+                    f"step {found.step}: {found.tensors[slot.tensor].name!r} shard {slot.shard} "
+                    "changed while it was read; restore again")
+            shards[(slot.tensor, slot.shard)] = data
+        return RawStep(found.step, tuple(found.tensors), shards)
+
+    def status(self) -> pb.JobStatus:
+        response = self.call("Status", pb.StatusRequest(job=self.job))
+        return response.jobs[0]
+
+    def close(self) -> None:
+        self.wait()
+        self._maps.close()
+        self._channel.close()

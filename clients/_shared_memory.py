@@ -1,0 +1,83 @@
+"""The client's side of the daemon's shared-memory segments.
+
+Mappings are cached by path: the daemon recycles segments, so a trainer that
+snapshots every step keeps writing into the same few, already-mapped pages.
+Only a handful are kept; an evicted mapping of a segment the daemon has freed
+gives its memory back.
+"""
+
+import collections
+import mmap
+import os
+
+import numpy as np
+
+from bubblesnap.protos.checksum import copy_with_checksum
+
+_MAX_MAPPINGS = 6
+_ALIGN = 64
+
+
+class SegmentMaps:
+    """An LRU cache of writable mappings of daemon segments."""
+
+    def __init__(self, max_mappings: int = _MAX_MAPPINGS):
+        self._maps: collections.OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = (
+            collections.OrderedDict())
+        self._max = max_mappings
+
+    def view(self, path: str, nbytes: int) -> np.ndarray:
+        """A uint8 view of the first ``nbytes`` of the segment at ``path``."""
+        entry = self._maps.get(path)
+        if entry is not None and entry[1].nbytes >= nbytes:
+            self._maps.move_to_end(path)
+            return entry[1]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise ValueError(f"segment {path} holds {size} bytes, the daemon announced {nbytes}")
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._evict(path)
+        self._maps[path] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
+        while len(self._maps) > self._max:
+            self._evict(next(iter(self._maps)))
+        return self._maps[path][1]
+
+    def _evict(self, path: str) -> None:
+        entry = self._maps.pop(path, None)
+        if entry is not None:
+            mapping, view = entry
+            del view, entry
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping closes when it is dropped
+
+    def close(self) -> None:
+        for path in list(self._maps):
+            self._evict(path)
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """The raw bytes of an array in C order, as a flat uint8 view (a copy if not contiguous)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A fresh 64-byte-aligned uint8 buffer, so that JAX's CPU backend can alias it."""
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start:start + nbytes]
+
+
+def copy_out(segment: np.ndarray, offset: int, nbytes: int, verify: bool) -> tuple[np.ndarray, int | None]:
+    """Copies one slot out of a segment into private memory; returns it and its checksum."""
+    out = aligned_empty(nbytes)
+    src = segment[offset:offset + nbytes]
+    if verify:
+        return out, copy_with_checksum(out, src)
+    np.copyto(out, src)
+    return out, None

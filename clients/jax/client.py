@@ -1,0 +1,115 @@
+"""The JAX client: snapshot a pytree of jax.Arrays into the daemon, restore it back."""
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from bubblesnap.clients._session import (ClientOptions, RestoreError, Session,
+                                         SnapshotResult)
+from bubblesnap.clients.jax import _layout, _transfer
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A restored state: the step it was taken at, the pytree, and how long it took."""
+
+    step: int
+    state: object
+    seconds: float
+
+
+class SnapshotClient:
+    """Snapshots and restores one rank's training state through the local daemon.
+
+    Typical use, once per training step::
+
+        client = SnapshotClient("my-job")
+        for step in range(start, steps):
+            state = train_step(state, batch)
+            client.snapshot(step, state)
+
+    and after a crash::
+
+        restored = client.restore(abstract_state)   # jax.ShapeDtypeStruct leaves with shardings
+        state, start = restored.state, restored.step + 1
+
+    ``snapshot`` never raises for daemon trouble and never waits longer than
+    its deadline: it returns a :class:`SnapshotResult` saying what happened.
+    """
+
+    def __init__(self, job: str, rank: int = 0, world_size: int = 1,
+                 options: ClientOptions = ClientOptions(), replica_group=()):
+        self._session = Session(job, rank, world_size, options, replica_group)
+        self._specs_cache: tuple = (None, None)
+
+    def _specs(self, names, leaves):
+        signature = tuple((n, leaf.shape, str(leaf.dtype), getattr(leaf, "sharding", None))
+                          for n, leaf in zip(names, leaves))
+        if self._specs_cache[0] != signature:
+            self._specs_cache = (signature, _layout.tensor_specs(names, leaves))
+        return self._specs_cache[1]
+
+    def snapshot(self, step: int, state, wait: bool = False) -> SnapshotResult:
+        """Copies ``state`` (step ``step``) into the daemon's memory.
+
+        Holds training for the device-to-host fetch and one memcpy; the daemon
+        checksums and commits in the background unless ``wait`` is set.
+        """
+        names, leaves, _ = _layout.flatten(state)
+        return self._session.snapshot(step, self._specs(names, leaves),
+                                      lambda: _transfer.fetch_to_host(leaves), wait=wait)
+
+    def wait(self) -> SnapshotResult | None:
+        """Waits for the last snapshot's commit; returns its outcome (None if none pending)."""
+        return self._session.wait()
+
+    def restore(self, target, step: int | None = None) -> Restored:
+        """Restores the latest committed step (or ``step``) into ``target``'s structure.
+
+        ``target`` is a pytree like the saved state whose leaves are
+        jax.Arrays or jax.ShapeDtypeStructs; each restored array gets the
+        leaf's sharding (default: the first local device). Raises
+        :class:`RestoreError` when nothing restorable is held or the layout
+        does not match.
+        """
+        started = time.perf_counter()
+        names, leaves, treedef = _layout.flatten(target)
+        raw = self._session.restore(step)
+        by_name = {t.name: i for i, t in enumerate(raw.tensors)}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise RestoreError(f"step {raw.step} has no tensors {missing[:5]}; it holds "
+                               f"{list(by_name)[:5]}...: restore into the state structure it "
+                               "was saved from")
+        arrays = []
+        for name, leaf in zip(names, leaves):
+            tensor_index = by_name[name]
+            spec = raw.tensors[tensor_index]
+            dtype = np.dtype(spec.dtype)
+            shape = tuple(spec.global_shape)
+            if shape != tuple(leaf.shape) or dtype != np.dtype(leaf.dtype):
+                raise RestoreError(f"{name!r} was saved as {dtype.name}{list(shape)}; the target "
+                                   f"asks for {np.dtype(leaf.dtype).name}{list(leaf.shape)}")
+            stored = {}
+            for shard_index, shard in enumerate(spec.shards):
+                index = tuple((s.start, s.stop) for s in shard.index)
+                stored[index] = raw.shards[(tensor_index, shard_index)].view(dtype).reshape(
+                    [b - a for a, b in index])
+            sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+                jax.local_devices()[0])
+            try:
+                arrays.append(_transfer.place(shape, dtype, sharding, stored,
+                                              lambda idx: _layout.normalize_index(idx, shape)))
+            except ValueError as err:
+                raise RestoreError(f"{name!r}: {err}") from None
+        state = jax.tree_util.tree_unflatten(treedef, arrays)
+        return Restored(raw.step, state, time.perf_counter() - started)
+
+    def status(self):
+        """This job's status as the daemon reports it (a ``JobStatus`` message)."""
+        return self._session.status()
+
+    def close(self) -> None:
+        self._session.close()

@@ -1,0 +1,49 @@
+"""A client without JAX: numpy arrays in, numpy arrays out, same protocol.
+
+Proof that the daemon is framework-neutral, and the smallest example of the
+protocol to copy for another framework.
+"""
+
+import numpy as np
+
+from bubblesnap.clients._session import ClientOptions, Session, SnapshotResult
+from bubblesnap.clients._shared_memory import as_bytes
+from bubblesnap.protos import daemon_pb2 as pb
+
+try:  # bfloat16 and float8 names, when ml_dtypes is installed (it comes with JAX)
+    import ml_dtypes  # noqa: F401
+except ImportError:
+    pass
+
+
+def _spec(name: str, array: np.ndarray) -> pb.TensorSpec:
+    return pb.TensorSpec(name=name, dtype=array.dtype.name, global_shape=array.shape, shards=[
+        pb.ShardSpec(index=[pb.Slice(start=0, stop=d) for d in array.shape],
+                     nbytes=array.nbytes, device="host")])
+
+
+class NumpyClient:
+    """Snapshots a flat ``{name: ndarray}`` dict; each array is one unsharded tensor."""
+
+    def __init__(self, job: str, rank: int = 0, world_size: int = 1,
+                 options: ClientOptions = ClientOptions()):
+        self._session = Session(job, rank, world_size, options)
+
+    def snapshot(self, step: int, arrays: dict[str, np.ndarray], wait: bool = True) -> SnapshotResult:
+        names = sorted(arrays)
+        specs = [_spec(name, np.asarray(arrays[name])) for name in names]
+        return self._session.snapshot(
+            step, specs, lambda: [as_bytes(np.asarray(arrays[n])) for n in names], wait=wait)
+
+    def restore(self, step: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
+        """The latest committed step (or ``step``) as ``(step, {name: array})``."""
+        raw = self._session.restore(step)
+        return raw.step, {
+            t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape))
+            for i, t in enumerate(raw.tensors)}
+
+    def status(self) -> pb.JobStatus:
+        return self._session.status()
+
+    def close(self) -> None:
+        self._session.close()

@@ -1,0 +1,321 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CopyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COPY_STATE_UNSPECIFIED: _ClassVar[CopyState]
+    STAGING: _ClassVar[CopyState]
+    LOCAL: _ClassVar[CopyState]
+COPY_STATE_UNSPECIFIED: CopyState
+STAGING: CopyState
+LOCAL: CopyState
+
+class Slice(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class ShardSpec(_message.Message):
+    __slots__ = ("index", "nbytes", "device")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    index: _containers.RepeatedCompositeFieldContainer[Slice]
+    nbytes: int
+    device: str
+    def __init__(self, index: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ..., nbytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "global_shape", "shards")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardSpec]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("job", "rank", "world_size", "tensors", "replica_group")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    world_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    replica_group: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., replica_group: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("reattached", "latest_local_step", "step_bytes")
+    REATTACHED_FIELD_NUMBER: _ClassVar[int]
+    LATEST_LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reattached: bool
+    latest_local_step: int
+    step_bytes: int
+    def __init__(self, reattached: _Optional[bool] = ..., latest_local_step: _Optional[int] = ..., step_bytes: _Optional[int] = ...) -> None: ...
+
+class ShardRef(_message.Message):
+    __slots__ = ("tensor", "shard")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    shard: int
+    def __init__(self, tensor: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class BubbleEvent(_message.Message):
+    __slots__ = ("job", "rank", "stage", "step", "kind", "expected_seconds")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BubbleEvent.Kind]
+        START: _ClassVar[BubbleEvent.Kind]
+        END: _ClassVar[BubbleEvent.Kind]
+    KIND_UNSPECIFIED: BubbleEvent.Kind
+    START: BubbleEvent.Kind
+    END: BubbleEvent.Kind
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    stage: int
+    step: int
+    kind: BubbleEvent.Kind
+    expected_seconds: float
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[BubbleEvent.Kind, str]] = ..., expected_seconds: _Optional[float] = ...) -> None: ...
+
+class FetchPlan(_message.Message):
+    __slots__ = ("step", "everything", "shards")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EVERYTHING_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    everything: bool
+    shards: _containers.RepeatedCompositeFieldContainer[ShardRef]
+    def __init__(self, step: _Optional[int] = ..., everything: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
+
+class Slot(_message.Message):
+    __slots__ = ("tensor", "shard", "offset", "nbytes")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    shard: int
+    offset: int
+    nbytes: int
+    def __init__(self, tensor: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class BeginStepRequest(_message.Message):
+    __slots__ = ("job", "rank", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class BeginStepResponse(_message.Message):
+    __slots__ = ("segment_path", "segment_bytes", "slots")
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    segment_path: str
+    segment_bytes: int
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    def __init__(self, segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
+
+class CommitStepRequest(_message.Message):
+    __slots__ = ("job", "rank", "step", "checksums")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitStepResponse(_message.Message):
+    __slots__ = ("job_committed", "latest_committed_step")
+    JOB_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    LATEST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    job_committed: bool
+    latest_committed_step: int
+    def __init__(self, job_committed: _Optional[bool] = ..., latest_committed_step: _Optional[int] = ...) -> None: ...
+
+class AbortStepRequest(_message.Message):
+    __slots__ = ("job", "rank", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class AbortStepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("tensor", "shard", "nbytes", "checksum")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    shard: int
+    nbytes: int
+    checksum: int
+    def __init__(self, tensor: _Optional[str] = ..., shard: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class RankStepStatus(_message.Message):
+    __slots__ = ("rank", "state", "nbytes", "shards")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    state: CopyState
+    nbytes: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[CopyState, str]] = ..., nbytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+
+class StepStatus(_message.Message):
+    __slots__ = ("step", "committed", "ranks")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    committed: bool
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStepStatus]
+    def __init__(self, step: _Optional[int] = ..., committed: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStepStatus, _Mapping]]] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    world_size: int
+    registered_ranks: _containers.RepeatedScalarFieldContainer[int]
+    latest_committed_step: int
+    steps: _containers.RepeatedCompositeFieldContainer[StepStatus]
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ...) -> None: ...
+
+class MemoryStatus(_message.Message):
+    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes")
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    SHM_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    budget_bytes: int
+    used_bytes: int
+    pooled_bytes: int
+    shm_dir: str
+    shm_free_bytes: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("jobs", "memory")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    memory: MemoryStatus
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("job", "rank", "step", "lease_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    lease_seconds: float
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    segment_path: str
+    slots: _containers.RepeatedCompositeFieldContainer[Slot]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class SnapshotSummary(_message.Message):
+    __slots__ = ("job", "step", "committed", "local_ranks", "nbytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    committed: bool
+    local_ranks: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., committed: _Optional[bool] = ..., local_ranks: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ListSnapshotsResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotSummary]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotSummary, _Mapping]]] = ...) -> None: ...
+
+class DeleteSnapshotsRequest(_message.Message):
+    __slots__ = ("job", "steps")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeleteSnapshotsResponse(_message.Message):
+    __slots__ = ("deleted_steps",)
+    DELETED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    deleted_steps: int
+    def __init__(self, deleted_steps: _Optional[int] = ...) -> None: ...

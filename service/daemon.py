@@ -1,0 +1,147 @@
+"""Starting and stopping one daemon: gRPC server, health, reflection, metrics, signals."""
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from bubblesnap.protos import daemon_pb2
+from bubblesnap.service.metrics import DaemonMetrics
+from bubblesnap.service.segments import shm_free_bytes
+from bubblesnap.service.server import DaemonServicer
+from bubblesnap.service.store import SnapshotStore, StoreOptions
+from bubblesnap.service.wire import generic_handler
+
+log = logging.getLogger("bubblesnap.daemon")
+
+SERVICE_NAME = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
+
+#: Below this much free space the shm directory is treated as a container's
+#: default /dev/shm (64 MiB in Docker) and the budget is capped with a warning.
+_SHM_HEADROOM = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonOptions:
+    """Everything ``bubblesnap daemon`` can be told.
+
+    Attributes:
+      listen: gRPC address for trainers and tools. Default loopback only.
+      metrics: ``host:port`` of the Prometheus endpoint; empty disables it.
+      shm_dir: tmpfs directory for snapshot segments. Default /dev/shm.
+      store: memory budget, retention and checksum options.
+      max_message_bytes: largest gRPC message accepted (layouts of huge
+        pytrees); larger ones get RESOURCE_EXHAUSTED. Default 64 MiB.
+      grace_seconds: how long SIGTERM lets in-flight RPCs finish. Default 5 s.
+    """
+
+    listen: str = "127.0.0.1:7070"
+    metrics: str = "127.0.0.1:7071"
+    shm_dir: str = "/dev/shm"
+    store: StoreOptions = StoreOptions()
+    max_message_bytes: int = 64 << 20
+    grace_seconds: float = 5.0
+
+
+def _fit_budget_to_shm(options: DaemonOptions) -> StoreOptions:
+    """Caps the memory budget to what the shm filesystem can hold, and says so."""
+    free = shm_free_bytes(options.shm_dir)
+    budget = options.store.memory_budget_bytes
+    if budget <= free * _SHM_HEADROOM:
+        return options.store
+    capped = int(free * _SHM_HEADROOM)
+    log.warning(
+        "%s has only %.1f MiB free, less than the %.1f MiB memory budget; the budget is capped "
+        "to %.1f MiB so writes fail cleanly instead of crashing the trainer with SIGBUS. In a "
+        "container, raise its shared memory (docker run --shm-size=16g) or pass --shm-dir.",
+        options.shm_dir, free / 2**20, budget / 2**20, capped / 2**20)
+    return dataclasses.replace(options.store, memory_budget_bytes=capped)
+
+
+def _filesystem_type(path: str) -> str:
+    best, fstype = "", "unknown"
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, mount_point, kind = line.split()[:3]
+            if os.path.realpath(path).startswith(mount_point) and len(mount_point) > len(best):
+                best, fstype = mount_point, kind
+    return fstype
+
+
+class Daemon:
+    """A running daemon; :meth:`stop` shuts it down and frees its shared memory."""
+
+    def __init__(self, options: DaemonOptions = DaemonOptions()):
+        if not os.path.isdir(options.shm_dir):
+            raise SystemExit(f"--shm-dir {options.shm_dir} does not exist")
+        if _filesystem_type(options.shm_dir) not in ("tmpfs", "ramfs", "unknown"):
+            log.warning("%s is not a tmpfs: snapshots will go through the page cache to disk",
+                        options.shm_dir)
+        self.options = options
+        self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options))
+        self.metrics = DaemonMetrics(self.store)
+        message_limit = [("grpc.max_receive_message_length", options.max_message_bytes),
+                         ("grpc.max_send_message_length", options.max_message_bytes)]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16,
+                                                              thread_name_prefix="rpc"),
+                                   options=message_limit)
+        self._server.add_generic_rpc_handlers((generic_handler(
+            daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
+            DaemonServicer(self.store, self.metrics)),))
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        self.port = self._server.add_insecure_port(options.listen)
+        if self.port == 0:
+            raise SystemExit(f"cannot listen on {options.listen}: address in use or invalid")
+        self.address = f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
+        self.metrics_address = ""
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        self._server.start()
+        if self.options.metrics:
+            host, port = self.options.metrics.rsplit(":", 1)
+            self.metrics_address = f"{host}:{self.metrics.serve(host, int(port))}"
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._health.enter_graceful_shutdown()
+        self._server.stop(self.options.grace_seconds).wait()
+        self.store.close()
+
+    def ready_line(self) -> str:
+        memory = self.store.memory()
+        return json.dumps({"event": "ready", "address": self.address,
+                           "metrics": self.metrics_address, "shm_dir": memory.shm_dir,
+                           "memory_budget_bytes": memory.budget_bytes,
+                           "shm_free_bytes": memory.shm_free_bytes, "pid": os.getpid()})
+
+
+def run(options: DaemonOptions) -> int:
+    """Runs a daemon until SIGTERM or SIGINT; prints one JSON ready line on stdout."""
+    daemon = Daemon(options)
+    daemon.start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(daemon.ready_line(), flush=True)
+    log.info("serving on %s (metrics %s)", daemon.address, daemon.metrics_address or "off")
+    done.wait()
+    log.info("shutting down: finishing in-flight calls, freeing shared memory")
+    daemon.stop()
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,161 @@
+"""Validation of a rank's state layout: pure functions, no I/O.
+
+A layout arrives from the network and becomes the plan for a shared-memory
+segment, so everything a hostile or buggy client could get wrong is checked
+here: names, dtypes, shapes, shard bounds, byte counts.
+"""
+
+import dataclasses
+import math
+import re
+
+from bubblesnap.service.errors import InvalidArgument
+
+#: Job names are used as labels and map keys, never as paths; still, keep them
+#: to a safe alphabet so they can be logged, exported and typed.
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MAX_TENSOR_NAME = 1024
+_MAX_TENSORS = 1 << 16
+_MAX_RANKS = 1 << 20
+
+#: Item sizes of the dtypes a shard may have. The daemon never interprets the
+#: bytes, it only needs their count, so it keeps no dependency on numpy dtypes.
+ITEMSIZE = {
+    "bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4,
+    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
+    "complex128": 16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One stored piece of a tensor: ``index`` is one (start, stop) per dimension."""
+
+    index: tuple[tuple[int, int], ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    shards: tuple[Shard, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The validated state layout of one rank."""
+
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for t in self.tensors for s in t.shards)
+
+    def slots(self) -> list[tuple[int, int, int, int]]:
+        """(tensor, shard, offset, nbytes) of each shard packed in one segment.
+
+        Offsets are 64-byte aligned so a slot can back an aligned array.
+        """
+        slots, offset = [], 0
+        for ti, tensor in enumerate(self.tensors):
+            for si, shard in enumerate(tensor.shards):
+                slots.append((ti, si, offset, shard.nbytes))
+                offset += _aligned(shard.nbytes)
+        return slots
+
+    @property
+    def segment_bytes(self) -> int:
+        """Size of the segment that holds every slot (at least 64 bytes)."""
+        return max(64, sum(_aligned(s.nbytes) for t in self.tensors for s in t.shards))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+def check_job_name(job: str) -> None:
+    if not job:
+        raise InvalidArgument("job name is empty; pass the name the trainer registered")
+    if not _JOB_NAME.fullmatch(job):
+        raise InvalidArgument(
+            f"job name {job!r} is not allowed: use 1-128 characters from "
+            "A-Z a-z 0-9 . _ - starting with a letter or digit")
+
+
+def check_rank(rank: int, world_size: int | None = None) -> None:
+    if rank < 0:
+        raise InvalidArgument(f"rank {rank} is negative")
+    if world_size is not None and rank >= world_size:
+        raise InvalidArgument(f"rank {rank} is outside world_size {world_size}")
+
+
+def check_step(step: int) -> None:
+    if step < 0:
+        raise InvalidArgument(f"step {step} is negative; steps count from 0")
+
+
+def _check_tensor_name(name: str) -> None:
+    if not name:
+        raise InvalidArgument("a tensor has an empty name")
+    if len(name) > _MAX_TENSOR_NAME:
+        raise InvalidArgument(f"tensor name of {len(name)} characters; at most {_MAX_TENSOR_NAME}")
+    if "\x00" in name or any(ord(c) < 32 for c in name):
+        raise InvalidArgument(f"tensor name {name!r} contains a NUL or control character")
+    if any(part in ("..", ".") for part in name.split("/")) or name.startswith("/"):
+        raise InvalidArgument(
+            f"tensor name {name!r} contains a '.' or '..' component or a leading '/'; "
+            "names are pytree paths like 'params/dense/kernel'")
+
+
+def build_layout(tensors) -> Layout:
+    """Validates ``TensorSpec`` messages and returns the layout they describe."""
+    if not tensors:
+        raise InvalidArgument("the layout has no tensors; register the state pytree you snapshot")
+    if len(tensors) > _MAX_TENSORS:
+        raise InvalidArgument(f"{len(tensors)} tensors; at most {_MAX_TENSORS} per rank")
+    seen, built = set(), []
+    for spec in tensors:
+        _check_tensor_name(spec.name)
+        if spec.name in seen:
+            raise InvalidArgument(f"tensor name {spec.name!r} appears twice")
+        seen.add(spec.name)
+        if spec.dtype not in ITEMSIZE:
+            raise InvalidArgument(
+                f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; "
+                f"known: {', '.join(sorted(ITEMSIZE))}")
+        shape = tuple(spec.global_shape)
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(f"tensor {spec.name!r} has a negative dimension in {shape}")
+        if not spec.shards:
+            raise InvalidArgument(f"tensor {spec.name!r} has no shards")
+        shards = tuple(_build_shard(spec.name, spec.dtype, shape, s) for s in spec.shards)
+        built.append(Tensor(spec.name, spec.dtype, shape, shards))
+    return Layout(tuple(built))
+
+
+def _build_shard(name: str, dtype: str, shape: tuple[int, ...], spec) -> Shard:
+    if len(spec.index) != len(shape):
+        raise InvalidArgument(
+            f"a shard of {name!r} has {len(spec.index)} index dimensions; "
+            f"the global shape {shape} has {len(shape)}")
+    index = tuple((s.start, s.stop) for s in spec.index)
+    for (start, stop), dim in zip(index, shape):
+        if not 0 <= start <= stop <= dim:
+            raise InvalidArgument(
+                f"a shard of {name!r} covers [{start}, {stop}) on a dimension of size {dim}")
+    expected = math.prod(stop - start for start, stop in index) * ITEMSIZE[dtype]
+    if spec.nbytes != expected:
+        raise InvalidArgument(
+            f"a shard of {name!r} declares {spec.nbytes} bytes; its index and dtype "
+            f"{dtype} make {expected}")
+    return Shard(index, expected)
+
+
+def check_world(rank: int, world_size: int) -> None:
+    if not 1 <= world_size <= _MAX_RANKS:
+        raise InvalidArgument(f"world_size {world_size} must be between 1 and {_MAX_RANKS}")
+    check_rank(rank, world_size)

@@ -1,0 +1,144 @@
+"""The gRPC face of the daemon: translate messages, delegate, map errors to codes."""
+
+import functools
+import logging
+
+import grpc
+
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service import errors
+from bubblesnap.service.store import CopyState
+
+log = logging.getLogger("bubblesnap.daemon")
+
+_CODES = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+}
+_STATES = {CopyState.STAGING: pb.STAGING, CopyState.LOCAL: pb.LOCAL}
+
+
+def _rpc(method):
+    """Maps store errors to status codes and counts every answer."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            response = method(self, request, context)
+        except errors.DaemonError as err:
+            code = _CODES[type(err)]
+            self._metrics.rpcs.labels(method.__name__, code.name).inc()
+            log.info("%s refused: %s: %s", method.__name__, code.name, err)
+            context.abort(code, str(err))
+        self._metrics.rpcs.labels(method.__name__, "OK").inc()
+        return response
+
+    return wrapper
+
+
+def _slots(slots):
+    return [pb.Slot(tensor=t, shard=s, offset=o, nbytes=n) for t, s, o, n in slots]
+
+
+def _tensor_specs(layout):
+    return [pb.TensorSpec(
+        name=t.name, dtype=t.dtype, global_shape=t.global_shape,
+        shards=[pb.ShardSpec(index=[pb.Slice(start=a, stop=b) for a, b in s.index],
+                             nbytes=s.nbytes) for s in t.shards])
+        for t in layout.tensors]
+
+
+class DaemonServicer:
+    """Implements ``bubblesnap.v1.Daemon`` over a :class:`SnapshotStore`."""
+
+    def __init__(self, store, metrics):
+        self._store = store
+        self._metrics = metrics
+
+    @_rpc
+    def Register(self, request, context):
+        reg = self._store.register(request.job, request.rank, request.world_size,
+                                   request.tensors, request.replica_group)
+        return pb.RegisterResponse(reattached=reg.reattached,
+                                   latest_local_step=reg.latest_local_step,
+                                   step_bytes=reg.step_bytes)
+
+    @_rpc
+    def BeginStep(self, request, context):
+        staging = self._store.begin_step(request.job, request.rank, request.step)
+        return pb.BeginStepResponse(segment_path=staging.segment_path,
+                                    segment_bytes=staging.segment_bytes,
+                                    slots=_slots(staging.slots))
+
+    @_rpc
+    def CommitStep(self, request, context):
+        commit = self._store.commit_step(request.job, request.rank, request.step,
+                                         tuple(request.checksums))
+        return pb.CommitStepResponse(job_committed=commit.job_committed,
+                                     latest_committed_step=commit.latest_committed_step)
+
+    @_rpc
+    def AbortStep(self, request, context):
+        self._store.abort_step(request.job, request.rank, request.step)
+        return pb.AbortStepResponse()
+
+    @_rpc
+    def Restore(self, request, context):
+        step = request.step if request.HasField("step") else None
+        found = self._store.restore(request.job, request.rank, step, request.lease_seconds)
+        return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
+                                  slots=_slots(found.slots), checksums=found.checksums,
+                                  tensors=_tensor_specs(found.layout))
+
+    @_rpc
+    def Status(self, request, context):
+        memory = self._store.memory()
+        return pb.StatusResponse(
+            jobs=[self._job_status(job) for job in self._store.jobs(request.job)],
+            memory=pb.MemoryStatus(budget_bytes=memory.budget_bytes,
+                                   used_bytes=memory.used_bytes,
+                                   pooled_bytes=memory.pooled_bytes,
+                                   shm_dir=memory.shm_dir,
+                                   shm_free_bytes=memory.shm_free_bytes))
+
+    @_rpc
+    def ListSnapshots(self, request, context):
+        return pb.ListSnapshotsResponse(snapshots=[
+            pb.SnapshotSummary(
+                job=job.job, step=step.step, committed=step.committed,
+                local_ranks=[r.rank for r in step.ranks if r.state is CopyState.LOCAL],
+                nbytes=sum(r.nbytes for r in step.ranks))
+            for job in self._store.jobs(request.job) for step in job.steps])
+
+    @_rpc
+    def DeleteSnapshots(self, request, context):
+        return pb.DeleteSnapshotsResponse(
+            deleted_steps=self._store.delete(request.job, tuple(request.steps)))
+
+    def Bubbles(self, events, context):
+        # Until a planner exists every bubble is offered the whole pending step.
+        for event in events:
+            try:
+                self._store.jobs(event.job)
+            except errors.DaemonError as err:
+                context.abort(_CODES[type(err)], str(err))
+            if event.kind == pb.BubbleEvent.KIND_UNSPECIFIED:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "bubble event without a kind: send START or END")
+            if event.kind == pb.BubbleEvent.START:
+                yield pb.FetchPlan(step=event.step, everything=True)
+
+    @staticmethod
+    def _job_status(job):
+        return pb.JobStatus(
+            job=job.job, world_size=job.world_size, registered_ranks=job.registered_ranks,
+            latest_committed_step=job.latest_committed_step,
+            steps=[pb.StepStatus(step=s.step, committed=s.committed, ranks=[
+                pb.RankStepStatus(rank=r.rank, state=_STATES[r.state], nbytes=r.nbytes, shards=[
+                    pb.ShardStatus(tensor=sh.tensor, shard=sh.shard, nbytes=sh.nbytes,
+                                   checksum=sh.checksum) for sh in r.shards])
+                for r in s.ranks]) for s in job.steps])
