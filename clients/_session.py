@@ -13,7 +13,6 @@ import time
 
 import grpc
 import numpy as np
-
 from bubblesnap.clients._shared_memory import SegmentMaps, copy_out
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc

@@ -11,7 +11,6 @@ import mmap
 import os
 
 import numpy as np
-
 from bubblesnap.protos.checksum import copy_with_checksum
 
 _MAX_MAPPINGS = 6
@@ -36,7 +35,7 @@ class SegmentMaps:
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:
-                raise ValueError(f"segment {path} holds {size} bytes, the daemon announced {nbytes}")
+                raise ValueError(f"segment {path} holds {size} bytes; the daemon said {nbytes}")
             mapping = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -73,7 +72,8 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
-def copy_out(segment: np.ndarray, offset: int, nbytes: int, verify: bool) -> tuple[np.ndarray, int | None]:
+def copy_out(segment: np.ndarray, offset: int, nbytes: int,
+             verify: bool) -> tuple[np.ndarray, int | None]:
     """Copies one slot out of a segment into private memory; returns it and its checksum."""
     out = aligned_empty(nbytes)
     src = segment[offset:offset + nbytes]

@@ -5,7 +5,6 @@ protocol to copy for another framework.
 """
 
 import numpy as np
-
 from bubblesnap.clients._session import ClientOptions, Session, SnapshotResult
 from bubblesnap.clients._shared_memory import as_bytes
 from bubblesnap.protos import daemon_pb2 as pb
@@ -29,7 +28,8 @@ class NumpyClient:
                  options: ClientOptions = ClientOptions()):
         self._session = Session(job, rank, world_size, options)
 
-    def snapshot(self, step: int, arrays: dict[str, np.ndarray], wait: bool = True) -> SnapshotResult:
+    def snapshot(self, step: int, arrays: dict[str, np.ndarray],
+                 wait: bool = True) -> SnapshotResult:
         names = sorted(arrays)
         specs = [_spec(name, np.asarray(arrays[name])) for name in names]
         return self._session.snapshot(

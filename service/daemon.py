@@ -10,15 +10,14 @@ import threading
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from bubblesnap.protos import daemon_pb2
 from bubblesnap.service.metrics import DaemonMetrics
 from bubblesnap.service.segments import shm_free_bytes
 from bubblesnap.service.server import DaemonServicer
 from bubblesnap.service.store import SnapshotStore, StoreOptions
 from bubblesnap.service.wire import generic_handler
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger("bubblesnap.daemon")
 

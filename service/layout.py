@@ -143,7 +143,7 @@ def _build_shard(name: str, dtype: str, shape: tuple[int, ...], spec) -> Shard:
             f"a shard of {name!r} has {len(spec.index)} index dimensions; "
             f"the global shape {shape} has {len(shape)}")
     index = tuple((s.start, s.stop) for s in spec.index)
-    for (start, stop), dim in zip(index, shape):
+    for (start, stop), dim in zip(index, shape, strict=True):
         if not 0 <= start <= stop <= dim:
             raise InvalidArgument(
                 f"a shard of {name!r} covers [{start}, {stop}) on a dimension of size {dim}")

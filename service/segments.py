@@ -16,7 +16,6 @@ import shutil
 import threading
 
 import numpy as np
-
 from bubblesnap.service.errors import ResourceExhausted
 
 

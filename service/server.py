@@ -4,7 +4,6 @@ import functools
 import logging
 
 import grpc
-
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service import errors
 from bubblesnap.service.store import CopyState

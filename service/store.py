@@ -14,8 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service import layout as layout_lib
-from bubblesnap.service.errors import (AlreadyExists, DataLoss, FailedPrecondition,
-                                       InvalidArgument, NotFound, ResourceExhausted)
+from bubblesnap.service.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from bubblesnap.service.segments import Segment, SegmentPool, shm_free_bytes
 
 
@@ -230,7 +236,7 @@ class SnapshotStore:
                     "slot, in the order BeginStep returned, or none to let the daemon compute them")
             computed = self._hash(rank_step.segment, held.slots)
             if checksums:
-                bad = [i for i, (a, b) in enumerate(zip(checksums, computed)) if a != b]
+                bad = _mismatches(checksums, computed)
                 if bad:
                     self._free(held, step)
                     names = _slot_names(held, bad)
@@ -276,7 +282,7 @@ class SnapshotStore:
                     f"job {job!r} holds no step {step}; committed steps: {committed or 'none'}")
             rank_step = held.steps[step]
             computed = self._hash(rank_step.segment, held.slots)
-            bad = [i for i, (a, b) in enumerate(zip(rank_step.checksums, computed)) if a != b]
+            bad = _mismatches(rank_step.checksums, computed)
             if bad:
                 names = _slot_names(held, bad)
                 self._free(held, step)
@@ -429,6 +435,10 @@ def _progress(entry: _Job, step: int | None = None) -> str:
     return "; ".join(parts)
 
 
+def _mismatches(expected, computed) -> list[int]:
+    return [i for i, (a, b) in enumerate(zip(expected, computed, strict=True)) if a != b]
+
+
 def _slot_names(held: _Rank, indices) -> str:
     return ", ".join(f"{held.layout.tensors[held.slots[i][0]].name!r} shard {held.slots[i][1]}"
                      for i in indices)
@@ -439,7 +449,7 @@ def _describe_difference(a: layout_lib.Layout, b: layout_lib.Layout) -> str:
     names_b = [t.name for t in b.tensors]
     if names_a != names_b:
         return f"tensors {names_a[:4]}... vs {names_b[:4]}..."
-    for ta, tb in zip(a.tensors, b.tensors):
+    for ta, tb in zip(a.tensors, b.tensors, strict=True):
         if ta != tb:
             return (f"tensor {ta.name!r}: {ta.dtype}{list(ta.global_shape)} in {len(ta.shards)} "
                     f"shards vs {tb.dtype}{list(tb.global_shape)} in {len(tb.shards)} shards")

@@ -2,9 +2,8 @@
 
 import jax
 import numpy as np
-from orbax.checkpoint._src.serialization import replica_slices
-
 from bubblesnap.protos import daemon_pb2 as pb
+from orbax.checkpoint._src.serialization import replica_slices
 
 
 def _key_name(key) -> str:
@@ -33,7 +32,7 @@ def normalize_index(index, shape) -> tuple[tuple[int, int], ...]:
     """A tuple of slices (possibly open-ended) as (start, stop) pairs."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     out = []
-    for sl, dim in zip(index, shape):
+    for sl, dim in zip(index, shape, strict=True):
         start, stop, step = sl.indices(dim)
         if step != 1:
             raise ValueError(f"strided shard index {sl} is not supported")
@@ -55,7 +54,7 @@ def owned_indices(array) -> list[tuple[tuple[int, int], ...]]:
 
 def tensor_specs(names, leaves) -> list[pb.TensorSpec]:
     specs = []
-    for name, leaf in zip(names, leaves):
+    for name, leaf in zip(names, leaves, strict=True):
         dtype = np.dtype(leaf.dtype)
         specs.append(pb.TensorSpec(
             name=name, dtype=dtype.name, global_shape=leaf.shape, shards=[

@@ -1,13 +1,12 @@
 """The JAX client: snapshot a pytree of jax.Arrays into the daemon, restore it back."""
 
 import dataclasses
+import functools
 import time
 
 import jax
 import numpy as np
-
-from bubblesnap.clients._session import (ClientOptions, RestoreError, Session,
-                                         SnapshotResult)
+from bubblesnap.clients._session import ClientOptions, RestoreError, Session, SnapshotResult
 from bubblesnap.clients.jax import _layout, _transfer
 
 
@@ -46,7 +45,7 @@ class SnapshotClient:
 
     def _specs(self, names, leaves):
         signature = tuple((n, leaf.shape, str(leaf.dtype), getattr(leaf, "sharding", None))
-                          for n, leaf in zip(names, leaves))
+                          for n, leaf in zip(names, leaves, strict=True))
         if self._specs_cache[0] != signature:
             self._specs_cache = (signature, _layout.tensor_specs(names, leaves))
         return self._specs_cache[1]
@@ -84,7 +83,7 @@ class SnapshotClient:
                                f"{list(by_name)[:5]}...: restore into the state structure it "
                                "was saved from")
         arrays = []
-        for name, leaf in zip(names, leaves):
+        for name, leaf in zip(names, leaves, strict=True):
             tensor_index = by_name[name]
             spec = raw.tensors[tensor_index]
             dtype = np.dtype(spec.dtype)
@@ -100,8 +99,8 @@ class SnapshotClient:
             sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
                 jax.local_devices()[0])
             try:
-                arrays.append(_transfer.place(shape, dtype, sharding, stored,
-                                              lambda idx: _layout.normalize_index(idx, shape)))
+                index_of = functools.partial(_layout.normalize_index, shape=shape)
+                arrays.append(_transfer.place(shape, dtype, sharding, stored, index_of))
             except ValueError as err:
                 raise RestoreError(f"{name!r}: {err}") from None
         state = jax.tree_util.tree_unflatten(treedef, arrays)

@@ -1,0 +1,176 @@
+"""Bad input gets a precise status code, and the daemon keeps running and keeps its snapshots."""
+
+import grpc
+import numpy as np
+import pytest
+from bubblesnap.clients import ClientOptions, NumpyClient
+from bubblesnap.protos import daemon_pb2 as pb
+
+from tests.helpers import register, tensor_spec
+
+C = grpc.StatusCode
+HELD = {"w": np.arange(64, dtype=np.float32).reshape(8, 8)}
+
+
+@pytest.fixture
+def held(start_daemon):
+    """A daemon (1 MiB message limit) that already holds a committed snapshot."""
+    daemon = start_daemon("--max-message", "1MiB")
+    client = NumpyClient("held", options=ClientOptions(daemon=daemon.address))
+    assert client.snapshot(5, HELD).committed
+    yield daemon
+    # Whatever the test sent, the daemon is alive and still serves the snapshot intact.
+    assert daemon.alive()
+    step, restored = client.restore()
+    assert step == 5 and restored["w"].tobytes() == HELD["w"].tobytes()
+    client.close()
+
+
+def _code(call, request):
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=10)
+    return info.value.code(), info.value.details()
+
+
+@pytest.mark.parametrize("request_, code, words", [
+    (pb.StatusRequest(job="nope"), C.NOT_FOUND, "no job 'nope'"),
+    (pb.StatusRequest(job="../etc"), C.INVALID_ARGUMENT, "not allowed"),
+    (pb.StatusRequest(job="a\x00b"), C.INVALID_ARGUMENT, "not allowed"),
+])
+def test_status_of_bad_job(held, request_, code, words):
+    got, details = _code(held.stub.Status, request_)
+    assert got == code and words in details
+
+
+@pytest.mark.parametrize("tensors, words", [
+    ([tensor_spec("w", (4, 4), nbytes=63)], "declares 63 bytes"),
+    ([tensor_spec("w", (4, 4), dtype="float31")], "unknown dtype"),
+    ([tensor_spec("../../etc/passwd", (2,))], "'..' component"),
+    ([tensor_spec("w\x00x", (2,))], "NUL"),
+    ([tensor_spec("w", (2,)), tensor_spec("w", (2,))], "appears twice"),
+    ([pb.TensorSpec(name="w", dtype="float32", global_shape=[4], shards=[
+        pb.ShardSpec(index=[pb.Slice(start=2, stop=6)], nbytes=16)])], "covers [2, 6)"),
+    ([pb.TensorSpec(name="w", dtype="float32", global_shape=[4, 4], shards=[
+        pb.ShardSpec(index=[pb.Slice(start=0, stop=4)], nbytes=16)])], "index dimensions"),
+    ([], "no tensors"),
+])
+def test_register_bad_layout(held, tensors, words):
+    got, details = _code(held.stub.Register, pb.RegisterRequest(
+        job="bad", rank=0, world_size=1, tensors=tensors))
+    assert got == C.INVALID_ARGUMENT and words in details, details
+
+
+def test_register_bad_job_and_rank(held):
+    for job in ("../x", "a/b", "", "x" * 200, "job\x00"):
+        got, _ = _code(held.stub.Register, pb.RegisterRequest(
+            job=job, rank=0, world_size=1, tensors=[tensor_spec("w", (2,))]))
+        assert got == C.INVALID_ARGUMENT, job
+    got, details = _code(held.stub.Register, pb.RegisterRequest(
+        job="ok", rank=3, world_size=2, tensors=[tensor_spec("w", (2,))]))
+    assert got == C.INVALID_ARGUMENT and "outside world_size" in details
+
+
+def test_second_registration_of_a_rank(held):
+    first = register(held.stub, job="twice")
+    assert not first.reattached
+    again = register(held.stub, job="twice")
+    assert again.reattached  # a restarted trainer with the same layout
+    got, details = _code(held.stub.Register, pb.RegisterRequest(
+        job="twice", rank=0, world_size=1, tensors=[tensor_spec("w", (4, 5))]))
+    assert got == C.ALREADY_EXISTS and "different state layout" in details
+    got, details = _code(held.stub.Register, pb.RegisterRequest(
+        job="twice", rank=1, world_size=2, tensors=[tensor_spec("w", (4, 4))]))
+    assert got == C.FAILED_PRECONDITION and "world_size 1" in details
+
+
+def test_steps_of_unknown_jobs_and_ranks(held):
+    assert _code(held.stub.BeginStep, pb.BeginStepRequest(job="ghost", rank=0, step=1))[0] == \
+        C.NOT_FOUND
+    assert _code(held.stub.BeginStep, pb.BeginStepRequest(job="held", rank=7, step=1))[0] == \
+        C.NOT_FOUND
+    assert _code(held.stub.BeginStep, pb.BeginStepRequest(job="held", rank=0, step=-1))[0] == \
+        C.INVALID_ARGUMENT
+    assert _code(held.stub.CommitStep, pb.CommitStepRequest(job="held", rank=0, step=99))[0] == \
+        C.NOT_FOUND
+    assert _code(held.stub.Restore, pb.RestoreRequest(job="ghost", rank=0))[0] == C.NOT_FOUND
+    assert _code(held.stub.Restore, pb.RestoreRequest(job="held", rank=0, step=4))[0] == \
+        C.NOT_FOUND
+    assert _code(held.stub.DeleteSnapshots, pb.DeleteSnapshotsRequest(job="held", steps=[1]))[0] \
+        == C.NOT_FOUND
+    assert _code(held.stub.BeginStep, pb.BeginStepRequest(job="held", rank=0, step=5))[0] == \
+        C.FAILED_PRECONDITION  # already committed
+
+
+def test_commit_with_wrong_checksums(held):
+    register(held.stub, job="sums", tensors=[tensor_spec("a", (4,)), tensor_spec("b", (4,))])
+    held.stub.BeginStep(pb.BeginStepRequest(job="sums", rank=0, step=1), timeout=10)
+    got, details = _code(held.stub.CommitStep, pb.CommitStepRequest(
+        job="sums", rank=0, step=1, checksums=[1]))
+    assert got == C.INVALID_ARGUMENT and "2 shards" in details
+    got, details = _code(held.stub.CommitStep, pb.CommitStepRequest(
+        job="sums", rank=0, step=1, checksums=[1, 2]))
+    assert got == C.DATA_LOSS and "'a' shard 0" in details
+    # The mismatching copy was dropped, not committed.
+    assert _code(held.stub.Restore, pb.RestoreRequest(job="sums", rank=0))[0] == C.NOT_FOUND
+
+
+def test_restore_of_uncommitted_step(held):
+    register(held.stub, job="pair", world_size=2)
+    register(held.stub, job="pair", rank=1, world_size=2)
+    held.stub.BeginStep(pb.BeginStepRequest(job="pair", rank=0, step=3), timeout=10)
+    held.stub.CommitStep(pb.CommitStepRequest(job="pair", rank=0, step=3), timeout=10)
+    got, details = _code(held.stub.Restore, pb.RestoreRequest(job="pair", rank=0, step=3))
+    assert got == C.FAILED_PRECONDITION and "ranks [1] have not finished it" in details
+    got, details = _code(held.stub.Restore, pb.RestoreRequest(job="pair", rank=0))
+    assert got == C.NOT_FOUND and "no committed step" in details
+
+
+def test_oversize_message(held):
+    huge = [tensor_spec(f"t{i:06d}" + "x" * 900, (1,)) for i in range(2000)]  # ~2 MB > 1 MiB
+    got, _ = _code(held.stub.Register, pb.RegisterRequest(job="huge", rank=0, world_size=1,
+                                                          tensors=huge))
+    assert got == C.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xff\xff\xff\xff",                       # not protobuf at all
+    b"\x0a\x10abc",                            # field 1 claims 16 bytes, has 3
+    pb.RegisterRequest(job="cut", rank=0, world_size=1,
+                       tensors=[tensor_spec("w", (4,))]).SerializeToString()[:-3],
+])
+def test_malformed_and_truncated_messages(held, payload):
+    raw = held.channel.unary_unary("/bubblesnap.v1.Daemon/Register")
+    with pytest.raises(grpc.RpcError) as info:
+        raw(payload, timeout=10)
+    assert info.value.code() == C.INVALID_ARGUMENT
+    assert "malformed bubblesnap.v1.RegisterRequest" in info.value.details()
+
+
+def test_bubble_stream_bad_events(held):
+    def events(*kinds, job="held"):
+        for kind in kinds:
+            yield pb.BubbleEvent(job=job, rank=0, stage=0, step=6, kind=kind)
+
+    plans = list(held.stub.Bubbles(events(pb.BubbleEvent.START, pb.BubbleEvent.END), timeout=10))
+    assert len(plans) == 1 and plans[0].everything and plans[0].step == 6
+    with pytest.raises(grpc.RpcError) as info:
+        list(held.stub.Bubbles(events(pb.BubbleEvent.KIND_UNSPECIFIED), timeout=10))
+    assert info.value.code() == C.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:
+        list(held.stub.Bubbles(events(pb.BubbleEvent.START, job="ghost"), timeout=10))
+    assert info.value.code() == C.NOT_FOUND
+
+
+def test_corrupted_copy_is_never_served(held):
+    register(held.stub, job="flip", tensors=[tensor_spec("w", (256,))])
+    staging = held.stub.BeginStep(pb.BeginStepRequest(job="flip", rank=0, step=1), timeout=10)
+    held.stub.CommitStep(pb.CommitStepRequest(job="flip", rank=0, step=1), timeout=10)
+    with open(staging.segment_path, "r+b") as segment:  # a bit flips in host memory
+        segment.seek(staging.slots[0].offset + 17)
+        byte = segment.read(1)
+        segment.seek(-1, 1)
+        segment.write(bytes([byte[0] ^ 0x10]))
+    got, details = _code(held.stub.Restore, pb.RestoreRequest(job="flip", rank=0))
+    assert got == C.DATA_LOSS and "failed its checksum on 'w' shard 0" in details
+    status = held.stub.Status(pb.StatusRequest(job="flip"), timeout=10)
+    assert [s.step for s in status.jobs[0].steps] == []

@@ -1,0 +1,117 @@
+"""The daemon as a process: shutdown, memory budget, metrics, CLI, and clients when it is gone."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bubblesnap.clients import ClientOptions, NumpyClient
+from bubblesnap.clients.jax import SnapshotClient
+from bubblesnap.protos import daemon_pb2 as pb
+
+
+def test_sigterm_stops_gracefully_and_frees_shared_memory(daemon):
+    client = NumpyClient("bye", options=ClientOptions(daemon=daemon.address))
+    assert client.snapshot(0, {"x": np.ones(1000)}).committed
+    assert os.listdir(daemon.shm_dir)
+    assert daemon.stop() == 0
+    assert not os.path.exists(daemon.shm_dir)
+
+
+def test_memory_budget_holds(start_daemon):
+    mib = np.zeros(1 << 18, np.float32)  # 1 MiB per step
+    daemon = start_daemon("--memory-budget", "2.5MiB", "--keep", "2")
+    client = NumpyClient("budget", options=ClientOptions(daemon=daemon.address))
+    assert client.snapshot(0, {"x": mib}).committed
+    assert client.snapshot(1, {"x": mib + 1}).committed
+    refused = client.snapshot(2, {"x": mib + 2})  # two kept + one staging > 2.5 MiB
+    assert not refused.taken and "RESOURCE_EXHAUSTED" in refused.reason
+    assert "memory budget" in refused.reason
+    memory = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory
+    assert memory.used_bytes + memory.pooled_bytes <= memory.budget_bytes
+    step, restored = client.restore()
+    assert step == 1 and (restored["x"] == 1).all()  # what it held is intact
+
+    # With one step kept, the older copy is recycled and snapshots go on.
+    daemon = start_daemon("--memory-budget", "2.5MiB", "--keep", "1")
+    client = NumpyClient("budget", options=ClientOptions(daemon=daemon.address))
+    for step in range(6):
+        assert client.snapshot(step, {"x": mib + step}).committed, step
+    memory = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory
+    assert memory.used_bytes + memory.pooled_bytes <= memory.budget_bytes
+
+
+def test_shm_smaller_than_budget_caps_it(start_daemon):
+    small = start_daemon("--memory-budget", "1TiB")
+    free = small.ready["shm_free_bytes"]
+    assert small.ready["memory_budget_bytes"] < free <= 1 << 40
+    assert "budget is capped" in _stop_and_read_stderr(small)
+
+
+def _stop_and_read_stderr(daemon):
+    daemon.stop()
+    return daemon.proc.stderr.read()
+
+
+def test_client_never_hangs_when_daemon_is_gone_or_stuck(daemon):
+    options = ClientOptions(daemon=daemon.address, rpc_timeout_seconds=0.5, backoff_seconds=0.0)
+    client = SnapshotClient("stuck", options=options)
+    state = {"w": jnp.ones((64, 64))}
+    assert client.snapshot(0, state, wait=True).committed
+
+    daemon.proc.send_signal(signal.SIGSTOP)  # alive but not answering
+    try:
+        stuck = client.snapshot(1, state, wait=True)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert not stuck.taken and "deadline exceeded" in stuck.reason
+
+    daemon.stop()
+    gone = client.snapshot(2, state, wait=True)
+    assert not gone.taken and "unavailable" in gone.reason
+
+    backoff = SnapshotClient("gone", options=ClientOptions(daemon=daemon.address,
+                                                            backoff_seconds=60))
+    assert "unavailable" in backoff.snapshot(0, state).reason
+    assert "did not answer recently" in backoff.snapshot(1, state).reason
+
+
+def test_metrics_endpoint(daemon):
+    client = NumpyClient("metrics", options=ClientOptions(daemon=daemon.address))
+    assert client.snapshot(9, {"x": np.ones(10)}).committed
+    body = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics", timeout=10).read()
+    text = body.decode()
+    assert 'bubblesnap_latest_committed_step{job="metrics"} 9.0' in text
+    assert 'bubblesnap_rpcs_total{code="OK",method="CommitStep"}' in text
+
+
+def test_status_command_table_and_json(daemon):
+    client = NumpyClient("cli", rank=0, world_size=2, options=ClientOptions(daemon=daemon.address))
+    assert client.snapshot(4, {"x": np.ones(10)}).taken
+    cmd = [sys.executable, "-m", "bubblesnap", "status", "--daemon", daemon.address]
+    table = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "job cli: 1/2 ranks registered, latest committed step none" in table
+    assert "LOCAL" in table
+    data = json.loads(subprocess.run([*cmd, "--json", "--job", "cli"], capture_output=True,
+                                     text=True, check=True).stdout)
+    assert data["jobs"][0]["steps"][0]["ranks"][0]["state"] == "LOCAL"
+    assert data["jobs"][0]["latestCommittedStep"] == "-1"
+    missing = subprocess.run([*cmd, "--job", "nope"], capture_output=True, text=True)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--memory-budget", "lots"], "is not a size"),
+    (["--keep", "0"], "--keep must be at least 1"),
+    (["--shm-dir", "/nonexistent/dir"], "does not exist"),
+])
+def test_daemon_rejects_bad_flags(flags, words):
+    result = subprocess.run([sys.executable, "-m", "bubblesnap", "daemon", "--listen",
+                             "127.0.0.1:0", "--metrics", "", *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and words in result.stderr
