@@ -54,6 +54,10 @@ def _daemon_parser(sub):
                    f"{_human(d.max_message_bytes)})")
     p.add_argument("--checksum-threads", type=int, default=s.checksum_threads, metavar="N",
                    help=f"threads hashing shards (default {s.checksum_threads})")
+    p.add_argument("--verify-on-commit", action="store_true",
+                   help="re-hash committed bytes even when the client sent checksums (by default "
+                        "client checksums are trusted at commit and every copy is verified "
+                        "before it is served)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run_daemon)
 
@@ -65,7 +69,8 @@ def _run_daemon(args) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     store = StoreOptions(memory_budget_bytes=args.memory_budget, keep_steps=args.keep,
-                         checksum_threads=max(1, args.checksum_threads))
+                         checksum_threads=max(1, args.checksum_threads),
+                         verify_on_commit=args.verify_on_commit)
     return run(DaemonOptions(listen=args.listen, metrics=args.metrics, shm_dir=args.shm_dir,
                              store=store, max_message_bytes=args.max_message))
 

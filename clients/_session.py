@@ -13,9 +13,10 @@ import time
 
 import grpc
 import numpy as np
-from bubblesnap.clients._shared_memory import SegmentMaps, copy_out
+from bubblesnap.clients._shared_memory import SegmentMaps, map_restored
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc
+from bubblesnap.protos.checksum import checksum
 
 log = logging.getLogger("bubblesnap.client")
 
@@ -29,14 +30,15 @@ class ClientOptions:
       rpc_timeout_seconds: deadline of each call. Default 5 s.
       backoff_seconds: after the daemon timed out or was unreachable, how long
         snapshots are skipped without asking it again. Default 10 s.
-      verify_restore: recompute checksums while copying restored bytes out of
-        shared memory (the daemon has already checked them). Default True.
+      verify_restore: recompute checksums of restored bytes in the client too
+        (the daemon checks them right before it hands a step over, and never
+        writes that memory again). Default False.
     """
 
     daemon: str = "127.0.0.1:7070"
     rpc_timeout_seconds: float = 5.0
     backoff_seconds: float = 10.0
-    verify_restore: bool = True
+    verify_restore: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +71,7 @@ class RawStep:
 
     step: int
     tensors: tuple  # pb.TensorSpec, in registration order
-    shards: dict    # (tensor index, shard index) -> private uint8 buffer
+    shards: dict    # (tensor index, shard index) -> read-only uint8 view of the daemon's segment
 
 
 class Session:
@@ -167,7 +169,7 @@ class Session:
     # -- restore --------------------------------------------------------------
 
     def restore(self, step: int | None = None) -> RawStep:
-        """Fetches a committed step into private memory; raises RestoreError."""
+        """Maps a committed step handed over by the daemon; raises RestoreError."""
         request = pb.RestoreRequest(job=self.job, rank=self.rank)
         if step is not None:
             request.step = step
@@ -176,15 +178,18 @@ class Session:
         except grpc.RpcError as err:
             raise RestoreError(f"daemon {self.options.daemon}: {err.code().name}: "
                                f"{err.details()}") from None
-        segment = self._maps.view(found.segment_path,
-                                  max(s.offset + s.nbytes for s in found.slots))
+        try:
+            segment = map_restored(found.segment_path)
+        except FileNotFoundError:
+            raise RestoreError(f"step {found.step} was deleted while it was being restored; "
+                               "restore again") from None
         shards = {}
         for slot, expected in zip(found.slots, found.checksums, strict=True):
-            data, digest = copy_out(segment, slot.offset, slot.nbytes, self.options.verify_restore)
-            if digest is not None and digest != expected:
+            data = segment[slot.offset:slot.offset + slot.nbytes]
+            if self.options.verify_restore and checksum(data) != expected:
                 raise RestoreError(
                     f"step {found.step}: {found.tensors[slot.tensor].name!r} shard {slot.shard} "
-                    "changed while it was read; restore again")
+                    "does not match its checksum in this process; restore again")
             shards[(slot.tensor, slot.shard)] = data
         return RawStep(found.step, tuple(found.tensors), shards)
 

@@ -36,10 +36,13 @@ class NumpyClient:
             step, specs, lambda: [as_bytes(np.asarray(arrays[n])) for n in names], wait=wait)
 
     def restore(self, step: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
-        """The latest committed step (or ``step``) as ``(step, {name: array})``."""
+        """The latest committed step (or ``step``) as ``(step, {name: array})``.
+
+        The arrays are private, writable copies.
+        """
         raw = self._session.restore(step)
         return raw.step, {
-            t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape))
+            t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape)).copy()
             for i, t in enumerate(raw.tensors)}
 
     def status(self) -> pb.JobStatus:

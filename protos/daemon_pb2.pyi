@@ -70,16 +70,20 @@ class RegisterResponse(_message.Message):
     step_bytes: int
     def __init__(self, reattached: _Optional[bool] = ..., latest_local_step: _Optional[int] = ..., step_bytes: _Optional[int] = ...) -> None: ...
 
-class ShardRef(_message.Message):
-    __slots__ = ("tensor", "shard")
+class Chunk(_message.Message):
+    __slots__ = ("tensor", "shard", "start", "stop")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     tensor: int
     shard: int
-    def __init__(self, tensor: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    start: int
+    stop: int
+    def __init__(self, tensor: _Optional[int] = ..., shard: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class BubbleEvent(_message.Message):
-    __slots__ = ("job", "rank", "stage", "step", "kind", "expected_seconds")
+    __slots__ = ("job", "rank", "stage", "step", "kind", "expected_seconds", "iteration", "position", "measured_seconds", "copied_bytes", "copy_seconds", "iteration_seconds")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[BubbleEvent.Kind]
@@ -94,23 +98,41 @@ class BubbleEvent(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     stage: int
     step: int
     kind: BubbleEvent.Kind
     expected_seconds: float
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[BubbleEvent.Kind, str]] = ..., expected_seconds: _Optional[float] = ...) -> None: ...
+    iteration: int
+    position: int
+    measured_seconds: float
+    copied_bytes: int
+    copy_seconds: float
+    iteration_seconds: float
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[BubbleEvent.Kind, str]] = ..., expected_seconds: _Optional[float] = ..., iteration: _Optional[int] = ..., position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., iteration_seconds: _Optional[float] = ...) -> None: ...
 
 class FetchPlan(_message.Message):
-    __slots__ = ("step", "everything", "shards")
+    __slots__ = ("step", "everything", "chunks", "commit", "interval", "plan_version")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EVERYTHING_FIELD_NUMBER: _ClassVar[int]
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     step: int
     everything: bool
-    shards: _containers.RepeatedCompositeFieldContainer[ShardRef]
-    def __init__(self, step: _Optional[int] = ..., everything: _Optional[bool] = ..., shards: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    commit: bool
+    interval: int
+    plan_version: int
+    def __init__(self, step: _Optional[int] = ..., everything: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., commit: _Optional[bool] = ..., interval: _Optional[int] = ..., plan_version: _Optional[int] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("tensor", "shard", "offset", "nbytes")
@@ -144,17 +166,35 @@ class BeginStepResponse(_message.Message):
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     def __init__(self, segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
 
+class BubbleUsage(_message.Message):
+    __slots__ = ("offered_seconds", "used_seconds", "spilled_seconds", "spilled_bytes", "bubbles", "iterations")
+    OFFERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    USED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUBBLES_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    offered_seconds: float
+    used_seconds: float
+    spilled_seconds: float
+    spilled_bytes: int
+    bubbles: int
+    iterations: int
+    def __init__(self, offered_seconds: _Optional[float] = ..., used_seconds: _Optional[float] = ..., spilled_seconds: _Optional[float] = ..., spilled_bytes: _Optional[int] = ..., bubbles: _Optional[int] = ..., iterations: _Optional[int] = ...) -> None: ...
+
 class CommitStepRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "checksums")
+    __slots__ = ("job", "rank", "step", "checksums", "usage")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    usage: BubbleUsage
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ...) -> None: ...
 
 class CommitStepResponse(_message.Message):
     __slots__ = ("job_committed", "latest_committed_step")
@@ -197,16 +237,18 @@ class ShardStatus(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., shard: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class RankStepStatus(_message.Message):
-    __slots__ = ("rank", "state", "nbytes", "shards")
+    __slots__ = ("rank", "state", "nbytes", "shards", "usage")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: CopyState
     nbytes: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[CopyState, str]] = ..., nbytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+    usage: BubbleUsage
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[CopyState, str]] = ..., nbytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ...) -> None: ...
 
 class StepStatus(_message.Message):
     __slots__ = ("step", "committed", "ranks")
@@ -218,19 +260,51 @@ class StepStatus(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankStepStatus]
     def __init__(self, step: _Optional[int] = ..., committed: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStepStatus, _Mapping]]] = ...) -> None: ...
 
+class RankPlan(_message.Message):
+    __slots__ = ("rank", "bubbles", "bubble_seconds", "copy_bytes_per_second", "step_bytes", "predicted_overhead", "planned_spill_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BUBBLES_FIELD_NUMBER: _ClassVar[int]
+    BUBBLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COPY_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    STEP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_SPILL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    bubbles: int
+    bubble_seconds: float
+    copy_bytes_per_second: float
+    step_bytes: int
+    predicted_overhead: float
+    planned_spill_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., bubbles: _Optional[int] = ..., bubble_seconds: _Optional[float] = ..., copy_bytes_per_second: _Optional[float] = ..., step_bytes: _Optional[int] = ..., predicted_overhead: _Optional[float] = ..., planned_spill_bytes: _Optional[int] = ...) -> None: ...
+
+class PlanStatus(_message.Message):
+    __slots__ = ("interval", "version", "predicted_overhead", "ranks")
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    interval: int
+    version: int
+    predicted_overhead: float
+    ranks: _containers.RepeatedCompositeFieldContainer[RankPlan]
+    def __init__(self, interval: _Optional[int] = ..., version: _Optional[int] = ..., predicted_overhead: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ...) -> None: ...
+
 class JobStatus(_message.Message):
-    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps")
+    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps", "plan")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
     LATEST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     registered_ranks: _containers.RepeatedScalarFieldContainer[int]
     latest_committed_step: int
     steps: _containers.RepeatedCompositeFieldContainer[StepStatus]
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ...) -> None: ...
+    plan: PlanStatus
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ...) -> None: ...
 
 class MemoryStatus(_message.Message):
     __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes")
@@ -255,16 +329,14 @@ class StatusResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "lease_seconds")
+    __slots__ = ("job", "rank", "step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
-    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
-    lease_seconds: float
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("step", "segment_path", "slots", "checksums", "tensors")

@@ -133,7 +133,8 @@ class DaemonServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Restore(self, request, context):
-        """Verifies a committed step's checksums and tells the client where to read it.
+        """Verifies a committed step's checksums and tells the client where to read
+        it. The segment is never written again: the client may alias it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

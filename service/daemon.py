@@ -11,6 +11,7 @@ from concurrent import futures
 
 import grpc
 from bubblesnap.protos import daemon_pb2
+from bubblesnap.service.bubble_plans import BubbleOptions, BubblePlans
 from bubblesnap.service.metrics import DaemonMetrics
 from bubblesnap.service.segments import shm_free_bytes
 from bubblesnap.service.server import DaemonServicer
@@ -37,6 +38,7 @@ class DaemonOptions:
       metrics: ``host:port`` of the Prometheus endpoint; empty disables it.
       shm_dir: tmpfs directory for snapshot segments. Default /dev/shm.
       store: memory budget, retention and checksum options.
+      bubbles: bubble profiling and planning options.
       max_message_bytes: largest gRPC message accepted (layouts of huge
         pytrees); larger ones get RESOURCE_EXHAUSTED. Default 64 MiB.
       grace_seconds: how long SIGTERM lets in-flight RPCs finish. Default 5 s.
@@ -46,6 +48,7 @@ class DaemonOptions:
     metrics: str = "127.0.0.1:7071"
     shm_dir: str = "/dev/shm"
     store: StoreOptions = StoreOptions()
+    bubbles: BubbleOptions = BubbleOptions()
     max_message_bytes: int = 64 << 20
     grace_seconds: float = 5.0
 
@@ -86,6 +89,7 @@ class Daemon:
                         options.shm_dir)
         self.options = options
         self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options))
+        self.plans = BubblePlans(self.store.slot_bytes, options.bubbles)
         self.metrics = DaemonMetrics(self.store)
         message_limit = [("grpc.max_receive_message_length", options.max_message_bytes),
                          ("grpc.max_send_message_length", options.max_message_bytes)]
@@ -94,7 +98,7 @@ class Daemon:
                                    options=message_limit)
         self._server.add_generic_rpc_handlers((generic_handler(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
-            DaemonServicer(self.store, self.metrics)),))
+            DaemonServicer(self.store, self.plans, self.metrics)),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(

@@ -25,6 +25,7 @@ class Segment:
     def __init__(self, path: str, nbytes: int):
         self.path = path
         self.nbytes = nbytes
+        self.handed_out = False  # a client may alias it: never recycle
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Reserve the pages now: on a full tmpfs this fails with ENOSPC

@@ -1,12 +1,13 @@
 """The gRPC face of the daemon: translate messages, delegate, map errors to codes."""
 
+import dataclasses
 import functools
 import logging
 
 import grpc
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service import errors
-from bubblesnap.service.store import CopyState
+from bubblesnap.service.store import BubbleUsage, CopyState
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -54,8 +55,9 @@ def _tensor_specs(layout):
 class DaemonServicer:
     """Implements ``bubblesnap.v1.Daemon`` over a :class:`SnapshotStore`."""
 
-    def __init__(self, store, metrics):
+    def __init__(self, store, plans, metrics):
         self._store = store
+        self._plans = plans
         self._metrics = metrics
 
     @_rpc
@@ -75,8 +77,11 @@ class DaemonServicer:
 
     @_rpc
     def CommitStep(self, request, context):
+        u = request.usage
+        usage = BubbleUsage(u.offered_seconds, u.used_seconds, u.spilled_seconds,
+                            u.spilled_bytes, u.bubbles, u.iterations)
         commit = self._store.commit_step(request.job, request.rank, request.step,
-                                         tuple(request.checksums))
+                                         tuple(request.checksums), usage)
         return pb.CommitStepResponse(job_committed=commit.job_committed,
                                      latest_committed_step=commit.latest_committed_step)
 
@@ -88,7 +93,7 @@ class DaemonServicer:
     @_rpc
     def Restore(self, request, context):
         step = request.step if request.HasField("step") else None
-        found = self._store.restore(request.job, request.rank, step, request.lease_seconds)
+        found = self._store.restore(request.job, request.rank, step)
         return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
                                   slots=_slots(found.slots), checksums=found.checksums,
                                   tensors=_tensor_specs(found.layout))
@@ -115,29 +120,60 @@ class DaemonServicer:
 
     @_rpc
     def DeleteSnapshots(self, request, context):
-        return pb.DeleteSnapshotsResponse(
-            deleted_steps=self._store.delete(request.job, tuple(request.steps)))
+        deleted = self._store.delete(request.job, tuple(request.steps))
+        if not request.steps:
+            self._plans.forget(request.job)
+        return pb.DeleteSnapshotsResponse(deleted_steps=deleted)
 
     def Bubbles(self, events, context):
-        # Until a planner exists every bubble is offered the whole pending step.
         for event in events:
             try:
-                self._store.jobs(event.job)
+                answer = self._bubble(event)
             except errors.DaemonError as err:
+                self._metrics.rpcs.labels("Bubbles", _CODES[type(err)].name).inc()
                 context.abort(_CODES[type(err)], str(err))
-            if event.kind == pb.BubbleEvent.KIND_UNSPECIFIED:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              "bubble event without a kind: send START or END")
-            if event.kind == pb.BubbleEvent.START:
-                yield pb.FetchPlan(step=event.step, everything=True)
+            if answer is not None:
+                yield answer
 
-    @staticmethod
-    def _job_status(job):
+    def _bubble(self, event):
+        self._store.slot_bytes(event.job, event.rank)  # the rank must be registered
+        if event.kind == pb.BubbleEvent.START:
+            found = self._plans.answer_start(event.job, event.rank, event.step,
+                                             event.iteration, event.position)
+            return pb.FetchPlan(
+                step=found.step, commit=found.commit, interval=found.interval,
+                plan_version=found.version,
+                chunks=[pb.Chunk(tensor=t, shard=s, start=a, stop=b)
+                        for t, s, a, b in found.chunks])
+        if event.kind == pb.BubbleEvent.END:
+            self._plans.record_end(event.job, event.rank, event.position,
+                                   event.measured_seconds, event.iteration_seconds,
+                                   event.copied_bytes, event.copy_seconds)
+            return None
+        raise errors.InvalidArgument("bubble event without a kind: send START or END")
+
+    def _job_status(self, job):
+        plan, profiles, version = self._plans.plan_of(job.job)
         return pb.JobStatus(
             job=job.job, world_size=job.world_size, registered_ranks=job.registered_ranks,
             latest_committed_step=job.latest_committed_step,
             steps=[pb.StepStatus(step=s.step, committed=s.committed, ranks=[
                 pb.RankStepStatus(rank=r.rank, state=_STATES[r.state], nbytes=r.nbytes, shards=[
                     pb.ShardStatus(tensor=sh.tensor, shard=sh.shard, nbytes=sh.nbytes,
-                                   checksum=sh.checksum) for sh in r.shards])
-                for r in s.ranks]) for s in job.steps])
+                                   checksum=sh.checksum) for sh in r.shards],
+                    usage=pb.BubbleUsage(**dataclasses.asdict(r.usage)))
+                for r in s.ranks]) for s in job.steps],
+            plan=_plan_status(plan, profiles, version))
+
+
+def _plan_status(plan, profiles, version):
+    if plan is None:
+        return pb.PlanStatus()
+    return pb.PlanStatus(
+        interval=plan.interval, version=version, predicted_overhead=plan.predicted_overhead,
+        ranks=[pb.RankPlan(rank=rank, bubbles=rp.usable_bubbles, bubble_seconds=rp.bubble_seconds,
+                           copy_bytes_per_second=profiles[rank].copy_bytes_per_second,
+                           step_bytes=profiles[rank].step_bytes,
+                           predicted_overhead=rp.predicted_overhead,
+                           planned_spill_bytes=rp.spill_bytes)
+               for rank, rp in sorted(plan.ranks.items())])

@@ -9,7 +9,6 @@ the length of one hash (~20 ms per 256 MB on the dev VM).
 import dataclasses
 import enum
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bubblesnap.protos.checksum import checksum
@@ -35,15 +34,17 @@ class StoreOptions:
       keep_steps: committed steps kept per job; older ones are freed once a
         newer step commits. Default 2, so the step before the newest survives
         while the newest is restored.
-      restore_lease_seconds: how long a restored step is protected from
-        retention while the client reads it. Default 60 s.
       checksum_threads: threads that hash shards in parallel. Default 2.
+      verify_on_commit: re-hash a commit's bytes even when the client sent
+        checksums. Off by default: the client hashes the bytes it wrote into
+        shared memory inside its bubbles, where the core is idle anyway, and
+        every copy is verified again before it is served.
     """
 
     memory_budget_bytes: int = 4 << 30
     keep_steps: int = 2
-    restore_lease_seconds: float = 60.0
     checksum_threads: int = 2
+    verify_on_commit: bool = False
 
 
 class CopyState(enum.Enum):
@@ -51,11 +52,24 @@ class CopyState(enum.Enum):
     LOCAL = "LOCAL"
 
 
+@dataclasses.dataclass(frozen=True)
+class BubbleUsage:
+    """How a rank's copy of a step used its bubbles (reported by the client)."""
+
+    offered_seconds: float = 0.0
+    used_seconds: float = 0.0
+    spilled_seconds: float = 0.0
+    spilled_bytes: int = 0
+    bubbles: int = 0
+    iterations: int = 0
+
+
 @dataclasses.dataclass
 class _RankStep:
     segment: Segment
     state: CopyState
     checksums: tuple[int, ...] = ()
+    usage: BubbleUsage = BubbleUsage()
 
 
 @dataclasses.dataclass
@@ -70,7 +84,6 @@ class _Job:
     world_size: int
     replica_group: tuple[int, ...]
     ranks: dict[int, _Rank] = dataclasses.field(default_factory=dict)
-    leases: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def committed_steps(self) -> list[int]:
         """Steps every rank of the job holds LOCAL, oldest first."""
@@ -126,6 +139,7 @@ class RankStepView:
     state: CopyState
     nbytes: int
     shards: tuple[ShardView, ...]
+    usage: BubbleUsage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +233,8 @@ class SnapshotStore:
             rank_step = held.steps[step] = _RankStep(segment, CopyState.STAGING)
             return self._staging(held, rank_step)
 
-    def commit_step(self, job: str, rank: int, step: int, checksums=()) -> Commit:
+    def commit_step(self, job: str, rank: int, step: int, checksums=(),
+                    usage: BubbleUsage = BubbleUsage()) -> Commit:
         with self._lock:
             entry, held = self._rank(job, rank)
             rank_step = held.steps.get(step)
@@ -234,7 +249,10 @@ class SnapshotStore:
                 raise InvalidArgument(
                     f"{len(checksums)} checksums for {len(held.slots)} shards; send one per "
                     "slot, in the order BeginStep returned, or none to let the daemon compute them")
-            computed = self._hash(rank_step.segment, held.slots)
+            if checksums and not self.options.verify_on_commit:
+                computed = tuple(checksums)  # verified before every serve instead
+            else:
+                computed = self._hash(rank_step.segment, held.slots)
             if checksums:
                 bad = _mismatches(checksums, computed)
                 if bad:
@@ -244,6 +262,7 @@ class SnapshotStore:
                         f"step {step} of rank {rank}: the bytes in shared memory do not match the "
                         f"client's checksums for {names}; the copy was dropped, snapshot again")
             rank_step.checksums = computed
+            rank_step.usage = usage
             rank_step.state = CopyState.LOCAL
             self._retain(entry)
             return self._commit_result(job, entry, step)
@@ -262,8 +281,14 @@ class SnapshotStore:
 
     # -- restore ------------------------------------------------------------
 
-    def restore(self, job: str, rank: int, step: int | None = None,
-                lease_seconds: float = 0.0) -> Restorable:
+    def restore(self, job: str, rank: int, step: int | None = None) -> Restorable:
+        """Verifies a committed step and hands its segment to the client.
+
+        The client may keep arrays that alias the segment (zero-copy on the
+        CPU backend), so a segment once restored from is never recycled: when
+        retention frees it, it is unlinked, and its memory lives on only as
+        long as the client maps it.
+        """
         with self._lock:
             entry, held = self._rank(job, rank)
             committed = entry.committed_steps()
@@ -290,8 +315,7 @@ class SnapshotStore:
                     f"step {step} of rank {rank} failed its checksum on {names}: the copy was "
                     f"corrupted in memory and has been discarded; committed steps left: "
                     f"{entry.committed_steps() or 'none'}")
-            lease = lease_seconds if lease_seconds > 0 else self.options.restore_lease_seconds
-            entry.leases[step] = max(entry.leases.get(step, 0.0), time.monotonic() + lease)
+            rank_step.segment.handed_out = True
             return Restorable(step, rank_step.segment.path, tuple(held.slots),
                               rank_step.checksums, held.layout)
 
@@ -318,6 +342,12 @@ class SnapshotStore:
                 for step in set(steps) & set(held.steps):
                     self._free(held, step)
             return len(set(steps))
+
+    def slot_bytes(self, job: str, rank: int) -> tuple[tuple[int, int, int], ...]:
+        """(tensor, shard, nbytes) of each slot of a registered rank, in slot order."""
+        with self._lock:
+            _, held = self._rank(job, rank)
+            return tuple((t, s, n) for t, s, _, n in held.slots)
 
     def jobs(self, job: str = "") -> list[JobView]:
         if job:
@@ -373,17 +403,19 @@ class SnapshotStore:
         return self._pool.acquire(nbytes)
 
     def _free(self, held: _Rank, step: int) -> None:
-        self._pool.release(held.steps.pop(step).segment)
+        segment = held.steps.pop(step).segment
+        if segment.handed_out:
+            segment.destroy()
+        else:
+            self._pool.release(segment)
 
     def _retain(self, entry: _Job) -> None:
         committed = entry.committed_steps()
         if not committed:
             return
         floor = committed[-self.options.keep_steps:][0]
-        now = time.monotonic()
-        entry.leases = {s: t for s, t in entry.leases.items() if t > now}
         for held in entry.ranks.values():
-            for step in [s for s in held.steps if s < floor and s not in entry.leases]:
+            for step in [s for s in held.steps if s < floor]:
                 self._free(held, step)
 
     def _hash(self, segment: Segment, slots) -> tuple[int, ...]:
@@ -411,7 +443,8 @@ class SnapshotStore:
                     ShardView(held.layout.tensors[t].name, s, n,
                               rank_step.checksums[i] if rank_step.checksums else 0)
                     for i, (t, s, _, n) in enumerate(held.slots))
-                ranks.append(RankStepView(rank, rank_step.state, held.layout.nbytes, shards))
+                ranks.append(RankStepView(rank, rank_step.state, held.layout.nbytes, shards,
+                                          rank_step.usage))
             views.append(StepView(step, step in committed, tuple(ranks)))
         return JobView(name, entry.world_size, tuple(sorted(entry.ranks)),
                        max(committed, default=-1), tuple(views))

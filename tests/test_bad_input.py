@@ -107,11 +107,24 @@ def test_commit_with_wrong_checksums(held):
     got, details = _code(held.stub.CommitStep, pb.CommitStepRequest(
         job="sums", rank=0, step=1, checksums=[1]))
     assert got == C.INVALID_ARGUMENT and "2 shards" in details
-    got, details = _code(held.stub.CommitStep, pb.CommitStepRequest(
+    # Client checksums are trusted at commit, and checked before the copy is served.
+    held.stub.CommitStep(pb.CommitStepRequest(job="sums", rank=0, step=1, checksums=[1, 2]),
+                         timeout=10)
+    got, details = _code(held.stub.Restore, pb.RestoreRequest(job="sums", rank=0))
+    assert got == C.DATA_LOSS and "failed its checksum on 'a' shard 0, 'b' shard 0" in details
+    assert _code(held.stub.Restore, pb.RestoreRequest(job="sums", rank=0))[0] == C.NOT_FOUND
+
+
+def test_verify_on_commit_rejects_wrong_checksums(start_daemon):
+    daemon = start_daemon("--verify-on-commit")
+    register(daemon.stub, job="sums", tensors=[tensor_spec("a", (4,)), tensor_spec("b", (4,))])
+    daemon.stub.BeginStep(pb.BeginStepRequest(job="sums", rank=0, step=1), timeout=10)
+    got, details = _code(daemon.stub.CommitStep, pb.CommitStepRequest(
         job="sums", rank=0, step=1, checksums=[1, 2]))
     assert got == C.DATA_LOSS and "'a' shard 0" in details
     # The mismatching copy was dropped, not committed.
-    assert _code(held.stub.Restore, pb.RestoreRequest(job="sums", rank=0))[0] == C.NOT_FOUND
+    got, details = _code(daemon.stub.Restore, pb.RestoreRequest(job="sums", rank=0))
+    assert got == C.NOT_FOUND and "no committed step" in details
 
 
 def test_restore_of_uncommitted_step(held):
@@ -147,18 +160,20 @@ def test_malformed_and_truncated_messages(held, payload):
 
 
 def test_bubble_stream_bad_events(held):
-    def events(*kinds, job="held"):
+    def events(*kinds, job="held", measured=0.01):
         for kind in kinds:
-            yield pb.BubbleEvent(job=job, rank=0, stage=0, step=6, kind=kind)
+            yield pb.BubbleEvent(job=job, rank=0, stage=0, step=6, iteration=7, kind=kind,
+                                 measured_seconds=measured)
 
     plans = list(held.stub.Bubbles(events(pb.BubbleEvent.START, pb.BubbleEvent.END), timeout=10))
-    assert len(plans) == 1 and plans[0].everything and plans[0].step == 6
-    with pytest.raises(grpc.RpcError) as info:
-        list(held.stub.Bubbles(events(pb.BubbleEvent.KIND_UNSPECIFIED), timeout=10))
-    assert info.value.code() == C.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as info:
-        list(held.stub.Bubbles(events(pb.BubbleEvent.START, job="ghost"), timeout=10))
-    assert info.value.code() == C.NOT_FOUND
+    assert len(plans) == 1 and plans[0].step == 6 and not plans[0].chunks  # still profiling
+    for bad, code in ((events(pb.BubbleEvent.KIND_UNSPECIFIED), C.INVALID_ARGUMENT),
+                      (events(pb.BubbleEvent.END, measured=-1.0), C.INVALID_ARGUMENT),
+                      (events(pb.BubbleEvent.START, job="ghost"), C.NOT_FOUND),
+                      (events(pb.BubbleEvent.START, job="../x"), C.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as info:
+            list(held.stub.Bubbles(bad, timeout=10))
+        assert info.value.code() == code
 
 
 def test_corrupted_copy_is_never_served(held):

@@ -110,3 +110,15 @@ def test_numpy_client_without_jax_arrays(daemon):
         assert restored[name].dtype == array.dtype
         assert restored[name].shape == array.shape
         assert restored[name].tobytes() == array.tobytes()
+
+
+def test_restored_arrays_outlive_the_snapshot_they_came_from(start_daemon):
+    daemon = start_daemon("--keep", "1")
+    client = SnapshotClient("outlive", options=ClientOptions(daemon=daemon.address))
+    state = {"w": jnp.arange(4096, dtype=jnp.float32)}
+    assert client.snapshot(0, state, wait=True).committed
+    restored = client.restore({"w": jax.ShapeDtypeStruct((4096,), jnp.float32)}).state
+    for step in range(1, 4):  # step 0 is retired; its segment is unlinked, not reused
+        assert client.snapshot(step, {"w": state["w"] + step}, wait=True).committed
+    assert np.asarray(restored["w"]).tobytes() == np.asarray(state["w"]).tobytes()
+    assert [s.step for s in client.status().steps] == [3]

@@ -9,14 +9,16 @@ from orbax.checkpoint._src.serialization import replica_slices
 def fetch_to_host(leaves) -> list[np.ndarray]:
     """Host bytes of every staged shard of ``leaves``, in layout order.
 
-    Orbax starts every device-to-host copy (into pinned host memory where the
-    device has it) before waiting on any, then hands back numpy arrays; on the
+    Orbax starts every device-to-host copy (into pinned host memory on
+    accelerators) before waiting on any, then hands back numpy arrays. On the
     CPU backend they are views of the device buffers, so the only copy is the
-    one into the daemon's shared memory.
+    one into the daemon's shared memory; pinned transfer is left off there,
+    since CPU devices report a pinned_host memory and Orbax would copy into it.
     """
     arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
+    off_cpu = any(d.platform != "cpu" for a in arrays for d in a.sharding.device_set)
     transferred = iter(replica_slices.transfer_arrays_to_host(
-        arrays, replica_id=None, use_replica_parallel=False, enable_pinned_host_transfer=True))
+        arrays, replica_id=None, use_replica_parallel=False, enable_pinned_host_transfer=off_cpu))
     host = []
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
@@ -29,10 +31,12 @@ def fetch_to_host(leaves) -> list[np.ndarray]:
 def place(global_shape, dtype, sharding, stored: dict, index_of) -> jax.Array:
     """Builds a jax.Array with ``sharding`` from stored host shards.
 
-    ``stored`` maps a shard index ((start, stop) per dimension) to a private
-    host array holding it. A device whose index was stored as-is gets that
-    array (aliased on the CPU backend, no copy); otherwise the global array is
-    assembled once and sliced, which handles a change of sharding.
+    ``stored`` maps a shard index ((start, stop) per dimension) to a read-only
+    host array holding it (a view of the daemon's segment, which the daemon
+    never reuses once restored from). A device whose index was stored as-is
+    gets that array: the CPU backend aliases it, an accelerator copies it in
+    one transfer. Otherwise the global array is assembled once and sliced,
+    which handles a change of sharding.
     """
     device_map = sharding.addressable_devices_indices_map(global_shape)
     assembled = None

@@ -1,0 +1,319 @@
+"""Data-path bandwidth: staging into the daemon and restoring from it, against memcpy and Orbax.
+
+One state pytree (default ~256 MB: bfloat16 params with float32 Adam moments,
+12 leaves of a few sizes, on the JAX CPU backend) goes through every mode,
+and each mode reports bytes/s (GB/s, 1e9 bytes/s) of that state:
+
+  memcpy_warm    np.copyto of every leaf's bytes into one buffer touched before:
+                 the physical limit for staging, which reuses warm segments.
+  memcpy_fresh   the same copies into buffers freshly allocated each time, page
+                 faults included: the limit for a restore, which must produce new arrays.
+  stage_stall    client.snapshot(step, state, wait=False): what training is held for.
+  stage_commit   snapshot + client.wait(): until the daemon checksummed and committed.
+  restore_local  client.restore(target) + block_until_ready (target has the shardings).
+  orbax_save     StandardCheckpointer save into a fresh /dev/shm (tmpfs) directory,
+                 until wait_until_finished() returns.
+  orbax_restore  StandardCheckpointer restore of that checkpoint into the same target.
+
+The machines are shared and noisy, so the modes run interleaved, one round
+after another (the starting mode rotates each round), after one untimed
+warm-up round, and the JSON reports median/min/max per mode and ratios of
+medians measured in the same run (see DESIGN.md, "How we measure"). Before
+each mode the process hands its free heap memory back to the OS (glibc
+malloc_trim), so that "fresh" buffers, and the arrays a restore allocates,
+really pay first-touch page faults as in a newly started trainer, instead of
+reusing the pages the previous round freed.
+
+Staging and restoring use two jobs of one daemon: "bench-stage" snapshots a
+new step every time; "bench-restore" holds one step taken at start-up and is
+restored every round. A segment once restored from is never recycled (the
+restored arrays may alias it), so restoring from the staging job would push
+its snapshots into new, first-touch segments; the split measures both in
+steady state.
+
+On the CPU backend a restore is zero-copy: the restored jax.Arrays alias the
+daemon's segment, so restore_local is bounded by the daemon's checksum pass
+and mapping the segment, not by a copy. On an accelerator it is one
+host-to-device transfer per shard.
+
+Usage: python benchmarks/datapath.py [--json] [--size-mb 256] [--repeats 5] [--devices 1]
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MODES = ("memcpy_warm", "memcpy_fresh", "stage_stall", "stage_commit", "restore_local",
+         "orbax_save", "orbax_restore")
+# Leaf sizes as fractions of the parameter count; each parameter has two float32 moments.
+_FRACTIONS = (0.5, 0.3, 0.15, 0.05)
+_COLUMNS = 1024
+
+
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def make_state(size_bytes: int, devices: int):
+    """bf16 params + f32 mu/nu (10 bytes per parameter), rows sharded over ``devices``."""
+    import jax
+    import ml_dtypes
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    rng = np.random.default_rng(0)
+    params = size_bytes / 10
+    state = {"params": {}, "mu": {}, "nu": {}}
+    for i, fraction in enumerate(_FRACTIONS):
+        rows = max(devices, int(params * fraction / _COLUMNS) // devices * devices)
+        values = rng.standard_normal((rows, _COLUMNS), dtype=np.float32)
+        state["params"][f"w{i}"] = jax.device_put(values.astype(ml_dtypes.bfloat16), sharding)
+        state["mu"][f"w{i}"] = jax.device_put(values * 0.1, sharding)
+        state["nu"][f"w{i}"] = jax.device_put(values * values, sharding)
+    return state
+
+
+def host_shards(state) -> list[np.ndarray]:
+    """Every addressable shard of every leaf as a flat uint8 view (zero-copy on CPU)."""
+    import jax
+    return [np.asarray(shard.data).reshape(-1).view(np.uint8)
+            for leaf in jax.tree_util.tree_leaves(state) for shard in leaf.addressable_shards]
+
+
+def start_daemon(budget_bytes: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0", "--metrics",
+         "", "--memory-budget", str(budget_bytes), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        raise SystemExit(f"daemon exited with {proc.returncode} before it was ready")
+    return proc, json.loads(line)["address"]
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def check_snapshot(result, what: str) -> None:
+    if result is None or not result.taken:
+        raise RuntimeError(f"{what} was not taken: {getattr(result, 'reason', 'no result')}")
+
+
+class Bench:
+    """The state, its clients and checkpointer, and one timing function per mode."""
+
+    def __init__(self, state, address: str, orbax_dir: str):
+        import jax
+        import orbax.checkpoint as ocp
+        from bubblesnap.clients.jax import ClientOptions, SnapshotClient
+        self.state = state
+        self.target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        self.shards = host_shards(state)
+        self.warm = np.empty(sum(s.nbytes for s in self.shards), np.uint8)
+        self.warm.fill(0)
+        options = ClientOptions(daemon=address)
+        self.stager = SnapshotClient("bench-stage", options=options)
+        self.restorer = SnapshotClient("bench-restore", options=options)
+        check_snapshot(self.restorer.snapshot(0, state, wait=True), "the restore job's snapshot")
+        self.checkpointer = ocp.StandardCheckpointer()
+        self.orbax_dir = orbax_dir
+        self.orbax_path = None
+        self.step = 0
+        # The stage job rotates through keep + 1 = 3 pooled segments: touch all before timing.
+        for _ in range(3):
+            self.stage_commit()
+
+    def close(self) -> None:
+        self.stager.close()
+        self.restorer.close()
+        self.checkpointer.close()
+
+    def memcpy_warm(self) -> float:
+        started, offset = time.perf_counter(), 0
+        for shard in self.shards:
+            np.copyto(self.warm[offset:offset + shard.nbytes], shard)
+            offset += shard.nbytes
+        return time.perf_counter() - started
+
+    def memcpy_fresh(self) -> float:
+        started = time.perf_counter()
+        copies = []
+        for shard in self.shards:
+            copies.append(np.empty(shard.nbytes, np.uint8))
+            np.copyto(copies[-1], shard)
+        return time.perf_counter() - started
+
+    def stage_stall(self) -> float:
+        self.step += 1
+        started = time.perf_counter()
+        result = self.stager.snapshot(self.step, self.state, wait=False)
+        elapsed = time.perf_counter() - started
+        check_snapshot(result, f"snapshot of step {self.step}")
+        check_snapshot(self.stager.wait(), f"commit of step {self.step}")
+        return elapsed
+
+    def stage_commit(self) -> float:
+        self.step += 1
+        started = time.perf_counter()
+        self.stager.snapshot(self.step, self.state, wait=False)
+        result = self.stager.wait()
+        elapsed = time.perf_counter() - started
+        check_snapshot(result, f"commit of step {self.step}")
+        return elapsed
+
+    def restore_local(self) -> float:
+        import jax
+        started = time.perf_counter()
+        jax.block_until_ready(self.restorer.restore(self.target).state)
+        return time.perf_counter() - started
+
+    def orbax_save(self) -> float:
+        path = tempfile.mkdtemp(dir=self.orbax_dir)
+        os.rmdir(path)  # Orbax wants to create the directory itself
+        started = time.perf_counter()
+        self.checkpointer.save(path, self.state)
+        self.checkpointer.wait_until_finished()
+        elapsed = time.perf_counter() - started
+        if self.orbax_path is not None:
+            shutil.rmtree(self.orbax_path)
+        self.orbax_path = path
+        return elapsed
+
+    def orbax_restore(self) -> float:
+        import jax
+        started = time.perf_counter()
+        jax.block_until_ready(self.checkpointer.restore(self.orbax_path, self.target))
+        return time.perf_counter() - started
+
+    def restore_matches(self) -> bool:
+        """Whether both jobs restore the state bit for bit, with the same shardings."""
+        import jax
+        for client in (self.stager, self.restorer):
+            restored = client.restore(self.target).state
+            for a, b in zip(jax.tree_util.tree_leaves(self.state),
+                            jax.tree_util.tree_leaves(restored), strict=True):
+                if a.sharding != b.sharding or not np.array_equal(
+                        np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)):
+                    return False
+        return True
+
+
+def measure(bench: Bench, repeats: int) -> dict[str, list[float]]:
+    """Seconds per mode over ``repeats`` rounds, after one warm-up round."""
+    seconds = {mode: [] for mode in MODES}
+    for round_ in range(repeats + 1):
+        # Round 0 runs in MODES order, so orbax_save has written a checkpoint to restore.
+        order = MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]
+        timings = {}
+        for mode in order:
+            if _MALLOC_TRIM is not None:
+                _MALLOC_TRIM(0)
+            timings[mode] = getattr(bench, mode)()
+        label = "warm-up" if round_ == 0 else f"round {round_}/{repeats}"
+        log(f"{label}: " + " ".join(f"{m}={t * 1e3:.0f}ms" for m, t in timings.items()))
+        if round_:
+            for mode, t in timings.items():
+                seconds[mode].append(t)
+    return seconds
+
+
+def summarize(seconds: dict[str, list[float]], state_bytes: int, repeats: int,
+              matches: bool, devices: int) -> dict:
+    modes, med = {}, {}
+    for mode, times in seconds.items():
+        gbps = sorted(state_bytes / t / 1e9 for t in times)
+        med[mode] = statistics.median(gbps)
+        modes[mode] = {"median_gbps": round(med[mode], 3),
+                       "min_gbps": round(gbps[0], 3), "max_gbps": round(gbps[-1], 3)}
+    ratios = {
+        "staging_vs_memcpy_warm": med["stage_commit"] / med["memcpy_warm"],
+        "stall_vs_memcpy_warm": med["stage_stall"] / med["memcpy_warm"],
+        "restore_vs_memcpy_fresh": med["restore_local"] / med["memcpy_fresh"],
+        "restore_vs_memcpy_warm": med["restore_local"] / med["memcpy_warm"],
+        "restore_vs_orbax_restore": med["restore_local"] / med["orbax_restore"],
+        "staging_vs_orbax_save": med["stage_commit"] / med["orbax_save"],
+    }
+    return {
+        "benchmark": "datapath", "state_bytes": state_bytes, "devices": devices,
+        "repeats": repeats, "modes": modes,
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "meets_targets": {
+            "staging_ge_50pct_memcpy_warm": ratios["staging_vs_memcpy_warm"] >= 0.5,
+            "restore_ge_50pct_memcpy_fresh": ratios["restore_vs_memcpy_fresh"] >= 0.5,
+            "restore_ge_10x_orbax_restore": ratios["restore_vs_orbax_restore"] >= 10,
+        },
+        "restore_matches": matches,
+    }
+
+
+def print_table(report: dict) -> None:
+    print(f"state: {report['state_bytes'] / 1e6:.0f} MB on {report['devices']} device(s), "
+          f"{report['repeats']} interleaved rounds")
+    print(f"{'mode':<16}{'median GB/s':>12}{'min':>9}{'max':>9}")
+    for mode, row in report["modes"].items():
+        print(f"{mode:<16}{row['median_gbps']:>12.2f}{row['min_gbps']:>9.2f}"
+              f"{row['max_gbps']:>9.2f}")
+    for name, value in report["ratios"].items():
+        print(f"{name:<28}{value:>8.2f}")
+    for name, met in report["meets_targets"].items():
+        print(f"{name:<32}{'yes' if met else 'NO'}")
+    print(f"restore matches the state bit for bit: {report['restore_matches']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--size-mb", type=float, default=256, help="state size (default 256)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="CPU devices to shard leaves over (sets "
+                             "--xla_force_host_platform_device_count; default 1)")
+    args = parser.parse_args()
+    if args.devices > 1:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
+                                   f"platform_device_count={args.devices}").strip()
+    state = make_state(int(args.size_mb * 1e6), args.devices)
+    state_bytes = sum(s.nbytes for s in host_shards(state))
+    log(f"state: {state_bytes / 1e6:.0f} MB in {len(host_shards(state))} shards")
+    daemon, address = start_daemon(max(4 << 30, 8 * state_bytes))
+    orbax_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="bubblesnap-bench-orbax-")
+    bench = None
+    try:
+        bench = Bench(state, address, orbax_dir)
+        seconds = measure(bench, args.repeats)
+        report = summarize(seconds, state_bytes, args.repeats, bench.restore_matches(),
+                           args.devices)
+    finally:
+        if bench is not None:
+            bench.close()
+        stop_daemon(daemon)
+        shutil.rmtree(orbax_dir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Per-job bubble profiles and plans: the daemon's side of the Bubbles stream.
+
+Stages report each bubble's real length when it ends; this keeps a moving
+average per (job, rank, position), replans when a profile moves by more than
+``replan_change`` (a stage got slower, a bubble appeared), and answers each
+bubble start with the chunks the current plan puts there. The planning itself
+is :mod:`bubblesnap.service.planner`, pure functions.
+"""
+
+import dataclasses
+import threading
+
+from bubblesnap.service import planner as planning
+from bubblesnap.service.errors import InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True)
+class BubbleOptions:
+    """How profiles are kept and when the daemon replans.
+
+    Attributes:
+      planner: the planner's own options.
+      smoothing: weight of a new measurement in the moving averages. Default 0.3.
+      replan_change: relative change of any bubble, the iteration length or the
+        bandwidth that triggers a new plan. Default 0.25.
+      initial_copy_bytes_per_second: fetch bandwidth assumed before one is
+        measured; low on purpose, so the first plan does not overrun bubbles.
+        Default 1 GB/s.
+    """
+
+    planner: planning.PlannerOptions = planning.PlannerOptions()
+    smoothing: float = 0.3
+    replan_change: float = 0.25
+    initial_copy_bytes_per_second: float = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchAnswer:
+    step: int
+    chunks: tuple[tuple[int, int, int, int], ...]  # (tensor, shard, start, stop)
+    commit: bool
+    interval: int
+    version: int
+
+
+@dataclasses.dataclass
+class _Profile:
+    bubbles: dict[int, float] = dataclasses.field(default_factory=dict)
+    iteration_seconds: float = 0.0
+    copy_bytes_per_second: float = 0.0
+
+
+@dataclasses.dataclass
+class _JobPlans:
+    profiles: dict[int, _Profile] = dataclasses.field(default_factory=dict)
+    planned: dict[int, planning.RankProfile] = dataclasses.field(default_factory=dict)
+    plan: planning.Plan | None = None
+    slots: dict[int, tuple[tuple[int, int, int], ...]] = dataclasses.field(default_factory=dict)
+    version: int = 0
+
+
+def _ema(old: float, new: float, weight: float) -> float:
+    return new if old <= 0 else (1 - weight) * old + weight * new
+
+
+def _moved(old: float, new: float, threshold: float) -> bool:
+    return abs(new - old) > threshold * max(abs(old), 1e-9)
+
+
+class BubblePlans:
+    """Profiles and plans of every job that sends bubble events."""
+
+    def __init__(self, slot_bytes, options: BubbleOptions = BubbleOptions()):
+        """``slot_bytes(job, rank)`` returns (tensor, shard, nbytes) per slot."""
+        self._slot_bytes = slot_bytes
+        self.options = options
+        self._jobs: dict[str, _JobPlans] = {}
+        self._lock = threading.Lock()
+
+    def record_end(self, job: str, rank: int, position: int, measured_seconds: float,
+                   iteration_seconds: float, copied_bytes: int, copy_seconds: float) -> None:
+        """Folds one finished bubble into the rank's profile."""
+        if position < 0 or measured_seconds < 0 or copied_bytes < 0 or copy_seconds < 0:
+            raise InvalidArgument("bubble END with a negative position, length or byte count")
+        weight = self.options.smoothing
+        with self._lock:
+            profile = self._job(job).profiles.setdefault(rank, _Profile())
+            profile.bubbles[position] = _ema(profile.bubbles.get(position, 0.0),
+                                             measured_seconds, weight)
+            if iteration_seconds > 0:
+                profile.iteration_seconds = _ema(profile.iteration_seconds, iteration_seconds,
+                                                 weight)
+            if copied_bytes >= self.options.planner.min_chunk_bytes and copy_seconds > 0:
+                profile.copy_bytes_per_second = _ema(profile.copy_bytes_per_second,
+                                                     copied_bytes / copy_seconds, weight)
+
+    def answer_start(self, job: str, rank: int, step: int, iteration: int,
+                     position: int) -> FetchAnswer:
+        """The chunks of ``step`` to fetch in this bubble (none while still profiling)."""
+        with self._lock:
+            entry = self._job(job)
+            self._maybe_replan(job, entry)
+            if entry.plan is None:
+                return FetchAnswer(step, (), False, 1, 0)
+            interval = entry.plan.interval
+            rank_plan = entry.plan.ranks.get(rank)
+            if step < 0 or rank_plan is None or rank not in entry.slots:
+                return FetchAnswer(step, (), False, interval, entry.version)
+            key = (iteration - step, position)
+            slots = entry.slots[rank]
+            chunks = tuple((slots[c.slot][0], slots[c.slot][1], c.start, c.stop)
+                           for c in rank_plan.assignments.get(key, ()))
+            return FetchAnswer(step, chunks, key == rank_plan.commit_at, interval, entry.version)
+
+    def plan_of(self, job: str) -> tuple[planning.Plan | None, dict, int]:
+        """The current plan, the profiles it was made from, and its version."""
+        with self._lock:
+            entry = self._jobs.get(job)
+            if entry is None:
+                return None, {}, 0
+            return entry.plan, dict(entry.planned), entry.version
+
+    def forget(self, job: str) -> None:
+        with self._lock:
+            self._jobs.pop(job, None)
+
+    def _job(self, job: str) -> _JobPlans:
+        return self._jobs.setdefault(job, _JobPlans())
+
+    def _current_profiles(self, job: str, entry: _JobPlans) -> dict[int, planning.RankProfile]:
+        profiles = {}
+        for rank, p in entry.profiles.items():
+            if rank not in entry.slots:
+                entry.slots[rank] = self._slot_bytes(job, rank)
+            profiles[rank] = planning.RankProfile(
+                bubbles=tuple(sorted(p.bubbles.items())),
+                iteration_seconds=p.iteration_seconds,
+                copy_bytes_per_second=p.copy_bytes_per_second
+                or self.options.initial_copy_bytes_per_second,
+                slot_bytes=tuple(n for _, _, n in entry.slots[rank]))
+        return profiles
+
+    def _maybe_replan(self, job: str, entry: _JobPlans) -> None:
+        current = self._current_profiles(job, entry)
+        if not current or (entry.plan is not None and not self._changed(entry.planned, current)):
+            return
+        entry.plan = planning.plan(current, self.options.planner)
+        entry.planned = current
+        entry.version += 1
+
+    def _changed(self, planned: dict, current: dict) -> bool:
+        threshold = self.options.replan_change
+        if planned.keys() != current.keys():
+            return True
+        for rank, new in current.items():
+            old = planned[rank]
+            old_bubbles, new_bubbles = dict(old.bubbles), dict(new.bubbles)
+            if old_bubbles.keys() != new_bubbles.keys() or old.slot_bytes != new.slot_bytes:
+                return True
+            if any(_moved(old_bubbles[k], new_bubbles[k], threshold) for k in new_bubbles):
+                return True
+            if _moved(old.iteration_seconds, new.iteration_seconds, threshold) or _moved(
+                    old.copy_bytes_per_second, new.copy_bytes_per_second, threshold):
+                return True
+        return False
