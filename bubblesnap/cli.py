@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 
@@ -54,6 +55,10 @@ def _daemon_parser(sub):
                    f"{_human(d.max_message_bytes)})")
     p.add_argument("--checksum-threads", type=int, default=s.checksum_threads, metavar="N",
                    help=f"threads hashing shards (default {s.checksum_threads})")
+    p.add_argument("--nice", type=int, default=10, metavar="N",
+                   help="raise the daemon's niceness by N so training processes win every "
+                        "contended core and the daemon runs in their idle time (default 10; "
+                        "0 keeps the inherited priority)")
     p.add_argument("--verify-on-commit", action="store_true",
                    help="re-hash committed bytes even when the client sent checksums (by default "
                         "client checksums are trusted at commit and every copy is verified "
@@ -66,6 +71,10 @@ def _run_daemon(args) -> int:
     from bubblesnap.service import DaemonOptions, StoreOptions, run
     if args.keep < 1:
         raise SystemExit("--keep must be at least 1")
+    if not 0 <= args.nice <= 19:
+        raise SystemExit("--nice must be between 0 and 19")
+    if args.nice:
+        os.nice(args.nice)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     store = StoreOptions(memory_budget_bytes=args.memory_budget, keep_steps=args.keep,

@@ -13,6 +13,7 @@ import time
 
 import grpc
 import numpy as np
+from bubblesnap.clients._bubble_stream import BubbleStream
 from bubblesnap.clients._shared_memory import SegmentMaps, map_restored
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc
@@ -66,6 +67,15 @@ class RestoreError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Staging:
+    """Where one step's shards go: the mapped segment and (offset, nbytes) per slot."""
+
+    step: int
+    segment: np.ndarray
+    slots: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class RawStep:
     """A restored step before it is turned back into framework arrays."""
 
@@ -88,12 +98,17 @@ class Session:
         self._tensors: tuple = ()
         self._registered = False
         self._quiet_until = 0.0
-        self._pending = None  # (step, future) of a commit not yet waited for
+        self._in_flight: list = []  # (step, future, started) of commits not yet collected
 
     # -- calls with deadlines -------------------------------------------------
 
     def call(self, method: str, request):
         return getattr(self._stub, method)(request, timeout=self.options.rpc_timeout_seconds)
+
+    def ensure_registered(self, tensors) -> None:
+        """Registers ``tensors`` unless that layout is already registered; raises grpc.RpcError."""
+        if not self._registered or tuple(tensors) != self._tensors:
+            self.register(tensors)
 
     def register(self, tensors) -> pb.RegisterResponse:
         """Declares the layout; raises grpc.RpcError if the daemon refuses it."""
@@ -112,49 +127,79 @@ class Session:
         differs from the last one. Never raises for daemon trouble.
         """
         started = time.perf_counter()
-        earlier = self.wait()
-        if earlier is not None and not earlier.taken:
-            log.warning("snapshot of step %d was not committed: %s", earlier.step, earlier.reason)
-        now = time.monotonic()
-        if now < self._quiet_until:
-            return self._skipped(step, started, f"daemon {self.options.daemon} did not answer "
-                                 f"recently; retrying in {self._quiet_until - now:.1f} s")
+        refusal = self.refusal(step)
+        if refusal is not None:
+            return refusal
         try:
-            if not self._registered or tuple(tensors) != self._tensors:
-                self.register(tensors)
-            staging = self.call("BeginStep", pb.BeginStepRequest(
-                job=self.job, rank=self.rank, step=step))
-            segment = self._maps.view(staging.segment_path, staging.segment_bytes)
-            host = fetch()
-            for slot, array in zip(staging.slots, host, strict=True):
-                np.copyto(segment[slot.offset:slot.offset + slot.nbytes], array)
-            future = self._stub.CommitStep.future(
-                pb.CommitStepRequest(job=self.job, rank=self.rank, step=step),
-                timeout=self.options.rpc_timeout_seconds)
+            staging = self.begin(step, tensors)
+            for (offset, nbytes), array in zip(staging.slots, fetch(), strict=True):
+                np.copyto(staging.segment[offset:offset + nbytes], array)
+            self.commit(step, started)
         except grpc.RpcError as err:
-            return self._failed(step, started, err)
-        self._pending = (step, future, started)
+            return self.failed(step, started, err)
         if not wait:
             return SnapshotResult(step, True, None, "", time.perf_counter() - started)
         return self.wait()
 
+    def refusal(self, step: int, block: bool = True) -> SnapshotResult | None:
+        """Collects earlier commits; says why not to snapshot now (None: go ahead).
+
+        With ``block`` false only commits already answered are collected.
+        """
+        started = time.perf_counter()
+        self._collect(block)
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return SnapshotResult(step, False, False, f"daemon {self.options.daemon} did not "
+                                  f"answer recently; retrying in {self._quiet_until - now:.1f} s",
+                                  time.perf_counter() - started)
+        return None
+
+    def begin(self, step: int, tensors) -> Staging:
+        """Registers if needed and reserves the step's segment; raises grpc.RpcError."""
+        return self.begin_async(step, tensors)()
+
+    def begin_async(self, step: int, tensors):
+        """Like :meth:`begin`, but returns at once a function that waits for the answer."""
+        self.ensure_registered(tensors)
+        future = self._stub.BeginStep.future(
+            pb.BeginStepRequest(job=self.job, rank=self.rank, step=step),
+            timeout=self.options.rpc_timeout_seconds)
+
+        def staging() -> Staging:
+            answer = future.result()
+            segment = self._maps.view(answer.segment_path, answer.segment_bytes)
+            return Staging(step, segment, tuple((s.offset, s.nbytes) for s in answer.slots))
+        return staging
+
+    def commit(self, step: int, started: float, checksums=(), usage=None) -> None:
+        """Sends the commit without waiting; :meth:`wait` collects the answer."""
+        request = pb.CommitStepRequest(job=self.job, rank=self.rank, step=step,
+                                       checksums=checksums, usage=usage)
+        future = self._stub.CommitStep.future(request, timeout=self.options.rpc_timeout_seconds)
+        self._in_flight.append((step, future, started))
+
     def wait(self) -> SnapshotResult | None:
-        """Waits for the commit still in flight, if any, and returns its outcome."""
-        if self._pending is None:
-            return None
-        step, future, started = self._pending
-        self._pending = None
-        try:
-            response = future.result()
-        except grpc.RpcError as err:
-            return self._failed(step, started, err)
-        return SnapshotResult(step, True, response.job_committed, "",
-                              time.perf_counter() - started)
+        """Waits for every commit in flight; returns the outcome of the newest (None if none)."""
+        return self._collect(block=True)
 
-    def _skipped(self, step: int, started: float, reason: str) -> SnapshotResult:
-        return SnapshotResult(step, False, False, reason, time.perf_counter() - started)
+    def _collect(self, block: bool) -> SnapshotResult | None:
+        outcome, still = None, []
+        for step, future, started in self._in_flight:
+            if not block and not future.done():
+                still.append((step, future, started))
+                continue
+            try:
+                response = future.result()
+                outcome = SnapshotResult(step, True, response.job_committed, "",
+                                         time.perf_counter() - started)
+            except grpc.RpcError as err:
+                outcome = self.failed(step, started, err)
+        self._in_flight = still
+        return outcome
 
-    def _failed(self, step: int, started: float, err: grpc.RpcError) -> SnapshotResult:
+    def failed(self, step: int, started: float, err: grpc.RpcError) -> SnapshotResult:
+        """Turns a failed call into "no snapshot", backing off if the daemon is unreachable."""
         code = err.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._quiet_until = time.monotonic() + self.options.backoff_seconds
@@ -192,6 +237,10 @@ class Session:
                     "does not match its checksum in this process; restore again")
             shards[(slot.tensor, slot.shard)] = data
         return RawStep(found.step, tuple(found.tensors), shards)
+
+    def bubble_stream(self, timeout: float) -> BubbleStream:
+        """A Bubbles stream on this session's channel."""
+        return BubbleStream(self._stub, timeout)
 
     def status(self) -> pb.JobStatus:
         response = self.call("Status", pb.StatusRequest(job=self.job))

@@ -18,17 +18,20 @@ def checksum(buffer) -> int:
     return xxhash.xxh3_64_intdigest(buffer)
 
 
-def copy_with_checksum(dst, src) -> int:
-    """Copies ``src`` into ``dst`` (equal-length uint8 numpy views); returns the checksum.
+def new_hasher():
+    """A streaming xxh3_64 state: feed it a shard's bytes in order, in any pieces."""
+    return xxhash.xxh3_64()
 
-    Hashes each block right after copying it, while it is still in cache, so
-    the checksum costs almost nothing on top of the copy.
+
+def copy_hashing(dst, src, hasher) -> None:
+    """Copies ``src`` into ``dst`` (equal-length uint8 numpy views), feeding ``hasher``.
+
+    Hashes each block right after copying it, while it is still in cache, and
+    hashes the destination: the checksum is of the bytes that landed.
     """
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte slot")
-    hasher = xxhash.xxh3_64()
     for start in range(0, src.nbytes, FUSED_BLOCK_BYTES):
         stop = min(start + FUSED_BLOCK_BYTES, src.nbytes)
         dst[start:stop] = src[start:stop]
         hasher.update(dst[start:stop])
-    return hasher.intdigest()

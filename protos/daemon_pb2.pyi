@@ -82,16 +82,32 @@ class Chunk(_message.Message):
     stop: int
     def __init__(self, tensor: _Optional[int] = ..., shard: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
+class BubbleReport(_message.Message):
+    __slots__ = ("position", "measured_seconds", "copied_bytes", "copy_seconds", "setup_seconds")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SETUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    measured_seconds: float
+    copied_bytes: int
+    copy_seconds: float
+    setup_seconds: float
+    def __init__(self, position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., setup_seconds: _Optional[float] = ...) -> None: ...
+
 class BubbleEvent(_message.Message):
-    __slots__ = ("job", "rank", "stage", "step", "kind", "expected_seconds", "iteration", "position", "measured_seconds", "copied_bytes", "copy_seconds", "iteration_seconds")
+    __slots__ = ("job", "rank", "stage", "step", "kind", "expected_seconds", "iteration", "position", "measured_seconds", "copied_bytes", "copy_seconds", "iteration_seconds", "reports")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[BubbleEvent.Kind]
         START: _ClassVar[BubbleEvent.Kind]
         END: _ClassVar[BubbleEvent.Kind]
+        REPORT: _ClassVar[BubbleEvent.Kind]
     KIND_UNSPECIFIED: BubbleEvent.Kind
     START: BubbleEvent.Kind
     END: BubbleEvent.Kind
+    REPORT: BubbleEvent.Kind
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +120,7 @@ class BubbleEvent(_message.Message):
     COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     stage: int
@@ -116,23 +133,30 @@ class BubbleEvent(_message.Message):
     copied_bytes: int
     copy_seconds: float
     iteration_seconds: float
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[BubbleEvent.Kind, str]] = ..., expected_seconds: _Optional[float] = ..., iteration: _Optional[int] = ..., position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., iteration_seconds: _Optional[float] = ...) -> None: ...
+    reports: _containers.RepeatedCompositeFieldContainer[BubbleReport]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[BubbleEvent.Kind, str]] = ..., expected_seconds: _Optional[float] = ..., iteration: _Optional[int] = ..., position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., iteration_seconds: _Optional[float] = ..., reports: _Optional[_Iterable[_Union[BubbleReport, _Mapping]]] = ...) -> None: ...
 
 class FetchPlan(_message.Message):
-    __slots__ = ("step", "everything", "chunks", "commit", "interval", "plan_version")
+    __slots__ = ("step", "everything", "chunks", "commit", "interval", "plan_version", "iteration", "position", "positions")
     STEP_FIELD_NUMBER: _ClassVar[int]
     EVERYTHING_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
     step: int
     everything: bool
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
     commit: bool
     interval: int
     plan_version: int
-    def __init__(self, step: _Optional[int] = ..., everything: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., commit: _Optional[bool] = ..., interval: _Optional[int] = ..., plan_version: _Optional[int] = ...) -> None: ...
+    iteration: int
+    position: int
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., everything: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., commit: _Optional[bool] = ..., interval: _Optional[int] = ..., plan_version: _Optional[int] = ..., iteration: _Optional[int] = ..., position: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("tensor", "shard", "offset", "nbytes")
@@ -167,20 +191,22 @@ class BeginStepResponse(_message.Message):
     def __init__(self, segment_path: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ...) -> None: ...
 
 class BubbleUsage(_message.Message):
-    __slots__ = ("offered_seconds", "used_seconds", "spilled_seconds", "spilled_bytes", "bubbles", "iterations")
+    __slots__ = ("offered_seconds", "used_seconds", "spilled_seconds", "spilled_bytes", "bubbles", "iterations", "overrun_seconds")
     OFFERED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     USED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPILLED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPILLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUBBLES_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    OVERRUN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     offered_seconds: float
     used_seconds: float
     spilled_seconds: float
     spilled_bytes: int
     bubbles: int
     iterations: int
-    def __init__(self, offered_seconds: _Optional[float] = ..., used_seconds: _Optional[float] = ..., spilled_seconds: _Optional[float] = ..., spilled_bytes: _Optional[int] = ..., bubbles: _Optional[int] = ..., iterations: _Optional[int] = ...) -> None: ...
+    overrun_seconds: float
+    def __init__(self, offered_seconds: _Optional[float] = ..., used_seconds: _Optional[float] = ..., spilled_seconds: _Optional[float] = ..., spilled_bytes: _Optional[int] = ..., bubbles: _Optional[int] = ..., iterations: _Optional[int] = ..., overrun_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
     __slots__ = ("job", "rank", "step", "checksums", "usage")

@@ -1,10 +1,16 @@
 """Per-job bubble profiles and plans: the daemon's side of the Bubbles stream.
 
 Stages report each bubble's real length when it ends; this keeps a moving
-average per (job, rank, position), replans when a profile moves by more than
-``replan_change`` (a stage got slower, a bubble appeared), and answers each
-bubble start with the chunks the current plan puts there. The planning itself
-is :mod:`bubblesnap.service.planner`, pure functions.
+average per (job, rank, position) of its length and of its deviation, and of
+the time the stage needs to start fetching in a bubble (the START round trip,
+the BeginStep answer). The planner is given each bubble's usable length: the
+average less one deviation less that setup time, so a short bubble or a slow
+answer is rarely overrun. A rank counts as profiled once it has
+reported two iterations; the first plan waits for that. Afterwards a report
+that moves the rank's profile by more than ``replan_change`` (a stage got
+slower, a bubble appeared) marks the job for replanning, done once at the next
+bubble start. Answering a start is a lookup. The planning itself is
+:mod:`bubblesnap.service.planner`, pure functions.
 """
 
 import dataclasses
@@ -41,13 +47,21 @@ class FetchAnswer:
     commit: bool
     interval: int
     version: int
+    positions: tuple[int, ...]  # where this rank's plan fetches anything
 
 
 @dataclasses.dataclass
 class _Profile:
     bubbles: dict[int, float] = dataclasses.field(default_factory=dict)
+    deviations: dict[int, float] = dataclasses.field(default_factory=dict)
     iteration_seconds: float = 0.0
     copy_bytes_per_second: float = 0.0
+    setup_seconds: float = 0.0
+    iterations: set = dataclasses.field(default_factory=set)  # seen, up to two
+
+    @property
+    def ready(self) -> bool:
+        return len(self.iterations) >= 2
 
 
 @dataclasses.dataclass
@@ -55,8 +69,10 @@ class _JobPlans:
     profiles: dict[int, _Profile] = dataclasses.field(default_factory=dict)
     planned: dict[int, planning.RankProfile] = dataclasses.field(default_factory=dict)
     plan: planning.Plan | None = None
+    positions: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     slots: dict[int, tuple[tuple[int, int, int], ...]] = dataclasses.field(default_factory=dict)
     version: int = 0
+    dirty: bool = False
 
 
 def _ema(old: float, new: float, weight: float) -> float:
@@ -77,40 +93,58 @@ class BubblePlans:
         self._jobs: dict[str, _JobPlans] = {}
         self._lock = threading.Lock()
 
-    def record_end(self, job: str, rank: int, position: int, measured_seconds: float,
-                   iteration_seconds: float, copied_bytes: int, copy_seconds: float) -> None:
+    def record_end(self, job: str, rank: int, iteration: int, position: int,
+                   measured_seconds: float, iteration_seconds: float, copied_bytes: int,
+                   copy_seconds: float, setup_seconds: float = 0.0) -> None:
         """Folds one finished bubble into the rank's profile."""
-        if position < 0 or measured_seconds < 0 or copied_bytes < 0 or copy_seconds < 0:
-            raise InvalidArgument("bubble END with a negative position, length or byte count")
+        if min(position, measured_seconds, copied_bytes, copy_seconds, setup_seconds) < 0:
+            raise InvalidArgument("bubble report with a negative position, length or byte count")
         weight = self.options.smoothing
         with self._lock:
-            profile = self._job(job).profiles.setdefault(rank, _Profile())
-            profile.bubbles[position] = _ema(profile.bubbles.get(position, 0.0),
-                                             measured_seconds, weight)
+            entry = self._job(job)
+            profile = entry.profiles.setdefault(rank, _Profile())
+            if len(profile.iterations) < 2:
+                profile.iterations.add(iteration)
+            mean = profile.bubbles.get(position, 0.0)
+            if mean > 0:
+                profile.deviations[position] = _ema(profile.deviations.get(position, 0.0),
+                                                    abs(measured_seconds - mean), weight)
+            profile.bubbles[position] = _ema(mean, measured_seconds, weight)
             if iteration_seconds > 0:
                 profile.iteration_seconds = _ema(profile.iteration_seconds, iteration_seconds,
                                                  weight)
             if copied_bytes >= self.options.planner.min_chunk_bytes and copy_seconds > 0:
                 profile.copy_bytes_per_second = _ema(profile.copy_bytes_per_second,
                                                      copied_bytes / copy_seconds, weight)
+            if copied_bytes > 0 and setup_seconds > 0:
+                profile.setup_seconds = _ema(profile.setup_seconds, setup_seconds, weight)
+            if profile.ready and not entry.dirty:
+                planned = entry.planned.get(rank)
+                entry.dirty = planned is None or self._changed(
+                    planned, self._rank_profile(job, entry, rank))
 
     def answer_start(self, job: str, rank: int, step: int, iteration: int,
                      position: int) -> FetchAnswer:
         """The chunks of ``step`` to fetch in this bubble (none while still profiling)."""
         with self._lock:
             entry = self._job(job)
-            self._maybe_replan(job, entry)
+            if entry.dirty:
+                self._replan(job, entry)
             if entry.plan is None:
-                return FetchAnswer(step, (), False, 1, 0)
+                return FetchAnswer(step, (), False, 1, 0, ())
             interval = entry.plan.interval
             rank_plan = entry.plan.ranks.get(rank)
-            if step < 0 or rank_plan is None or rank not in entry.slots:
-                return FetchAnswer(step, (), False, interval, entry.version)
+            if rank_plan is None:
+                return FetchAnswer(step, (), False, interval, entry.version, ())
+            positions = entry.positions[rank]
+            if step < 0:
+                return FetchAnswer(step, (), False, interval, entry.version, positions)
             key = (iteration - step, position)
             slots = entry.slots[rank]
             chunks = tuple((slots[c.slot][0], slots[c.slot][1], c.start, c.stop)
                            for c in rank_plan.assignments.get(key, ()))
-            return FetchAnswer(step, chunks, key == rank_plan.commit_at, interval, entry.version)
+            return FetchAnswer(step, chunks, key == rank_plan.commit_at, interval, entry.version,
+                               positions)
 
     def plan_of(self, job: str) -> tuple[planning.Plan | None, dict, int]:
         """The current plan, the profiles it was made from, and its version."""
@@ -127,39 +161,34 @@ class BubblePlans:
     def _job(self, job: str) -> _JobPlans:
         return self._jobs.setdefault(job, _JobPlans())
 
-    def _current_profiles(self, job: str, entry: _JobPlans) -> dict[int, planning.RankProfile]:
-        profiles = {}
-        for rank, p in entry.profiles.items():
-            if rank not in entry.slots:
-                entry.slots[rank] = self._slot_bytes(job, rank)
-            profiles[rank] = planning.RankProfile(
-                bubbles=tuple(sorted(p.bubbles.items())),
-                iteration_seconds=p.iteration_seconds,
-                copy_bytes_per_second=p.copy_bytes_per_second
-                or self.options.initial_copy_bytes_per_second,
-                slot_bytes=tuple(n for _, _, n in entry.slots[rank]))
-        return profiles
+    def _rank_profile(self, job: str, entry: _JobPlans, rank: int) -> planning.RankProfile:
+        if rank not in entry.slots:
+            entry.slots[rank] = self._slot_bytes(job, rank)
+        p = entry.profiles[rank]
+        usable = {pos: max(0.0, mean - p.deviations.get(pos, 0.0) - p.setup_seconds)
+                  for pos, mean in p.bubbles.items()}
+        return planning.RankProfile(
+            bubbles=tuple(sorted(usable.items())), iteration_seconds=p.iteration_seconds,
+            copy_bytes_per_second=p.copy_bytes_per_second
+            or self.options.initial_copy_bytes_per_second,
+            slot_bytes=tuple(n for _, _, n in entry.slots[rank]))
 
-    def _maybe_replan(self, job: str, entry: _JobPlans) -> None:
-        current = self._current_profiles(job, entry)
-        if not current or (entry.plan is not None and not self._changed(entry.planned, current)):
-            return
+    def _replan(self, job: str, entry: _JobPlans) -> None:
+        """Plans every profiled rank of the job again (they share one interval)."""
+        entry.dirty = False
+        current = {rank: self._rank_profile(job, entry, rank)
+                   for rank, p in entry.profiles.items() if p.ready}
         entry.plan = planning.plan(current, self.options.planner)
         entry.planned = current
+        entry.positions = {rank: tuple(sorted({pos for _, pos in rp.assignments}))
+                           for rank, rp in entry.plan.ranks.items()}
         entry.version += 1
 
-    def _changed(self, planned: dict, current: dict) -> bool:
+    def _changed(self, old: planning.RankProfile, new: planning.RankProfile) -> bool:
         threshold = self.options.replan_change
-        if planned.keys() != current.keys():
+        old_bubbles, new_bubbles = dict(old.bubbles), dict(new.bubbles)
+        if old_bubbles.keys() != new_bubbles.keys() or old.slot_bytes != new.slot_bytes:
             return True
-        for rank, new in current.items():
-            old = planned[rank]
-            old_bubbles, new_bubbles = dict(old.bubbles), dict(new.bubbles)
-            if old_bubbles.keys() != new_bubbles.keys() or old.slot_bytes != new.slot_bytes:
-                return True
-            if any(_moved(old_bubbles[k], new_bubbles[k], threshold) for k in new_bubbles):
-                return True
-            if _moved(old.iteration_seconds, new.iteration_seconds, threshold) or _moved(
-                    old.copy_bytes_per_second, new.copy_bytes_per_second, threshold):
-                return True
-        return False
+        return (any(_moved(old_bubbles[k], new_bubbles[k], threshold) for k in new_bubbles)
+                or _moved(old.iteration_seconds, new.iteration_seconds, threshold)
+                or _moved(old.copy_bytes_per_second, new.copy_bytes_per_second, threshold))

@@ -13,7 +13,6 @@ tested on crafted profiles.
 """
 
 import dataclasses
-import math
 from collections.abc import Mapping
 
 
@@ -121,25 +120,38 @@ def iteration_capacity(profile: RankProfile, options: PlannerOptions) -> int:
                for _, s in profile.bubbles)
 
 
+def iterations_needed(profile: RankProfile, options: PlannerOptions) -> int:
+    """Fewest iterations whose bubbles take this rank's whole state, as :func:`assign` fills them.
+
+    Counted with the real fill, not total capacity / step bytes: a bubble whose
+    room left is below ``min_chunk_bytes`` cannot take a cut of a larger slot,
+    so the fill may need more iterations than the byte count says.
+    ``max_interval + 1`` when even ``max_interval`` iterations are not enough.
+    """
+    filled = assign(profile, options.max_interval, options)
+    if filled.spill_bytes:
+        return options.max_interval + 1
+    return filled.commit_at[0] if filled.commit_at is not None else 1
+
+
 def choose_interval(profiles: Mapping[int, RankProfile], options: PlannerOptions) -> int:
     """The smallest interval in which every rank's snapshot fits its bubbles (capped)."""
-    needed = 1
-    for profile in profiles.values():
-        capacity = iteration_capacity(profile, options)
-        if profile.step_bytes == 0:
-            continue
-        rank_needs = options.max_interval if capacity == 0 else math.ceil(
-            profile.step_bytes / capacity)
-        needed = max(needed, rank_needs)
+    needed = max((iterations_needed(p, options) for p in profiles.values()), default=1)
     return max(1, min(needed, options.max_interval))
 
 
 def assign(profile: RankProfile, interval: int, options: PlannerOptions) -> RankPlan:
-    """Greedy, in schedule order: fill each bubble of each iteration with the next bytes."""
+    """Greedy, in schedule order: fill each bubble of each iteration with the next bytes.
+
+    The fill of the first n iterations does not depend on ``interval`` (it only
+    stops earlier), which :func:`iterations_needed` relies on.
+    """
     pieces = [(slot, 0, n) for slot, n in enumerate(profile.slot_bytes) if n > 0]
     head = 0
     assignments, commit_at = {}, None
     for offset in range(1, interval + 1):
+        if head == len(pieces):
+            break
         for position, seconds in profile.bubbles:
             room = bubble_capacity(seconds, profile.copy_bytes_per_second, options)
             chunks = []

@@ -79,7 +79,7 @@ class DaemonServicer:
     def CommitStep(self, request, context):
         u = request.usage
         usage = BubbleUsage(u.offered_seconds, u.used_seconds, u.spilled_seconds,
-                            u.spilled_bytes, u.bubbles, u.iterations)
+                            u.spilled_bytes, u.bubbles, u.iterations, u.overrun_seconds)
         commit = self._store.commit_step(request.job, request.rank, request.step,
                                          tuple(request.checksums), usage)
         return pb.CommitStepResponse(job_committed=commit.job_committed,
@@ -142,15 +142,22 @@ class DaemonServicer:
                                              event.iteration, event.position)
             return pb.FetchPlan(
                 step=found.step, commit=found.commit, interval=found.interval,
-                plan_version=found.version,
+                plan_version=found.version, iteration=event.iteration, position=event.position,
+                positions=found.positions,
                 chunks=[pb.Chunk(tensor=t, shard=s, start=a, stop=b)
                         for t, s, a, b in found.chunks])
         if event.kind == pb.BubbleEvent.END:
-            self._plans.record_end(event.job, event.rank, event.position,
+            self._plans.record_end(event.job, event.rank, event.iteration, event.position,
                                    event.measured_seconds, event.iteration_seconds,
                                    event.copied_bytes, event.copy_seconds)
             return None
-        raise errors.InvalidArgument("bubble event without a kind: send START or END")
+        if event.kind == pb.BubbleEvent.REPORT:
+            for r in event.reports:
+                self._plans.record_end(event.job, event.rank, event.iteration, r.position,
+                                       r.measured_seconds, event.iteration_seconds,
+                                       r.copied_bytes, r.copy_seconds, r.setup_seconds)
+            return None
+        raise errors.InvalidArgument("bubble event without a kind: send START, END or REPORT")
 
     def _job_status(self, job):
         plan, profiles, version = self._plans.plan_of(job.job)

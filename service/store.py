@@ -62,6 +62,7 @@ class BubbleUsage:
     spilled_bytes: int = 0
     bubbles: int = 0
     iterations: int = 0
+    overrun_seconds: float = 0.0
 
 
 @dataclasses.dataclass

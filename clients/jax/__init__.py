@@ -1,10 +1,13 @@
 """The JAX client: snapshot pytrees of jax.Arrays into the local daemon and restore them.
 
-Public names: :class:`SnapshotClient`, :class:`Restored`, plus the shared
+Public names: :class:`SnapshotClient`, :class:`Restored`, the pipeline
+bubble hooks :class:`BubbleSnapshotter` and its options, plus the shared
 :class:`ClientOptions`, :class:`SnapshotResult` and :class:`RestoreError`.
 """
 
 from bubblesnap.clients._session import ClientOptions, RestoreError, SnapshotResult
+from bubblesnap.clients.jax.bubbles import BubbleSnapshotOptions, BubbleSnapshotter
 from bubblesnap.clients.jax.client import Restored, SnapshotClient
 
-__all__ = ["ClientOptions", "RestoreError", "Restored", "SnapshotClient", "SnapshotResult"]
+__all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "ClientOptions", "RestoreError",
+           "Restored", "SnapshotClient", "SnapshotResult"]

@@ -63,3 +63,18 @@ def tensor_specs(names, leaves) -> list[pb.TensorSpec]:
                              * dtype.itemsize)
                 for index in owned_indices(leaf)]))
     return specs
+
+
+class SpecCache:
+    """Tensor specs of the last state layout seen; recomputed only when the layout changes."""
+
+    def __init__(self):
+        self._signature = None
+        self._specs = None
+
+    def specs(self, names, leaves) -> list[pb.TensorSpec]:
+        signature = tuple((n, leaf.shape, str(leaf.dtype), getattr(leaf, "sharding", None))
+                          for n, leaf in zip(names, leaves, strict=True))
+        if signature != self._signature:
+            self._signature, self._specs = signature, tensor_specs(names, leaves)
+        return self._specs

@@ -9,16 +9,29 @@ from orbax.checkpoint._src.serialization import replica_slices
 def fetch_to_host(leaves) -> list[np.ndarray]:
     """Host bytes of every staged shard of ``leaves``, in layout order.
 
-    Orbax starts every device-to-host copy (into pinned host memory on
-    accelerators) before waiting on any, then hands back numpy arrays. On the
-    CPU backend they are views of the device buffers, so the only copy is the
-    one into the daemon's shared memory; pinned transfer is left off there,
-    since CPU devices report a pinned_host memory and Orbax would copy into it.
+    Off the CPU backend this is Orbax's transfer path: every device-to-host
+    copy (into pinned host memory) starts before any is waited on, and numpy
+    arrays come back. On the CPU backend that path returns views of the
+    device buffers, and so does this, without Orbax's per-array bookkeeping
+    (~25 us per array: 2.7 ms for a 109-leaf pipeline stage, a fifth of its
+    bubble), taking the shards Orbax would choose, remembered per layout.
     """
     arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
-    off_cpu = any(d.platform != "cpu" for a in arrays for d in a.sharding.device_set)
+    if any(d.platform != "cpu" for a in arrays for d in a.sharding.device_set):
+        return _fetch_through_orbax(leaves, arrays)
+    host = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            shards = leaf.addressable_shards
+            host.extend(as_bytes(np.asarray(shards[i].data)) for i in _orbax_choice(leaf))
+        else:
+            host.append(as_bytes(leaf))
+    return host
+
+
+def _fetch_through_orbax(leaves, arrays) -> list[np.ndarray]:
     transferred = iter(replica_slices.transfer_arrays_to_host(
-        arrays, replica_id=None, use_replica_parallel=False, enable_pinned_host_transfer=off_cpu))
+        arrays, replica_id=None, use_replica_parallel=False, enable_pinned_host_transfer=True))
     host = []
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
@@ -26,6 +39,31 @@ def fetch_to_host(leaves) -> list[np.ndarray]:
         else:
             host.append(as_bytes(leaf))
     return host
+
+
+_CHOICES: dict = {}
+
+
+def _orbax_choice(array: jax.Array) -> tuple[int, ...]:
+    """Positions in ``array.addressable_shards`` of the shards Orbax stages, in its order."""
+    key = (array.shape, array.dtype, array.sharding)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        shards = array.addressable_shards
+        where = {(s.device, tuple(_slice_key(i) for i in s.index)): n
+                 for n, s in enumerate(shards)}
+        chosen = replica_slices.get_replica_slices(array, replica_id=None,
+                                                   use_replica_parallel=False).replica_slices
+        choice = tuple(where[(rs.unsliced_data.device, tuple(_slice_key(i) for i in rs.index))]
+                       for rs in chosen)
+        if len(_CHOICES) > 4096:
+            _CHOICES.clear()
+        _CHOICES[key] = choice
+    return choice
+
+
+def _slice_key(index: slice) -> tuple:
+    return index.start, index.stop, index.step
 
 
 def place(global_shape, dtype, sharding, stored: dict, index_of) -> jax.Array:

@@ -41,14 +41,7 @@ class SnapshotClient:
     def __init__(self, job: str, rank: int = 0, world_size: int = 1,
                  options: ClientOptions = ClientOptions(), replica_group=()):
         self._session = Session(job, rank, world_size, options, replica_group)
-        self._specs_cache: tuple = (None, None)
-
-    def _specs(self, names, leaves):
-        signature = tuple((n, leaf.shape, str(leaf.dtype), getattr(leaf, "sharding", None))
-                          for n, leaf in zip(names, leaves, strict=True))
-        if self._specs_cache[0] != signature:
-            self._specs_cache = (signature, _layout.tensor_specs(names, leaves))
-        return self._specs_cache[1]
+        self._specs = _layout.SpecCache()
 
     def snapshot(self, step: int, state, wait: bool = False) -> SnapshotResult:
         """Copies ``state`` (step ``step``) into the daemon's memory.
@@ -57,7 +50,7 @@ class SnapshotClient:
         checksums and commits in the background unless ``wait`` is set.
         """
         names, leaves, _ = _layout.flatten(state)
-        return self._session.snapshot(step, self._specs(names, leaves),
+        return self._session.snapshot(step, self._specs.specs(names, leaves),
                                       lambda: _transfer.fetch_to_host(leaves), wait=wait)
 
     def wait(self) -> SnapshotResult | None:

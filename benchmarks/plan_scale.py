@@ -1,0 +1,269 @@
+"""Planner scale: how long the bubble planner takes for a job of 1,024 pipeline stages.
+
+The synthetic job (defaults; every number is a flag):
+
+  model     175e9 parameters (GPT-3 class), split evenly over the stages.
+  state     14 bytes per parameter: bf16 params 2 + fp32 master copy 4 + fp32
+            Adam m 4 + fp32 Adam v 4. Each stage's share is 8 slots: those four
+            tensors for each of two weight groups, attention (1/3 of the
+            stage's parameters) and MLP (2/3), as a transformer block has.
+  compute   forward time per microbatch per stage f = 2 * (stage params) *
+            (tokens per microbatch) / (achieved FLOP/s), default 2,048 tokens
+            (one sequence) at 300 TFLOP/s (~30% of an H100's dense bf16 peak);
+            backward b = 2 f. Attention-score FLOPs and communication are ignored.
+  schedule  1F1B (PipeDream-flush; `--schedule gpipe` for GPipe), simulated op
+            by op: an op starts when its stage is free and its input is there
+            (forward i of stage s after forward i of stage s-1; backward i of
+            stage s after backward i of stage s+1). Every gap in a stage's
+            timeline is a bubble: the warm-up wait before its first forward
+            (s*f), the waits between its ops, and the cool-down after its last
+            backward until the iteration ends (s*b). In both schedules each
+            stage idles (p-1)(f+b) per iteration, which the run checks.
+  fetch     25 GB/s device-to-host (PCIe Gen5 x16 class), the same for every stage.
+
+Reported: the plan (interval, predicted overhead, spilled bytes) and the wall
+time of ``planner.plan`` over all stages (median, min, max of --repeats runs;
+the requirement is < 1 s for 1,024 stages). Then the daemon-side use, through
+:class:`bubblesnap.service.bubble_plans.BubblePlans`, for one daemon holding
+--ranks-per-daemon stages and for one holding all of them: the first
+iteration's bubble events as the per-host daemon gets them (each START
+answered, each END recorded, replanning whenever a new bubble appears; for the
+all-stages daemon only the ENDs and then one plan, as a replay there would
+replan once per bubble of the job), and the steady-state cost of one answered
+START, multiplied out to one iteration's worth of STARTs.
+
+Usage: python benchmarks/plan_scale.py [--json] [--stages 1024] [--microbatches 64]
+       [--params 175e9] [--bandwidth 25e9] [--schedule 1f1b|gpipe] [--repeats 5]
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+from bubblesnap.service import planner
+from bubblesnap.service.bubble_plans import BubbleOptions, BubblePlans
+
+# (state kind, bytes per parameter) of the Adam training state, in slot order.
+STATE_KINDS = (("param_bf16", 2), ("master_fp32", 4), ("adam_m_fp32", 4), ("adam_v_fp32", 4))
+WEIGHT_GROUPS = (("attention", 1, 3), ("mlp", 2, 3))  # (name, numerator, denominator)
+
+
+def stage_slots(params: int, stages: int) -> list[tuple[int, ...]]:
+    """Slot bytes per stage: the parameters split evenly, then by weight group and state kind."""
+    slots = []
+    for s in range(stages):
+        count = params // stages + (1 if s < params % stages else 0)
+        first = count * WEIGHT_GROUPS[0][1] // WEIGHT_GROUPS[0][2]
+        groups = (first, count - first)
+        slots.append(tuple(n * width for n in groups for _, width in STATE_KINDS))
+    return slots
+
+
+def op_orders(stages: int, microbatches: int, schedule: str):
+    """Each stage's ops in the order it runs them: ("F" | "B", microbatch)."""
+    orders = []
+    for s in range(stages):
+        if schedule == "gpipe":
+            order = [("F", i) for i in range(microbatches)]
+            order += [("B", i) for i in range(microbatches)]
+        else:  # 1F1B: warm-up forwards, then one forward / one backward, then the rest
+            warmup = min(stages - 1 - s, microbatches)
+            order = [("F", i) for i in range(warmup)]
+            for i in range(warmup, microbatches):
+                order += [("F", i), ("B", i - warmup)]
+            order += [("B", i) for i in range(microbatches - warmup, microbatches)]
+        orders.append(order)
+    return orders
+
+
+def simulate(stages: int, microbatches: int, forward: float, backward: float, schedule: str):
+    """Start and end of every op per stage, and the iteration's end.
+
+    Sweeps the stages alternately up (forwards flow up) and down (backwards
+    flow down), running on each stage every op whose input is ready.
+    """
+    orders = op_orders(stages, microbatches, schedule)
+    ends = {"F": [[None] * microbatches for _ in range(stages)],
+            "B": [[None] * microbatches for _ in range(stages)]}
+    clock = [0.0] * stages
+    done = [0] * stages
+    timeline = [[] for _ in range(stages)]
+    left, upward = sum(len(o) for o in orders), True
+    while left:
+        moved = False
+        for s in (range(stages) if upward else range(stages - 1, -1, -1)):
+            order = orders[s]
+            while done[s] < len(order):
+                kind, i = order[done[s]]
+                if kind == "F":
+                    ready = ends["F"][s - 1][i] if s > 0 else 0.0
+                else:
+                    ready = ends["B"][s + 1][i] if s < stages - 1 else ends["F"][s][i]
+                if ready is None:
+                    break
+                start = max(clock[s], ready)
+                clock[s] = ends[kind][s][i] = start + (forward if kind == "F" else backward)
+                timeline[s].append((start, clock[s]))
+                done[s] += 1
+                left -= 1
+                moved = True
+        if not moved and not upward:
+            raise RuntimeError("schedule deadlocked")
+        upward = not upward
+    return timeline, max(clock)
+
+
+def bubbles_of(timeline, iteration: float, tolerance: float):
+    """(position, seconds) of each idle gap: position k is the gap before op k."""
+    gaps, previous = [], 0.0
+    for k, (start, end) in enumerate([*timeline, (iteration, iteration)]):
+        if start - previous > tolerance:
+            gaps.append((k, start - previous))
+        previous = end
+    return tuple(gaps)
+
+
+def build_profiles(args):
+    params_per_stage = args.params / args.stages
+    forward = 2 * params_per_stage * args.tokens_per_microbatch / (args.tflops * 1e12)
+    backward = 2 * forward
+    timeline, iteration = simulate(args.stages, args.microbatches, forward, backward,
+                                   args.schedule)
+    slots = stage_slots(int(args.params), args.stages)
+    profiles = {s: planner.RankProfile(bubbles=bubbles_of(timeline[s], iteration, 1e-9 * forward),
+                                       iteration_seconds=iteration,
+                                       copy_bytes_per_second=args.bandwidth,
+                                       slot_bytes=slots[s])
+                for s in range(args.stages)}
+    return profiles, forward, backward, iteration
+
+
+def timed(fn, repeats: int):
+    """Result of the last call, and the wall seconds of each of ``repeats`` calls."""
+    seconds, result = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - started)
+    return result, seconds
+
+
+def summary(seconds):
+    return {"median": statistics.median(seconds), "min": min(seconds), "max": max(seconds),
+            "runs": len(seconds)}
+
+
+def daemon_use(profiles, ranks, options: planner.PlannerOptions, repeats: int, replay: bool):
+    """BubblePlans holding ``ranks``: how it learns the profiles, then steady STARTs.
+
+    ``replay``: the first iteration's events as the daemon gets them, each
+    bubble's START (answered, so replanned when a bubble is new) then its END,
+    ordered by schedule position (a stand-in for time order). Otherwise every
+    END is recorded first and one START makes the single plan.
+    """
+    plans = BubblePlans(lambda job, rank: tuple((k, 0, n) for k, n in
+                                                enumerate(profiles[rank].slot_bytes)),
+                        BubbleOptions(planner=options,
+                                      initial_copy_bytes_per_second=profiles[ranks[0]]
+                                      .copy_bytes_per_second))
+    events = sorted((position, rank, seconds) for rank in ranks
+                    for position, seconds in profiles[rank].bubbles)
+    iteration = profiles[ranks[0]].iteration_seconds
+    started = time.perf_counter()
+    for position, rank, seconds in events:
+        if replay:
+            plans.answer_start("job", rank, 0, 0, position)
+        # copied_bytes 0: the fetch bandwidth stays the configured one.
+        plans.record_end("job", rank, position, seconds, iteration, 0, 0.0)
+    learned = time.perf_counter() - started
+    started = time.perf_counter()
+    plans.answer_start("job", ranks[0], 0, 1, events[0][0])
+    last_plan = time.perf_counter() - started
+    plan, _, versions = plans.plan_of("job")
+
+    def answer():
+        return plans.answer_start("job", ranks[-1], 0, 1, events[-1][0])
+
+    _, steady = timed(answer, repeats)
+    per_start = statistics.median(steady)
+    return {"ranks": len(ranks), "bubble_events_per_iteration": len(events),
+            ("first_iteration_replayed_seconds" if replay else "record_all_ends_seconds"):
+                learned,
+            "plans_made": versions, "final_plan_seconds": last_plan, "interval": plan.interval,
+            "answer_start_seconds": summary(steady),
+            "answer_start_seconds_per_iteration": per_start * len(events),
+            "share_of_iteration": per_start * len(events) / iteration}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--stages", type=int, default=1024, help="pipeline stages (ranks)")
+    parser.add_argument("--microbatches", type=int, default=64, help="microbatches per iteration")
+    parser.add_argument("--params", type=float, default=175e9, help="model parameters")
+    parser.add_argument("--bandwidth", type=float, default=25e9,
+                        help="device-to-host fetch bytes/s per stage (default 25e9, PCIe class)")
+    parser.add_argument("--tokens-per-microbatch", type=int, default=2048)
+    parser.add_argument("--tflops", type=float, default=300.0,
+                        help="achieved TFLOP/s per stage, sets f and b (default 300)")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--repeats", type=int, default=5, help="timed planner runs (median)")
+    parser.add_argument("--ranks-per-daemon", type=int, default=8,
+                        help="stages one host's daemon serves (default 8)")
+    parser.add_argument("--skip-daemon", action="store_true",
+                        help="skip the BubblePlans measurements")
+    parser.add_argument("--skip-all-ranks-daemon", action="store_true",
+                        help="skip BubblePlans holding every stage (the slow worst case)")
+    args = parser.parse_args(argv)
+
+    options = planner.PlannerOptions()
+    started = time.perf_counter()
+    profiles, forward, backward, iteration = build_profiles(args)
+    build_seconds = time.perf_counter() - started
+    result, seconds = timed(lambda: planner.plan(profiles, options), args.repeats)
+
+    idle = [sum(s for _, s in p.bubbles) for p in profiles.values()]
+    expected_idle = (args.stages - 1) * (forward + backward)
+    state_bytes = sum(p.step_bytes for p in profiles.values())
+    report = {
+        "stages": args.stages, "microbatches": args.microbatches, "schedule": args.schedule,
+        "params": args.params, "state_bytes_per_param": sum(w for _, w in STATE_KINDS),
+        "state_bytes": state_bytes, "state_bytes_per_stage": state_bytes // args.stages,
+        "slots_per_stage": len(STATE_KINDS) * len(WEIGHT_GROUPS),
+        "forward_seconds": forward, "backward_seconds": backward,
+        "iteration_seconds": iteration,
+        "bubble_fraction": (args.stages - 1) / (args.microbatches + args.stages - 1),
+        "bubbles_per_stage": {"min": min(len(p.bubbles) for p in profiles.values()),
+                              "max": max(len(p.bubbles) for p in profiles.values())},
+        "bubbles_total": sum(len(p.bubbles) for p in profiles.values()),
+        "idle_seconds_per_stage": {"min": min(idle), "max": max(idle),
+                                   "formula_(p-1)(f+b)": expected_idle},
+        "bandwidth_bytes_per_second": args.bandwidth,
+        "planner_options": dataclasses.asdict(options),
+        "interval": result.interval,
+        "predicted_overhead": result.predicted_overhead,
+        "spill_bytes": result.spill_bytes,
+        "ranks_spilling": sum(1 for r in result.ranks.values() if r.spill_bytes),
+        "profile_build_seconds": build_seconds,
+        "plan_seconds": summary(seconds),
+        "plan_under_one_second": statistics.median(seconds) < 1.0,
+    }
+    if not args.skip_daemon:
+        ranks = sorted(profiles)
+        report["bubble_plans"] = {"per_host_daemon": daemon_use(
+            profiles, ranks[:args.ranks_per_daemon], options, max(args.repeats, 20), True)}
+        if not args.skip_all_ranks_daemon:
+            report["bubble_plans"]["one_daemon_all_ranks"] = daemon_use(
+                profiles, ranks, options, args.repeats, False)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    for key, value in report.items():
+        print(f"{key:>28}: {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""Bubble-aware snapshots of one pipeline stage (BAFT): fetch step k in iteration k+1's bubbles.
+
+The pipeline runtime tells the snapshotter where it waits::
+
+    snap = BubbleSnapshotter(client, stage=s)
+    for it in range(steps):
+        snap.begin_iteration(it)
+        for position, action in enumerate(schedule):
+            if action needs a neighbour's tensor:
+                if it has arrived: snap.no_bubble(position)
+                else:              tensor = snap.bubble(position, receive)   # fetches chunks, then waits
+            compute(action)
+        state = update(state)
+        snap.end_iteration(it, state)
+
+Every bubble worth reporting (it lasted, or used to last, a millisecond or
+more) is reported, all of an iteration's in one message at its end, without
+waiting. At the bubbles where the
+daemon's plan fetches something the snapshotter asks for the chunks and waits
+for the answer (once an iteration it also asks at its longest bubble, to learn
+of new plans); it copies them (device to host through Orbax's path, then into the
+daemon's shared memory, hashing as it copies) and then does the blocking
+receive. Nothing is fetched while the daemon is still profiling. What did not
+fit by the end of the snapshot interval is fetched right away (spilled) and
+counted. The held state must not be donated to the next step.
+"""
+
+import dataclasses
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from bubblesnap.clients.jax import _layout, _transfer
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos.checksum import copy_hashing, new_hasher
+
+log = logging.getLogger("bubblesnap.client")
+
+
+@dataclasses.dataclass(frozen=True)
+class BubbleSnapshotOptions:
+    """How a stage uses its bubbles.
+
+    Attributes:
+      warmup_iterations: iterations not reported at all (JIT compilation makes
+        their bubbles meaningless). Default 2.
+      plan_timeout_seconds: how long a bubble waits for the daemon's answer
+        before giving up on that bubble. Default 20 ms.
+      eager: ignore bubbles and copy the whole state right after the step
+        (CheckFreq-style); the baseline bubbles are measured against.
+        Default False.
+      min_report_seconds: waits shorter than this, at positions that have
+        never waited longer, are not reported. Default 1 ms.
+    """
+
+    warmup_iterations: int = 2
+    plan_timeout_seconds: float = 0.02
+    eager: bool = False
+    min_report_seconds: float = 1e-3
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One step's state being fetched over the bubbles of later iterations."""
+
+    step: int
+    leaves: list
+    specs: list
+    slot_of: dict          # (tensor, shard) -> slot index
+    tensor_of_slot: list   # slot index -> tensor index
+    started: float
+    host: dict = dataclasses.field(default_factory=dict)  # tensor -> flat uint8 per shard
+    staging: object = None
+    begun: object = None  # waits for the BeginStep answer
+    progress: list = dataclasses.field(default_factory=list)
+    hashers: list = dataclasses.field(default_factory=list)
+    usage: pb.BubbleUsage = dataclasses.field(default_factory=pb.BubbleUsage)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyRecord:
+    """One piece of snapshot work, for timelines: when, how many bytes, and whether it spilled."""
+
+    step: int
+    start: float
+    stop: float
+    nbytes: int
+    spilled: bool
+
+
+class BubbleSnapshotter:
+    """Snapshots one stage's state in its pipeline bubbles through the local daemon."""
+
+    def __init__(self, client, stage: int, options: BubbleSnapshotOptions = BubbleSnapshotOptions()):
+        self._session = client._session
+        self._stage = stage
+        self.options = options
+        self._stream = self._session.bubble_stream(options.plan_timeout_seconds)
+        self._iteration = -1
+        self._iteration_started = 0.0
+        self._last_iteration_seconds = 0.0
+        self._interval = 1
+        self._plan_version = 0
+        self._positions: frozenset[int] = frozenset()
+        self._probed_iteration = -1
+        self._lengths: dict[int, float] = {}  # moving average of each position's wait
+        self._reports: list[pb.BubbleReport] = []
+        self._outbox: tuple[int, float, list] | None = None  # last iteration's reports, unsent
+        self._held: tuple[int, object] | None = None  # (step, state) not yet prepared
+        self._pending: _Pending | None = None
+        self._specs = _layout.SpecCache()
+        self._registered = False
+        self.records: list[CopyRecord] = []
+        self.overrun_seconds = 0.0  # in all, for reports
+        self.committed_steps: list[int] = []
+
+    @property
+    def interval(self) -> int:
+        """The snapshot interval the daemon's plan chose (1 until a plan exists)."""
+        return self._interval
+
+    # -- the runtime's hooks -------------------------------------------------------------------
+
+    def begin_iteration(self, iteration: int) -> None:
+        now = time.perf_counter()
+        if self._iteration >= 0:
+            self._last_iteration_seconds = now - self._iteration_started
+        if self._reports:
+            self._outbox = (self._iteration, self._last_iteration_seconds, self._reports)
+            self._reports = []
+        self._iteration, self._iteration_started = iteration, now
+
+    def no_bubble(self, position: int) -> None:
+        """The stage did not have to wait at ``position`` this time."""
+        self._report_end(position, 0.0, 0, 0.0)
+
+    def bubble(self, position: int, receive):
+        """Uses the bubble at ``position``, then returns ``receive()``'s value.
+
+        ``receive()`` blocks until the neighbour's tensor is there and returns
+        (value, arrival time on the perf_counter clock).
+        """
+        if self._reporting() and not self.options.eager:
+            started = time.perf_counter()
+            self._send_reports()
+            self._prepare()
+            copied, copy_seconds, setup = (self._fetch_in_bubble(position, started)
+                                           if self._worth_asking(position) else (0, 0.0, 0.0))
+            done = time.perf_counter()
+            value, arrived = receive()
+            measured = max(arrived - started, 0.0)
+            if copied:
+                self.overrun_seconds += max(done - arrived, 0.0)
+                if self._pending is not None:
+                    self._pending.usage.offered_seconds += measured
+                    self._pending.usage.overrun_seconds += max(done - arrived, 0.0)
+            self._report_end(position, measured, copied, copy_seconds, setup)
+            return value
+        value, _ = receive()
+        return value
+
+    def end_iteration(self, iteration: int, state) -> None:
+        """Step ``iteration`` finished with ``state``: spill what is due, maybe hold this state.
+
+        Holding only keeps a reference; the bookkeeping happens in the next
+        bubble, where the stage is idle anyway.
+        """
+        if not self._registered:
+            self._register(state)  # the daemon must know the rank before its bubbles are reported
+        if self._held is not None or (self._pending is not None
+                                      and iteration - self._pending.step >= self._interval):
+            self.flush()
+        if self._pending is None and self._should_snapshot(iteration):
+            self._held = (iteration, state)
+            if self.options.eager:
+                self.flush()
+
+    def flush(self) -> None:
+        """Fetches and commits the held step now, if any (training waits for it)."""
+        self._prepare()
+        if self._pending is not None:
+            self._finish(self._pending, spill=True)
+
+    def close(self) -> None:
+        self._stream.close()
+        self._session.wait()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _worth_asking(self, position: int) -> bool:
+        """Wait for the daemon here: the plan fetches here, or this is the iteration's probe."""
+        if self._pending is not None and position in self._positions:
+            return True
+        if self._probed_iteration == self._iteration or not self._lengths:
+            return False
+        longest = max(self._lengths, key=self._lengths.get)
+        if position == longest:
+            self._probed_iteration = self._iteration
+            return True
+        return False
+
+    def _reporting(self) -> bool:
+        return self._registered and self._iteration >= self.options.warmup_iterations
+
+    def _should_snapshot(self, iteration: int) -> bool:
+        if not self._reporting():
+            return False
+        if self.options.eager:
+            return True
+        return self._plan_version > 0 and iteration % self._interval == 0
+
+    def _register(self, state) -> None:
+        names, leaves, _ = _layout.flatten(state)
+        try:
+            self._session.ensure_registered(self._specs.specs(names, leaves))
+            self._registered = True
+        except grpc.RpcError as err:
+            self._drop(err)
+
+    def _prepare(self) -> None:
+        """Turns the held state into a pending snapshot: layout, slots, hashers."""
+        if self._held is None:
+            return
+        step, state = self._held
+        self._held = None
+        refusal = self._session.refusal(step, block=False)
+        if refusal is not None:
+            log.warning("stage %d: no snapshot of step %d: %s", self._stage, step, refusal.reason)
+            return
+        names, leaves, _ = _layout.flatten(state)
+        specs = self._specs.specs(names, leaves)
+        slot_of, tensor_of_slot = {}, []
+        for t, spec in enumerate(specs):
+            for s in range(len(spec.shards)):
+                slot_of[(t, s)] = len(tensor_of_slot)
+                tensor_of_slot.append(t)
+        pending = _Pending(step, leaves, specs, slot_of, tensor_of_slot, time.perf_counter(),
+                           progress=[0] * len(tensor_of_slot),
+                           hashers=[new_hasher() for _ in tensor_of_slot])
+        try:  # answered while the bubble's START is in flight
+            pending.begun = self._session.begin_async(step, specs)
+        except grpc.RpcError as err:
+            self._drop(err)
+            return
+        self._pending = pending
+
+    def _fetch_in_bubble(self, position: int, bubble_started: float) -> tuple[int, float, float]:
+        """Asks for this bubble's chunks and copies them: (bytes, copy seconds, setup seconds)."""
+        pending = self._pending
+        event = pb.BubbleEvent(
+            job=self._session.job, rank=self._session.rank, stage=self._stage,
+            step=pending.step if pending else -1, kind=pb.BubbleEvent.START,
+            iteration=self._iteration, position=position)
+        try:
+            answer = self._stream.start(event)
+        except grpc.RpcError as err:
+            self._drop(err)
+            return 0, 0.0, 0.0
+        if answer is None:
+            return 0, 0.0, 0.0
+        self._interval, self._plan_version = max(1, answer.interval), answer.plan_version
+        self._positions = frozenset(answer.positions)
+        if pending is None or answer.step != pending.step or not answer.chunks:
+            return 0, 0.0, 0.0
+        try:
+            self._ensure_staging(pending)  # the BeginStep call is not part of the copy bandwidth
+        except grpc.RpcError as err:
+            self._drop(err)
+            return 0, 0.0, 0.0
+        started = time.perf_counter()
+        try:
+            self._fetch(pending, {c.tensor for c in answer.chunks})
+            copied = sum(self._copy(pending, pending.slot_of[(c.tensor, c.shard)], c.stop)
+                         for c in answer.chunks)
+        except grpc.RpcError as err:
+            self._drop(err)
+            return 0, 0.0, 0.0
+        seconds = time.perf_counter() - started
+        self.records.append(CopyRecord(pending.step, started, started + seconds, copied, False))
+        pending.usage.used_seconds += seconds
+        pending.usage.bubbles += 1
+        if answer.commit:
+            self._finish(pending, spill=True)
+        return copied, seconds, started - bubble_started
+
+    def _copy(self, pending: _Pending, slot: int, stop: int) -> int:
+        """Copies slot ``slot`` from where it stands up to byte ``stop``; returns bytes copied."""
+        self._ensure_staging(pending)
+        offset, nbytes = pending.staging.slots[slot]
+        start, stop = pending.progress[slot], min(stop, nbytes)
+        if stop <= start:
+            return 0
+        tensor = pending.tensor_of_slot[slot]
+        self._fetch(pending, {tensor})
+        first_slot = pending.slot_of[(tensor, 0)]
+        source = pending.host[tensor][slot - first_slot]
+        copy_hashing(pending.staging.segment[offset + start:offset + stop], source[start:stop],
+                     pending.hashers[slot])
+        pending.progress[slot] = stop
+        return stop - start
+
+    def _ensure_staging(self, pending: _Pending) -> None:
+        if pending.staging is None:
+            pending.staging = pending.begun()
+
+    @staticmethod
+    def _fetch(pending: _Pending, tensors) -> None:
+        """Device-to-host transfer of ``tensors`` not fetched yet, as one batch."""
+        missing = sorted(t for t in tensors if t not in pending.host)
+        if missing:
+            host = _transfer.fetch_to_host([pending.leaves[t] for t in missing])
+            for t in missing:
+                count = len(pending.specs[t].shards)
+                pending.host[t], host = host[:count], host[count:]
+
+    def _finish(self, pending: _Pending, spill: bool) -> None:
+        """Copies whatever is left (spilled: training waits) and commits."""
+        started = time.perf_counter()
+        try:
+            self._fetch(pending, range(len(pending.specs)))
+            left = sum(self._copy(pending, slot, np.iinfo(np.int64).max)
+                       for slot in range(len(pending.progress)))
+        except grpc.RpcError as err:
+            self._drop(err)
+            return
+        if left:
+            seconds = time.perf_counter() - started
+            self.records.append(CopyRecord(pending.step, started, started + seconds, left, spill))
+            pending.usage.spilled_seconds += seconds
+            pending.usage.spilled_bytes += left
+        pending.usage.iterations = max(1, self._iteration - pending.step)
+        checksums = [h.intdigest() for h in pending.hashers]
+        self._session.commit(pending.step, pending.started, checksums, pending.usage)
+        self.committed_steps.append(pending.step)
+        self._pending = None
+
+    def _drop(self, err: grpc.RpcError) -> None:
+        step = self._pending.step if self._pending else -1
+        result = self._session.failed(step, time.perf_counter(), err)
+        log.warning("stage %d: %s", self._stage, result.reason)
+        self._pending = None
+
+    def _report_end(self, position: int, measured: float, copied: int, seconds: float,
+                    setup: float = 0.0) -> None:
+        if not self._reporting():
+            return
+        floor = self.options.min_report_seconds
+        known = self._lengths.get(position, 0.0)
+        if measured < floor and known < floor:
+            return
+        self._lengths[position] = 0.7 * known + 0.3 * measured if known else measured
+        self._reports.append(pb.BubbleReport(position=position, measured_seconds=measured,
+                                             copied_bytes=copied, copy_seconds=seconds,
+                                             setup_seconds=setup))
+
+    def _send_reports(self) -> None:
+        """Sends the last iteration's bubble reports, if not sent yet (one message)."""
+        if self._outbox is None:
+            return
+        iteration, seconds, reports = self._outbox
+        self._outbox = None
+        self._stream.end(pb.BubbleEvent(
+            job=self._session.job, rank=self._session.rank, stage=self._stage,
+            step=self._pending.step if self._pending else -1, kind=pb.BubbleEvent.REPORT,
+            iteration=iteration, iteration_seconds=seconds, reports=reports))

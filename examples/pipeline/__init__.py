@@ -1,0 +1,8 @@
+"""A small pipeline-parallel GPT runtime for the bubblesnap examples and benchmarks.
+
+model.py      the GPT decoder, split into stages, with per-stage forward/backward/update
+schedules.py  GPipe and 1F1B action lists per stage
+transport.py  how activations and gradients travel: threads (one process) or sockets
+stage.py      one stage's loop: compute, wait (bubbles), snapshot hooks, timing
+timeline.py   the picture: one lane per stage, compute, bubbles, snapshot chunks
+"""
