@@ -25,12 +25,9 @@ Reported: the plan (interval, predicted overhead, spilled bytes) and the wall
 time of ``planner.plan`` over all stages (median, min, max of --repeats runs;
 the requirement is < 1 s for 1,024 stages). Then the daemon-side use, through
 :class:`bubblesnap.service.bubble_plans.BubblePlans`, for one daemon holding
---ranks-per-daemon stages and for one holding all of them: the first
-iteration's bubble events as the per-host daemon gets them (each START
-answered, each END recorded, replanning whenever a new bubble appears; for the
-all-stages daemon only the ENDs and then one plan, as a replay there would
-replan once per bubble of the job), and the steady-state cost of one answered
-START, multiplied out to one iteration's worth of STARTs.
+--ranks-per-daemon stages and for one holding all of them: recording two
+iterations of bubble reports, making the plan and answering the first START,
+and the steady-state cost of a START that already holds the plan.
 
 Usage: python benchmarks/plan_scale.py [--json] [--stages 1024] [--microbatches 64]
        [--params 175e9] [--bandwidth 25e9] [--schedule 1f1b|gpipe] [--repeats 5]
@@ -155,46 +152,33 @@ def summary(seconds):
             "runs": len(seconds)}
 
 
-def daemon_use(profiles, ranks, options: planner.PlannerOptions, repeats: int, replay: bool):
-    """BubblePlans holding ``ranks``: how it learns the profiles, then steady STARTs.
+def daemon_use(profiles, ranks, options: planner.PlannerOptions, repeats: int) -> dict:
+    """BubblePlans holding ``ranks``: two iterations of REPORTs, the plan, then steady STARTs.
 
-    ``replay``: the first iteration's events as the daemon gets them, each
-    bubble's START (answered, so replanned when a bubble is new) then its END,
-    ordered by schedule position (a stand-in for time order). Otherwise every
-    END is recorded first and one START makes the single plan.
+    Every rank reports two iterations of bubbles (one REPORT each), then one
+    START with no plan makes the daemon plan and answer; afterwards a START
+    that holds the current plan is a lookup with no answer.
     """
     plans = BubblePlans(lambda job, rank: tuple((k, 0, n) for k, n in
                                                 enumerate(profiles[rank].slot_bytes)),
                         BubbleOptions(planner=options,
                                       initial_copy_bytes_per_second=profiles[ranks[0]]
                                       .copy_bytes_per_second))
-    events = sorted((position, rank, seconds) for rank in ranks
-                    for position, seconds in profiles[rank].bubbles)
     iteration = profiles[ranks[0]].iteration_seconds
     started = time.perf_counter()
-    for position, rank, seconds in events:
-        if replay:
-            plans.answer_start("job", rank, 0, 0, position)
-        # copied_bytes 0: the fetch bandwidth stays the configured one.
-        plans.record_end("job", rank, position, seconds, iteration, 0, 0.0)
+    for it in (0, 1):
+        for rank in ranks:
+            for position, seconds in profiles[rank].bubbles:
+                # copied_bytes 0: the fetch bandwidth stays the configured one.
+                plans.record_end("job", rank, it, position, seconds, iteration, 0, 0.0)
     learned = time.perf_counter() - started
     started = time.perf_counter()
-    plans.answer_start("job", ranks[0], 0, 1, events[0][0])
-    last_plan = time.perf_counter() - started
-    plan, _, versions = plans.plan_of("job")
-
-    def answer():
-        return plans.answer_start("job", ranks[-1], 0, 1, events[-1][0])
-
-    _, steady = timed(answer, repeats)
-    per_start = statistics.median(steady)
-    return {"ranks": len(ranks), "bubble_events_per_iteration": len(events),
-            ("first_iteration_replayed_seconds" if replay else "record_all_ends_seconds"):
-                learned,
-            "plans_made": versions, "final_plan_seconds": last_plan, "interval": plan.interval,
-            "answer_start_seconds": summary(steady),
-            "answer_start_seconds_per_iteration": per_start * len(events),
-            "share_of_iteration": per_start * len(events) / iteration}
+    first = plans.answer_start("job", ranks[0], 0)
+    plan_seconds = time.perf_counter() - started
+    _, steady = timed(lambda: plans.answer_start("job", ranks[-1], first.version), repeats)
+    return {"ranks": len(ranks), "record_two_iterations_seconds": learned,
+            "plan_and_answer_seconds": plan_seconds, "interval": first.interval,
+            "steady_start_seconds": summary(steady)}
 
 
 def main(argv=None):
@@ -254,10 +238,10 @@ def main(argv=None):
     if not args.skip_daemon:
         ranks = sorted(profiles)
         report["bubble_plans"] = {"per_host_daemon": daemon_use(
-            profiles, ranks[:args.ranks_per_daemon], options, max(args.repeats, 20), True)}
+            profiles, ranks[:args.ranks_per_daemon], options, max(args.repeats, 20))}
         if not args.skip_all_ranks_daemon:
             report["bubble_plans"]["one_daemon_all_ranks"] = daemon_use(
-                profiles, ranks, options, args.repeats, False)
+                profiles, ranks, options, args.repeats)
     if args.json:
         print(json.dumps(report, indent=2))
         return

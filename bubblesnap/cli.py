@@ -29,7 +29,7 @@ def _human(nbytes: int) -> str:
 
 
 def _daemon_parser(sub):
-    from bubblesnap.service import DaemonOptions, StoreOptions
+    from bubblesnap.service import DaemonOptions, PlannerOptions, StoreOptions
     d, s = DaemonOptions(), StoreOptions()
     p = sub.add_parser(
         "daemon", help="run the per-host snapshot daemon",
@@ -55,6 +55,11 @@ def _daemon_parser(sub):
                    f"{_human(d.max_message_bytes)})")
     p.add_argument("--checksum-threads", type=int, default=s.checksum_threads, metavar="N",
                    help=f"threads hashing shards (default {s.checksum_threads})")
+    p.add_argument("--max-interval", type=int, default=PlannerOptions().max_interval,
+                   metavar="N", help="longest snapshot interval the bubble planner may choose; "
+                   "what does not fit into N iterations' bubbles is copied at the end of the "
+                   "interval while training waits. 1: a snapshot every iteration "
+                   f"(default {PlannerOptions().max_interval})")
     p.add_argument("--nice", type=int, default=10, metavar="N",
                    help="raise the daemon's niceness by N so training processes win every "
                         "contended core and the daemon runs in their idle time (default 10; "
@@ -68,9 +73,11 @@ def _daemon_parser(sub):
 
 
 def _run_daemon(args) -> int:
-    from bubblesnap.service import DaemonOptions, StoreOptions, run
+    from bubblesnap.service import BubbleOptions, DaemonOptions, PlannerOptions, StoreOptions, run
     if args.keep < 1:
         raise SystemExit("--keep must be at least 1")
+    if args.max_interval < 1:
+        raise SystemExit("--max-interval must be at least 1")
     if not 0 <= args.nice <= 19:
         raise SystemExit("--nice must be between 0 and 19")
     if args.nice:
@@ -80,8 +87,9 @@ def _run_daemon(args) -> int:
     store = StoreOptions(memory_budget_bytes=args.memory_budget, keep_steps=args.keep,
                          checksum_threads=max(1, args.checksum_threads),
                          verify_on_commit=args.verify_on_commit)
+    bubbles = BubbleOptions(planner=PlannerOptions(max_interval=args.max_interval))
     return run(DaemonOptions(listen=args.listen, metrics=args.metrics, shm_dir=args.shm_dir,
-                             store=store, max_message_bytes=args.max_message))
+                             store=store, bubbles=bubbles, max_message_bytes=args.max_message))
 
 
 def _status_parser(sub):

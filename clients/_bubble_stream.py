@@ -1,71 +1,44 @@
-"""The client's end of the Bubbles stream: bubble starts that wait briefly for a plan.
+"""The client's end of the Bubbles stream: events go out, plans come back, nobody waits.
 
-One long-lived bidirectional stream per rank. A START waits for the daemon's
-answer at most ``timeout`` seconds (the bubble is idle time, but not much of
-it); answers that arrive late are recognised by their echoed (iteration,
-position) and dropped. END events are queued and never waited for.
+One long-lived bidirectional stream per rank. Sending is a queue put; the
+daemon's answers (a new plan for the rank) are picked up by a thread and kept
+as :attr:`BubbleStream.latest`, which the snapshotter reads at its next
+bubble. A failed stream is reopened on the next send.
 """
 
 import queue
 import threading
 
 import grpc
-
 from bubblesnap.protos import daemon_pb2 as pb
 
 _CLOSE = object()
 
 
 class BubbleStream:
-    """Sends bubble events over one stream; reopened lazily after a failure."""
+    """Sends bubble events over one stream and keeps the latest plan received."""
 
-    def __init__(self, stub, timeout: float):
+    def __init__(self, stub):
         self._stub = stub
-        self._timeout = timeout
         self._requests: queue.SimpleQueue | None = None
-        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self.latest: pb.FetchPlan | None = None
         self.error: grpc.RpcError | None = None
 
-    def _open(self) -> None:
-        if self._requests is not None:
-            return
-        self.error = None
-        self._requests = requests = queue.SimpleQueue()
-        self._answers = answers = queue.SimpleQueue()
-        call = self._stub.Bubbles(iter(lambda: requests.get(), _CLOSE))
-        threading.Thread(target=self._pump, args=(call, answers), daemon=True,
-                         name="bubble-answers").start()
+    def send(self, event: pb.BubbleEvent) -> None:
+        if self._requests is None:
+            self._requests = requests = queue.SimpleQueue()
+            call = self._stub.Bubbles(iter(requests.get, _CLOSE))
+            threading.Thread(target=self._pump, args=(call,), daemon=True,
+                             name="bubble-plans").start()
+        self._requests.put(event)
 
-    def _pump(self, call, answers) -> None:
+    def _pump(self, call) -> None:
         try:
-            for answer in call:
-                answers.put(answer)
+            for plan in call:
+                self.latest = plan
         except grpc.RpcError as err:
-            answers.put(err)
-
-    def start(self, event: pb.BubbleEvent) -> pb.FetchPlan | None:
-        """Announces a bubble; the daemon's plan for it, or None if it did not answer in time.
-
-        Raises grpc.RpcError if the stream failed (and forgets it, so the next
-        call reopens it).
-        """
-        self._open()
-        self._requests.put(event)
-        while True:
-            try:
-                answer = self._answers.get(timeout=self._timeout)
-            except queue.Empty:
-                return None
-            if isinstance(answer, grpc.RpcError):
-                self._requests = None
-                raise answer
-            if (answer.iteration, answer.position) == (event.iteration, event.position):
-                return answer
-
-    def end(self, event: pb.BubbleEvent) -> None:
-        """Reports a finished bubble without waiting."""
-        self._open()
-        self._requests.put(event)
+            self.error = err
+            self._requests = None
 
     def close(self) -> None:
         if self._requests is not None:

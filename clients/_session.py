@@ -172,12 +172,13 @@ class Session:
             return Staging(step, segment, tuple((s.offset, s.nbytes) for s in answer.slots))
         return staging
 
-    def commit(self, step: int, started: float, checksums=(), usage=None) -> None:
-        """Sends the commit without waiting; :meth:`wait` collects the answer."""
+    def commit(self, step: int, started: float, checksums=(), usage=None):
+        """Sends the commit without waiting and returns its future; :meth:`wait` collects it."""
         request = pb.CommitStepRequest(job=self.job, rank=self.rank, step=step,
                                        checksums=checksums, usage=usage)
         future = self._stub.CommitStep.future(request, timeout=self.options.rpc_timeout_seconds)
         self._in_flight.append((step, future, started))
+        return future
 
     def wait(self) -> SnapshotResult | None:
         """Waits for every commit in flight; returns the outcome of the newest (None if none)."""
@@ -238,9 +239,9 @@ class Session:
             shards[(slot.tensor, slot.shard)] = data
         return RawStep(found.step, tuple(found.tensors), shards)
 
-    def bubble_stream(self, timeout: float) -> BubbleStream:
+    def bubble_stream(self) -> BubbleStream:
         """A Bubbles stream on this session's channel."""
-        return BubbleStream(self._stub, timeout)
+        return BubbleStream(self._stub)
 
     def status(self) -> pb.JobStatus:
         response = self.call("Status", pb.StatusRequest(job=self.job))

@@ -80,7 +80,6 @@ def make_modes(args, stage: int, stages: int) -> dict:
 def run_stage(args, stage: int, devices, inbox, send) -> dict:
     """Builds and runs one stage; returns what the parent needs to report."""
     import jax
-
     from pipeline.model import StageProgram
     from pipeline.schedules import SCHEDULES
     from pipeline.stage import StageRunner
@@ -109,12 +108,26 @@ def run_stage(args, stage: int, devices, inbox, send) -> dict:
 
 
 def verify_restore(client, runner: "StageRunner", jax) -> dict:  # noqa: F821
-    """Restores the job's latest committed step and compares it with the state of that step."""
+    """Restores the job's latest committed step and compares it with the state of that step.
+
+    Other stages may still be committing their last step: waits up to a minute
+    for a step that every stage holds.
+    """
     import numpy as np
+
+    from bubblesnap.clients import RestoreError
     state = runner.program.state
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                             state)
-    restored = client.restore(abstract)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            restored = client.restore(abstract)
+            break
+        except RestoreError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     expected = runner.kept_states.get(restored.step)
     matches = expected is not None and all(
         np.asarray(a).tobytes() == np.asarray(b).tobytes() and a.sharding == b.sharding
@@ -128,7 +141,6 @@ def run_threads(args) -> list[dict]:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                                f"device_count={args.stages * args.devices_per_stage}")
     import jax
-
     from pipeline.transport import ThreadLinks
     links, results, errors = ThreadLinks(args.stages), [None] * args.stages, []
     devices = jax.devices()
@@ -162,7 +174,6 @@ def stage_process(args) -> int:
                                "false --xla_force_host_platform_device_count="
                                f"{args.devices_per_stage}")
     import jax
-
     from pipeline.transport import SocketLinks
     links = SocketLinks(args.rendezvous, args.stages, args.stage)
     inbox, send = links.endpoint(args.stage)
@@ -282,14 +293,25 @@ def draw_timeline(args, results: list[dict], path: str) -> None:
                   f"(iterations {first}-{first + 1})")
 
 
-def start_daemon() -> tuple[subprocess.Popen, str]:
+def start_daemon(max_interval: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "bubblesnap", "daemon", "--listen",
                              "127.0.0.1:0", "--metrics", "", "--memory-budget", "8GiB",
-                             "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
+                             "--max-interval", str(max_interval), "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line:
         raise SystemExit("the daemon did not start; run `bubblesnap daemon` to see why")
     return proc, json.loads(line)["address"]
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give N or N,N,... blocks per stage") from None
+    if any(n < 0 for n in layers):
+        raise argparse.ArgumentTypeError("blocks per stage cannot be negative")
+    return layers
 
 
 def parse_args(argv=None):
@@ -309,7 +331,9 @@ def parse_args(argv=None):
     model.add_argument("--vocab", type=int, default=2048)
     model.add_argument("--d-model", type=int, default=256)
     model.add_argument("--heads", type=int, default=4)
-    model.add_argument("--layers-per-stage", type=int, default=2)
+    model.add_argument("--layers-per-stage", type=_layers, default=(2,),
+                       help="decoder blocks per stage: one number for all, or one per stage "
+                            "(e.g. 3,2: the last stage also holds the LM head)")
     model.add_argument("--seq-len", type=int, default=32)
     model.add_argument("--microbatch-size", type=int, default=2)
     snap = p.add_argument_group("snapshots")
@@ -322,6 +346,9 @@ def parse_args(argv=None):
     snap.add_argument("--segment-warmup", type=int, default=2,
                       help="unmeasured iterations when a segment starts")
     snap.add_argument("--daemon", help="use this daemon instead of starting one")
+    snap.add_argument("--max-interval", type=int, default=8,
+                      help="for the daemon started here: longest snapshot interval its planner "
+                           "may choose (1: every iteration, spilling what does not fit)")
     snap.add_argument("--job", default="pipeline", help="job name prefix")
     snap.add_argument("--verify-restore", action="store_true",
                       help="after training, restore the latest committed step on every stage "
@@ -340,6 +367,9 @@ def parse_args(argv=None):
         p.error(f"unknown snapshot modes {sorted(unknown)}")
     if args.stages < 2:
         p.error("--stages must be at least 2")
+    if len(args.layers_per_stage) not in (1, args.stages):
+        p.error(f"--layers-per-stage has {len(args.layers_per_stage)} entries for "
+                f"{args.stages} stages")
     return args
 
 
@@ -350,7 +380,7 @@ def main() -> int:
     daemon = None
     needs_daemon = {"bubblesnap", "eager"} & set(args.modes.split(","))
     if needs_daemon and args.daemon is None:
-        daemon, args.daemon = start_daemon()
+        daemon, args.daemon = start_daemon(args.max_interval)
         log(f"started a daemon on {args.daemon}")
     orbax_dir = tempfile.mkdtemp(prefix="bubblesnap-orbax-", dir="/dev/shm")
     args.orbax_dir = orbax_dir

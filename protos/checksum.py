@@ -23,15 +23,20 @@ def new_hasher():
     return xxhash.xxh3_64()
 
 
-def copy_hashing(dst, src, hasher) -> None:
+def copy_hashing(dst, src, hasher, stop_early=None) -> int:
     """Copies ``src`` into ``dst`` (equal-length uint8 numpy views), feeding ``hasher``.
 
     Hashes each block right after copying it, while it is still in cache, and
-    hashes the destination: the checksum is of the bytes that landed.
+    hashes the destination: the checksum is of the bytes that landed. If
+    ``stop_early()`` turns true between blocks, stops there. Returns the bytes
+    copied (a prefix of ``src``).
     """
     if dst.nbytes != src.nbytes:
         raise ValueError(f"copy of {src.nbytes} bytes into a {dst.nbytes}-byte slot")
     for start in range(0, src.nbytes, FUSED_BLOCK_BYTES):
+        if stop_early is not None and stop_early():
+            return start
         stop = min(start + FUSED_BLOCK_BYTES, src.nbytes)
         dst[start:stop] = src[start:stop]
         hasher.update(dst[start:stop])
+    return src.nbytes

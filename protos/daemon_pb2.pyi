@@ -97,7 +97,7 @@ class BubbleReport(_message.Message):
     def __init__(self, position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., setup_seconds: _Optional[float] = ...) -> None: ...
 
 class BubbleEvent(_message.Message):
-    __slots__ = ("job", "rank", "stage", "step", "kind", "expected_seconds", "iteration", "position", "measured_seconds", "copied_bytes", "copy_seconds", "iteration_seconds", "reports")
+    __slots__ = ("job", "rank", "stage", "step", "kind", "expected_seconds", "plan_version", "iteration", "position", "measured_seconds", "copied_bytes", "copy_seconds", "iteration_seconds", "reports")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[BubbleEvent.Kind]
@@ -114,6 +114,7 @@ class BubbleEvent(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     MEASURED_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +128,7 @@ class BubbleEvent(_message.Message):
     step: int
     kind: BubbleEvent.Kind
     expected_seconds: float
+    plan_version: int
     iteration: int
     position: int
     measured_seconds: float
@@ -134,29 +136,29 @@ class BubbleEvent(_message.Message):
     copy_seconds: float
     iteration_seconds: float
     reports: _containers.RepeatedCompositeFieldContainer[BubbleReport]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[BubbleEvent.Kind, str]] = ..., expected_seconds: _Optional[float] = ..., iteration: _Optional[int] = ..., position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., iteration_seconds: _Optional[float] = ..., reports: _Optional[_Iterable[_Union[BubbleReport, _Mapping]]] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[BubbleEvent.Kind, str]] = ..., expected_seconds: _Optional[float] = ..., plan_version: _Optional[int] = ..., iteration: _Optional[int] = ..., position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., iteration_seconds: _Optional[float] = ..., reports: _Optional[_Iterable[_Union[BubbleReport, _Mapping]]] = ...) -> None: ...
 
-class FetchPlan(_message.Message):
-    __slots__ = ("step", "everything", "chunks", "commit", "interval", "plan_version", "iteration", "position", "positions")
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    EVERYTHING_FIELD_NUMBER: _ClassVar[int]
+class Assignment(_message.Message):
+    __slots__ = ("offset", "position", "chunks", "commit")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
-    INTERVAL_FIELD_NUMBER: _ClassVar[int]
-    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
-    ITERATION_FIELD_NUMBER: _ClassVar[int]
-    POSITION_FIELD_NUMBER: _ClassVar[int]
-    POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    everything: bool
+    offset: int
+    position: int
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
     commit: bool
+    def __init__(self, offset: _Optional[int] = ..., position: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., commit: _Optional[bool] = ...) -> None: ...
+
+class FetchPlan(_message.Message):
+    __slots__ = ("interval", "plan_version", "assignments")
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     interval: int
     plan_version: int
-    iteration: int
-    position: int
-    positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., everything: _Optional[bool] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., commit: _Optional[bool] = ..., interval: _Optional[int] = ..., plan_version: _Optional[int] = ..., iteration: _Optional[int] = ..., position: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
+    def __init__(self, interval: _Optional[int] = ..., plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("tensor", "shard", "offset", "nbytes")

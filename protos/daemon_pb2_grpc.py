@@ -94,9 +94,9 @@ class DaemonServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Bubbles(self, request_iterator, context):
-        """Bubble notifications. The client sends an event whenever its pipeline
-        stage enters or leaves an idle window; for each START the daemon answers
-        with the shards to fetch now.
+        """Bubble notifications. The client announces bubbles (START) and reports
+        them once an iteration (REPORT); whenever a START names an outdated plan
+        version the daemon answers with the rank's current plan.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,11 +1,12 @@
 """Per-job bubble profiles and plans: the daemon's side of the Bubbles stream.
 
 Stages report each bubble's real length when it ends; this keeps a moving
-average per (job, rank, position) of its length and of its deviation, and of
-the time the stage needs to start fetching in a bubble (the START round trip,
+average per (job, rank, position) of its length, and of the time the stage
+needs to start fetching in a bubble (preparing the held state, waiting for
 the BeginStep answer). The planner is given each bubble's usable length: the
-average less one deviation less that setup time, so a short bubble or a slow
-answer is rarely overrun. A rank counts as profiled once it has
+average less that setup time. (A bubble that ends early is not overrun by
+much: the client stops fetching when the awaited tensor arrives.) A rank
+counts as profiled once it has
 reported two iterations; the first plan waits for that. Afterwards a report
 that moves the rank's profile by more than ``replan_change`` (a stage got
 slower, a bubble appeared) marks the job for replanning, done once at the next
@@ -41,19 +42,19 @@ class BubbleOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class FetchAnswer:
-    step: int
-    chunks: tuple[tuple[int, int, int, int], ...]  # (tensor, shard, start, stop)
-    commit: bool
+class RankAssignments:
+    """One rank's plan as the client executes it."""
+
     interval: int
     version: int
-    positions: tuple[int, ...]  # where this rank's plan fetches anything
+    # (offset, position) -> ((tensor, shard, start, stop), ...), and the commit point
+    chunks: dict[tuple[int, int], tuple[tuple[int, int, int, int], ...]]
+    commit_at: tuple[int, int] | None
 
 
 @dataclasses.dataclass
 class _Profile:
     bubbles: dict[int, float] = dataclasses.field(default_factory=dict)
-    deviations: dict[int, float] = dataclasses.field(default_factory=dict)
     iteration_seconds: float = 0.0
     copy_bytes_per_second: float = 0.0
     setup_seconds: float = 0.0
@@ -69,7 +70,6 @@ class _JobPlans:
     profiles: dict[int, _Profile] = dataclasses.field(default_factory=dict)
     planned: dict[int, planning.RankProfile] = dataclasses.field(default_factory=dict)
     plan: planning.Plan | None = None
-    positions: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     slots: dict[int, tuple[tuple[int, int, int], ...]] = dataclasses.field(default_factory=dict)
     version: int = 0
     dirty: bool = False
@@ -105,11 +105,8 @@ class BubblePlans:
             profile = entry.profiles.setdefault(rank, _Profile())
             if len(profile.iterations) < 2:
                 profile.iterations.add(iteration)
-            mean = profile.bubbles.get(position, 0.0)
-            if mean > 0:
-                profile.deviations[position] = _ema(profile.deviations.get(position, 0.0),
-                                                    abs(measured_seconds - mean), weight)
-            profile.bubbles[position] = _ema(mean, measured_seconds, weight)
+            profile.bubbles[position] = _ema(profile.bubbles.get(position, 0.0),
+                                             measured_seconds, weight)
             if iteration_seconds > 0:
                 profile.iteration_seconds = _ema(profile.iteration_seconds, iteration_seconds,
                                                  weight)
@@ -123,28 +120,23 @@ class BubblePlans:
                 entry.dirty = planned is None or self._changed(
                     planned, self._rank_profile(job, entry, rank))
 
-    def answer_start(self, job: str, rank: int, step: int, iteration: int,
-                     position: int) -> FetchAnswer:
-        """The chunks of ``step`` to fetch in this bubble (none while still profiling)."""
+    def answer_start(self, job: str, rank: int, known_version: int) -> RankAssignments | None:
+        """The rank's current plan if it holds an older one (else None: nothing to send)."""
         with self._lock:
             entry = self._job(job)
             if entry.dirty:
                 self._replan(job, entry)
-            if entry.plan is None:
-                return FetchAnswer(step, (), False, 1, 0, ())
-            interval = entry.plan.interval
+            if entry.plan is None or known_version == entry.version:
+                return None
             rank_plan = entry.plan.ranks.get(rank)
             if rank_plan is None:
-                return FetchAnswer(step, (), False, interval, entry.version, ())
-            positions = entry.positions[rank]
-            if step < 0:
-                return FetchAnswer(step, (), False, interval, entry.version, positions)
-            key = (iteration - step, position)
+                return RankAssignments(entry.plan.interval, entry.version, {}, None)
             slots = entry.slots[rank]
-            chunks = tuple((slots[c.slot][0], slots[c.slot][1], c.start, c.stop)
-                           for c in rank_plan.assignments.get(key, ()))
-            return FetchAnswer(step, chunks, key == rank_plan.commit_at, interval, entry.version,
-                               positions)
+            chunks = {key: tuple((slots[c.slot][0], slots[c.slot][1], c.start, c.stop)
+                                 for c in assigned)
+                      for key, assigned in rank_plan.assignments.items()}
+            return RankAssignments(entry.plan.interval, entry.version, chunks,
+                                   rank_plan.commit_at)
 
     def plan_of(self, job: str) -> tuple[planning.Plan | None, dict, int]:
         """The current plan, the profiles it was made from, and its version."""
@@ -165,8 +157,7 @@ class BubblePlans:
         if rank not in entry.slots:
             entry.slots[rank] = self._slot_bytes(job, rank)
         p = entry.profiles[rank]
-        usable = {pos: max(0.0, mean - p.deviations.get(pos, 0.0) - p.setup_seconds)
-                  for pos, mean in p.bubbles.items()}
+        usable = {pos: max(0.0, mean - p.setup_seconds) for pos, mean in p.bubbles.items()}
         return planning.RankProfile(
             bubbles=tuple(sorted(usable.items())), iteration_seconds=p.iteration_seconds,
             copy_bytes_per_second=p.copy_bytes_per_second
@@ -180,8 +171,6 @@ class BubblePlans:
                    for rank, p in entry.profiles.items() if p.ready}
         entry.plan = planning.plan(current, self.options.planner)
         entry.planned = current
-        entry.positions = {rank: tuple(sorted({pos for _, pos in rp.assignments}))
-                           for rank, rp in entry.plan.ranks.items()}
         entry.version += 1
 
     def _changed(self, old: planning.RankProfile, new: planning.RankProfile) -> bool:

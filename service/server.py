@@ -138,14 +138,15 @@ class DaemonServicer:
     def _bubble(self, event):
         self._store.slot_bytes(event.job, event.rank)  # the rank must be registered
         if event.kind == pb.BubbleEvent.START:
-            found = self._plans.answer_start(event.job, event.rank, event.step,
-                                             event.iteration, event.position)
-            return pb.FetchPlan(
-                step=found.step, commit=found.commit, interval=found.interval,
-                plan_version=found.version, iteration=event.iteration, position=event.position,
-                positions=found.positions,
-                chunks=[pb.Chunk(tensor=t, shard=s, start=a, stop=b)
-                        for t, s, a, b in found.chunks])
+            found = self._plans.answer_start(event.job, event.rank, event.plan_version)
+            if found is None:
+                return None
+            return pb.FetchPlan(interval=found.interval, plan_version=found.version, assignments=[
+                pb.Assignment(offset=offset, position=position, commit=(offset, position)
+                              == found.commit_at,
+                              chunks=[pb.Chunk(tensor=t, shard=s, start=a, stop=b)
+                                      for t, s, a, b in chunks])
+                for (offset, position), chunks in sorted(found.chunks.items())])
         if event.kind == pb.BubbleEvent.END:
             self._plans.record_end(event.job, event.rank, event.iteration, event.position,
                                    event.measured_seconds, event.iteration_seconds,

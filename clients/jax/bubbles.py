@@ -8,21 +8,25 @@ The pipeline runtime tells the snapshotter where it waits::
         for position, action in enumerate(schedule):
             if action needs a neighbour's tensor:
                 if it has arrived: snap.no_bubble(position)
-                else:              tensor = snap.bubble(position, receive)   # fetches chunks, then waits
+                else:              tensor = snap.bubble(position, receive)   # fetches, then waits
             compute(action)
         state = update(state)
         snap.end_iteration(it, state)
 
-Every bubble worth reporting (it lasted, or used to last, a millisecond or
-more) is reported, all of an iteration's in one message at its end, without
-waiting. At the bubbles where the
-daemon's plan fetches something the snapshotter asks for the chunks and waits
-for the answer (once an iteration it also asks at its longest bubble, to learn
-of new plans); it copies them (device to host through Orbax's path, then into the
-daemon's shared memory, hashing as it copies) and then does the blocking
-receive. Nothing is fetched while the daemon is still profiling. What did not
-fit by the end of the snapshot interval is fetched right away (spilled) and
-counted. The held state must not be donated to the next step.
+The daemon plans, from the bubbles each stage reports, which chunks of the
+held step to fetch in which bubble of which later iteration, and sends the
+rank its whole plan whenever it changes. The snapshotter executes the plan
+locally, so it never waits for the daemon inside a bubble: at each bubble it
+copies the chunks planned there (device to host through Orbax's path, then
+into the daemon's shared memory, hashing as it copies), then does the
+blocking receive. If the runtime says the awaited tensor has arrived, the
+copy stops at the next 1 MiB block, so a bubble shorter than planned costs
+at most one block; what is left is fetched in a later bubble or spilled.
+Once an iteration it announces a bubble (START, with the plan version it
+holds) and sends the last iteration's bubble lengths (one
+REPORT); neither is waited for. What did not fit by the end of the snapshot
+interval is fetched right away (spilled) and counted. The held state must not
+be donated to the next step.
 """
 
 import dataclasses
@@ -31,7 +35,6 @@ import time
 
 import grpc
 import numpy as np
-
 from bubblesnap.clients.jax import _layout, _transfer
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos.checksum import copy_hashing, new_hasher
@@ -46,8 +49,6 @@ class BubbleSnapshotOptions:
     Attributes:
       warmup_iterations: iterations not reported at all (JIT compilation makes
         their bubbles meaningless). Default 2.
-      plan_timeout_seconds: how long a bubble waits for the daemon's answer
-        before giving up on that bubble. Default 20 ms.
       eager: ignore bubbles and copy the whole state right after the step
         (CheckFreq-style); the baseline bubbles are measured against.
         Default False.
@@ -56,7 +57,6 @@ class BubbleSnapshotOptions:
     """
 
     warmup_iterations: int = 2
-    plan_timeout_seconds: float = 0.02
     eager: bool = False
     min_report_seconds: float = 1e-3
 
@@ -71,9 +71,9 @@ class _Pending:
     slot_of: dict          # (tensor, shard) -> slot index
     tensor_of_slot: list   # slot index -> tensor index
     started: float
-    host: dict = dataclasses.field(default_factory=dict)  # tensor -> flat uint8 per shard
+    begun: object          # waits for the BeginStep answer
     staging: object = None
-    begun: object = None  # waits for the BeginStep answer
+    host: dict = dataclasses.field(default_factory=dict)  # tensor -> flat uint8 per shard
     progress: list = dataclasses.field(default_factory=list)
     hashers: list = dataclasses.field(default_factory=list)
     usage: pb.BubbleUsage = dataclasses.field(default_factory=pb.BubbleUsage)
@@ -93,27 +93,27 @@ class CopyRecord:
 class BubbleSnapshotter:
     """Snapshots one stage's state in its pipeline bubbles through the local daemon."""
 
-    def __init__(self, client, stage: int, options: BubbleSnapshotOptions = BubbleSnapshotOptions()):
+    def __init__(self, client, stage: int,
+                 options: BubbleSnapshotOptions = BubbleSnapshotOptions()):
         self._session = client._session
         self._stage = stage
         self.options = options
-        self._stream = self._session.bubble_stream(options.plan_timeout_seconds)
-        self._iteration = -1
-        self._iteration_started = 0.0
-        self._last_iteration_seconds = 0.0
-        self._interval = 1
-        self._plan_version = 0
-        self._positions: frozenset[int] = frozenset()
-        self._probed_iteration = -1
-        self._lengths: dict[int, float] = {}  # moving average of each position's wait
-        self._reports: list[pb.BubbleReport] = []
-        self._outbox: tuple[int, float, list] | None = None  # last iteration's reports, unsent
-        self._held: tuple[int, object] | None = None  # (step, state) not yet prepared
-        self._pending: _Pending | None = None
+        self._stream = self._session.bubble_stream()
         self._specs = _layout.SpecCache()
         self._registered = False
+        self._iteration, self._iteration_started = -1, 0.0
+        self._last_iteration_seconds = 0.0
+        self._announced = -1          # the iteration whose START was sent
+        self._reports: list[pb.BubbleReport] = []
+        self._outbox: tuple | None = None  # (iteration, seconds, reports) not sent yet
+        self._lengths: dict[int, float] = {}  # moving average of each position's wait
+        self._plan_version, self._interval = 0, 1
+        self._plan: dict[tuple[int, int], tuple] = {}  # (offset, position) -> (chunks, commit)
+        self._held: tuple[int, object] | None = None  # (step, state) not prepared yet
+        self._next_begin: tuple[int, object] | None = None  # BeginStep sent ahead
+        self._pending: _Pending | None = None
         self.records: list[CopyRecord] = []
-        self.overrun_seconds = 0.0  # in all, for reports
+        self.overrun_seconds = 0.0
         self.committed_steps: list[int] = []
 
     @property
@@ -134,31 +134,27 @@ class BubbleSnapshotter:
 
     def no_bubble(self, position: int) -> None:
         """The stage did not have to wait at ``position`` this time."""
-        self._report_end(position, 0.0, 0, 0.0)
+        self._report(position, 0.0)
 
-    def bubble(self, position: int, receive):
+    def bubble(self, position: int, receive, arrived=None):
         """Uses the bubble at ``position``, then returns ``receive()``'s value.
 
         ``receive()`` blocks until the neighbour's tensor is there and returns
-        (value, arrival time on the perf_counter clock).
+        (value, arrival time on the perf_counter clock). ``arrived()``, if
+        given, says without blocking whether it is there: fetching stops then.
         """
-        if self._reporting() and not self.options.eager:
-            started = time.perf_counter()
-            self._send_reports()
-            self._prepare()
-            copied, copy_seconds, setup = (self._fetch_in_bubble(position, started)
-                                           if self._worth_asking(position) else (0, 0.0, 0.0))
-            done = time.perf_counter()
-            value, arrived = receive()
-            measured = max(arrived - started, 0.0)
-            if copied:
-                self.overrun_seconds += max(done - arrived, 0.0)
-                if self._pending is not None:
-                    self._pending.usage.offered_seconds += measured
-                    self._pending.usage.overrun_seconds += max(done - arrived, 0.0)
-            self._report_end(position, measured, copied, copy_seconds, setup)
-            return value
-        value, _ = receive()
+        if not self._reporting() or self.options.eager:
+            return receive()[0]
+        started = time.perf_counter()
+        self._announce()
+        self._prepare()
+        copied, copy_seconds, setup = self._copy_planned(position, started, arrived)
+        done = time.perf_counter()
+        value, arrived = receive()
+        measured = max(arrived - started, 0.0)
+        if copied:
+            self.overrun_seconds += max(done - arrived, 0.0)
+        self._report(position, measured, copied, copy_seconds, setup)
         return value
 
     def end_iteration(self, iteration: int, state) -> None:
@@ -189,18 +185,6 @@ class BubbleSnapshotter:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _worth_asking(self, position: int) -> bool:
-        """Wait for the daemon here: the plan fetches here, or this is the iteration's probe."""
-        if self._pending is not None and position in self._positions:
-            return True
-        if self._probed_iteration == self._iteration or not self._lengths:
-            return False
-        longest = max(self._lengths, key=self._lengths.get)
-        if position == longest:
-            self._probed_iteration = self._iteration
-            return True
-        return False
-
     def _reporting(self) -> bool:
         return self._registered and self._iteration >= self.options.warmup_iterations
 
@@ -219,8 +203,28 @@ class BubbleSnapshotter:
         except grpc.RpcError as err:
             self._drop(err)
 
+    def _announce(self) -> None:
+        """Once an iteration: last iteration's REPORT, this one's START; adopt a newer plan."""
+        if self._announced == self._iteration:
+            return
+        self._announced = self._iteration
+        event = dict(job=self._session.job, rank=self._session.rank, stage=self._stage,
+                     step=self._pending.step if self._pending else -1)
+        if self._outbox is not None:
+            iteration, seconds, reports = self._outbox
+            self._outbox = None
+            self._stream.send(pb.BubbleEvent(kind=pb.BubbleEvent.REPORT, iteration=iteration,
+                                             iteration_seconds=seconds, reports=reports, **event))
+        self._stream.send(pb.BubbleEvent(kind=pb.BubbleEvent.START, iteration=self._iteration,
+                                         plan_version=self._plan_version, **event))
+        latest = self._stream.latest
+        if latest is not None and latest.plan_version != self._plan_version:
+            self._plan_version, self._interval = latest.plan_version, max(1, latest.interval)
+            self._plan = {(a.offset, a.position): (tuple(a.chunks), a.commit)
+                          for a in latest.assignments}
+
     def _prepare(self) -> None:
-        """Turns the held state into a pending snapshot: layout, slots, hashers."""
+        """Turns the held state into a pending snapshot: layout, slots, hashers, BeginStep."""
         if self._held is None:
             return
         step, state = self._held
@@ -231,49 +235,36 @@ class BubbleSnapshotter:
             return
         names, leaves, _ = _layout.flatten(state)
         specs = self._specs.specs(names, leaves)
+        ahead, self._next_begin = self._next_begin, None
+        try:
+            begun = ahead[1] if ahead and ahead[0] == step else self._session.begin_async(
+                step, specs)
+        except grpc.RpcError as err:
+            self._drop(err)
+            return
         slot_of, tensor_of_slot = {}, []
         for t, spec in enumerate(specs):
             for s in range(len(spec.shards)):
                 slot_of[(t, s)] = len(tensor_of_slot)
                 tensor_of_slot.append(t)
-        pending = _Pending(step, leaves, specs, slot_of, tensor_of_slot, time.perf_counter(),
-                           progress=[0] * len(tensor_of_slot),
-                           hashers=[new_hasher() for _ in tensor_of_slot])
-        try:  # answered while the bubble's START is in flight
-            pending.begun = self._session.begin_async(step, specs)
-        except grpc.RpcError as err:
-            self._drop(err)
-            return
-        self._pending = pending
+        self._pending = _Pending(step, leaves, specs, slot_of, tensor_of_slot, time.perf_counter(),
+                                 begun, progress=[0] * len(tensor_of_slot),
+                                 hashers=[new_hasher() for _ in tensor_of_slot])
 
-    def _fetch_in_bubble(self, position: int, bubble_started: float) -> tuple[int, float, float]:
-        """Asks for this bubble's chunks and copies them: (bytes, copy seconds, setup seconds)."""
+    def _copy_planned(self, position: int, bubble_started: float,
+                      arrived) -> tuple[int, float, float]:
+        """Copies the chunks the plan puts in this bubble: (bytes, seconds, setup seconds)."""
         pending = self._pending
-        event = pb.BubbleEvent(
-            job=self._session.job, rank=self._session.rank, stage=self._stage,
-            step=pending.step if pending else -1, kind=pb.BubbleEvent.START,
-            iteration=self._iteration, position=position)
-        try:
-            answer = self._stream.start(event)
-        except grpc.RpcError as err:
-            self._drop(err)
+        if pending is None:
             return 0, 0.0, 0.0
-        if answer is None:
-            return 0, 0.0, 0.0
-        self._interval, self._plan_version = max(1, answer.interval), answer.plan_version
-        self._positions = frozenset(answer.positions)
-        if pending is None or answer.step != pending.step or not answer.chunks:
-            return 0, 0.0, 0.0
-        try:
-            self._ensure_staging(pending)  # the BeginStep call is not part of the copy bandwidth
-        except grpc.RpcError as err:
-            self._drop(err)
+        chunks, commit = self._plan.get((self._iteration - pending.step, position), ((), False))
+        if not chunks:
             return 0, 0.0, 0.0
         started = time.perf_counter()
         try:
-            self._fetch(pending, {c.tensor for c in answer.chunks})
-            copied = sum(self._copy(pending, pending.slot_of[(c.tensor, c.shard)], c.stop)
-                         for c in answer.chunks)
+            self._fetch(pending, {c.tensor for c in chunks})
+            copied = sum(self._copy(pending, pending.slot_of[(c.tensor, c.shard)], c.stop,
+                                    arrived) for c in chunks)
         except grpc.RpcError as err:
             self._drop(err)
             return 0, 0.0, 0.0
@@ -281,29 +272,31 @@ class BubbleSnapshotter:
         self.records.append(CopyRecord(pending.step, started, started + seconds, copied, False))
         pending.usage.used_seconds += seconds
         pending.usage.bubbles += 1
-        if answer.commit:
+        if commit and all(p == s[1] for p, s in zip(pending.progress, pending.staging.slots,
+                                                      strict=True)):
             self._finish(pending, spill=True)
         return copied, seconds, started - bubble_started
 
-    def _copy(self, pending: _Pending, slot: int, stop: int) -> int:
-        """Copies slot ``slot`` from where it stands up to byte ``stop``; returns bytes copied."""
-        self._ensure_staging(pending)
+    def _copy(self, pending: _Pending, slot: int, stop: int, arrived=None) -> int:
+        """Copies slot ``slot`` from where it stands up to byte ``stop``; returns bytes copied.
+
+        Stops early when ``arrived()`` turns true (the bubble is over).
+        """
+        if pending.staging is None:
+            pending.staging = pending.begun()
         offset, nbytes = pending.staging.slots[slot]
         start, stop = pending.progress[slot], min(stop, nbytes)
         if stop <= start:
             return 0
         tensor = pending.tensor_of_slot[slot]
         self._fetch(pending, {tensor})
-        first_slot = pending.slot_of[(tensor, 0)]
-        source = pending.host[tensor][slot - first_slot]
-        copy_hashing(pending.staging.segment[offset + start:offset + stop], source[start:stop],
-                     pending.hashers[slot])
-        pending.progress[slot] = stop
-        return stop - start
-
-    def _ensure_staging(self, pending: _Pending) -> None:
-        if pending.staging is None:
-            pending.staging = pending.begun()
+        source = pending.host[tensor][slot - pending.slot_of[(tensor, 0)]]
+        if arrived is not None and arrived():
+            return 0
+        copied = copy_hashing(pending.staging.segment[offset + start:offset + stop],
+                              source[start:stop], pending.hashers[slot], arrived)
+        pending.progress[slot] = start + copied
+        return copied
 
     @staticmethod
     def _fetch(pending: _Pending, tensors) -> None:
@@ -316,7 +309,7 @@ class BubbleSnapshotter:
                 pending.host[t], host = host[:count], host[count:]
 
     def _finish(self, pending: _Pending, spill: bool) -> None:
-        """Copies whatever is left (spilled: training waits) and commits."""
+        """Copies whatever is left (spilled: training waits), commits, begins the next step."""
         started = time.perf_counter()
         try:
             self._fetch(pending, range(len(pending.specs)))
@@ -331,10 +324,21 @@ class BubbleSnapshotter:
             pending.usage.spilled_seconds += seconds
             pending.usage.spilled_bytes += left
         pending.usage.iterations = max(1, self._iteration - pending.step)
-        checksums = [h.intdigest() for h in pending.hashers]
-        self._session.commit(pending.step, pending.started, checksums, pending.usage)
+        future = self._session.commit(pending.step, pending.started,
+                                      [h.intdigest() for h in pending.hashers], pending.usage)
         self.committed_steps.append(pending.step)
         self._pending = None
+        next_step, specs = pending.step + self._interval, pending.specs
+
+        def begin_next(done) -> None:
+            # Reserve the next step's memory once this commit is answered (not before:
+            # a BeginStep overtaking the commit would abort the step being committed).
+            if done.exception() is None:
+                try:
+                    self._next_begin = (next_step, self._session.begin_async(next_step, specs))
+                except grpc.RpcError:
+                    pass  # the next step begins in its own bubble instead
+        future.add_done_callback(begin_next)
 
     def _drop(self, err: grpc.RpcError) -> None:
         step = self._pending.step if self._pending else -1
@@ -342,8 +346,8 @@ class BubbleSnapshotter:
         log.warning("stage %d: %s", self._stage, result.reason)
         self._pending = None
 
-    def _report_end(self, position: int, measured: float, copied: int, seconds: float,
-                    setup: float = 0.0) -> None:
+    def _report(self, position: int, measured: float, copied: int = 0, seconds: float = 0.0,
+                setup: float = 0.0) -> None:
         if not self._reporting():
             return
         floor = self.options.min_report_seconds
@@ -354,14 +358,3 @@ class BubbleSnapshotter:
         self._reports.append(pb.BubbleReport(position=position, measured_seconds=measured,
                                              copied_bytes=copied, copy_seconds=seconds,
                                              setup_seconds=setup))
-
-    def _send_reports(self) -> None:
-        """Sends the last iteration's bubble reports, if not sent yet (one message)."""
-        if self._outbox is None:
-            return
-        iteration, seconds, reports = self._outbox
-        self._outbox = None
-        self._stream.end(pb.BubbleEvent(
-            job=self._session.job, rank=self._session.rank, stage=self._stage,
-            step=self._pending.step if self._pending else -1, kind=pb.BubbleEvent.REPORT,
-            iteration=iteration, iteration_seconds=seconds, reports=reports))

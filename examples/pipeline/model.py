@@ -25,7 +25,7 @@ class GPTConfig:
     vocab: int = 4096
     d_model: int = 256
     heads: int = 4
-    layers_per_stage: int = 2
+    layers_per_stage: tuple[int, ...] = (2,)  # one entry per stage, or one for all
     seq_len: int = 32
     microbatch_size: int = 2
     learning_rate: float = 3e-4
@@ -48,6 +48,7 @@ class Stage(nn.Module):
     config: GPTConfig
     first: bool
     last: bool
+    layers: int
 
     @nn.compact
     def __call__(self, x):
@@ -55,7 +56,7 @@ class Stage(nn.Module):
         if self.first:
             x = nn.Embed(c.vocab, c.d_model)(x) + self.param(
                 "positions", nn.initializers.normal(0.02), (c.seq_len, c.d_model))
-        for _ in range(c.layers_per_stage):
+        for _ in range(self.layers):
             x = Block(c)(x)
         if self.last:
             x = nn.Dense(c.vocab)(nn.LayerNorm()(x))
@@ -83,7 +84,9 @@ class StageProgram:
     def __init__(self, config: GPTConfig, stages: int, stage: int, devices):
         self.config, self.first, self.last = config, stage == 0, stage == stages - 1
         self.mesh = Mesh(np.array(devices), ("model",))
-        self.module = Stage(config, self.first, self.last)
+        layers = config.layers_per_stage
+        self.module = Stage(config, self.first, self.last,
+                            layers[stage] if len(layers) == stages else layers[0])
         self.optimizer = optax.adamw(config.learning_rate)
         self.replicated = NamedSharding(self.mesh, P())
         shape = (config.microbatch_size, config.seq_len)

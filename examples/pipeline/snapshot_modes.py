@@ -28,7 +28,7 @@ class NoSnapshots:
     def no_bubble(self, position: int) -> None:
         pass
 
-    def bubble(self, position: int, receive):
+    def bubble(self, position: int, receive, arrived=None):
         return receive()[0]
 
     def end_iteration(self, iteration: int, state) -> None:
@@ -52,8 +52,12 @@ class DaemonSnapshots(NoSnapshots):
 
     def __init__(self, daemon: str, job: str, stage: int, stages: int, eager: bool):
         super().__init__()
-        from bubblesnap.clients.jax import (BubbleSnapshotOptions, BubbleSnapshotter,
-                                            ClientOptions, SnapshotClient)
+        from bubblesnap.clients.jax import (
+            BubbleSnapshotOptions,
+            BubbleSnapshotter,
+            ClientOptions,
+            SnapshotClient,
+        )
         self.client = SnapshotClient(job, rank=stage, world_size=stages,
                                      options=ClientOptions(daemon=daemon))
         self.snap = BubbleSnapshotter(self.client, stage, BubbleSnapshotOptions(eager=eager))
@@ -64,8 +68,8 @@ class DaemonSnapshots(NoSnapshots):
     def no_bubble(self, position: int) -> None:
         self.snap.no_bubble(position)
 
-    def bubble(self, position: int, receive):
-        return self.snap.bubble(position, receive)
+    def bubble(self, position: int, receive, arrived=None):
+        return self.snap.bubble(position, receive, arrived)
 
     def end_iteration(self, iteration: int, state) -> None:
         self.snap.end_iteration(iteration, state)

@@ -91,6 +91,6 @@ class StageRunner:
             value, _ = self.inbox.take(key)
         else:
             started = time.perf_counter()
-            value = mode.bubble(position, lambda: self.inbox.take(key))
+            value = mode.bubble(position, lambda: self.inbox.take(key), lambda: self.inbox.has(key))
             self.events.append(("wait", started, time.perf_counter()))
         return self.program.place(value)

@@ -3,8 +3,8 @@
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 STYLE = {  # label -> (colour, legend text, lane band: 0 full height, 1 lower half)
     "F": ("#4C72B0", "forward", 0),
@@ -21,7 +21,7 @@ STYLE = {  # label -> (colour, legend text, lane band: 0 full height, 1 lower ha
 def draw(stages: list[dict], window: tuple[float, float], path: str, title: str) -> None:
     """``stages[i]`` has "events" and "spans": lists of (label, start, stop) in seconds."""
     t0, t1 = window
-    fig, ax = plt.subplots(figsize=(13, 1.0 + 0.9 * len(stages)))
+    fig, ax = plt.subplots(figsize=(13, 1.6 + 0.8 * len(stages)))
     for lane, stage in enumerate(stages):
         y = len(stages) - 1 - lane
         for label, start, stop in stage["events"] + stage["spans"]:
@@ -37,9 +37,8 @@ def draw(stages: list[dict], window: tuple[float, float], path: str, title: str)
     ax.set_xlim(0, (t1 - t0) * 1e3)
     ax.set_title(title)
     used = {label for s in stages for label, *_ in s["events"] + s["spans"]}
-    ax.legend(handles=[Patch(color=c, label=text) for label, (c, text, _) in STYLE.items()
-                       if label in used], loc="upper center", bbox_to_anchor=(0.5, -0.25 if
-                       len(stages) < 3 else -0.12), ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout()
+    fig.legend(handles=[Patch(color=c, label=text) for label, (c, text, _) in STYLE.items()
+                        if label in used], loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12 if len(stages) > 2 else 0.2, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)

@@ -129,7 +129,8 @@ def _connect(path: str, timeout: float) -> socket.socket:
         except (FileNotFoundError, ConnectionRefusedError):
             conn.close()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"stage socket {path} did not appear in {timeout:.0f} s")
+                raise TimeoutError(
+                    f"stage socket {path} did not appear in {timeout:.0f} s") from None
             time.sleep(0.05)
 
 

@@ -1,0 +1,98 @@
+"""Bubble-aware snapshots through real daemons: the plan protocol and whole pipeline runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bubblesnap.clients.jax import _transfer
+from bubblesnap.protos import daemon_pb2 as pb
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src.serialization import replica_slices
+
+from tests.helpers import register, tensor_spec
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "pipeline_gpt.py")
+
+
+def _report(iteration, lengths, copied=0, seconds=0.0):
+    return pb.BubbleEvent(job="plan", rank=0, kind=pb.BubbleEvent.REPORT, iteration=iteration,
+                          iteration_seconds=0.1, reports=[
+                              pb.BubbleReport(position=p, measured_seconds=s, copied_bytes=copied,
+                                              copy_seconds=seconds)
+                              for p, s in lengths.items()])
+
+
+def test_daemon_pushes_a_plan_that_covers_the_state(daemon):
+    tensors = [tensor_spec("a", (1 << 18,)), tensor_spec("b", (3 << 18,))]  # 1 MiB + 3 MiB
+    register(daemon.stub, job="plan", tensors=tensors)
+    start = pb.BubbleEvent(job="plan", rank=0, kind=pb.BubbleEvent.START, iteration=3)
+    events = [_report(1, {0: 0.02, 4: 0.01}), _report(2, {0: 0.02, 4: 0.01}, 8 << 20, 0.004),
+              start]
+    plans = list(daemon.stub.Bubbles(iter(events), timeout=10))
+    assert len(plans) == 1
+    plan = plans[0]
+    assert plan.plan_version > 0 and plan.interval >= 1
+    covered = {0: 0, 1: 0}
+    for a in sorted(plan.assignments, key=lambda a: (a.offset, a.position)):
+        assert a.position in (0, 4) and 1 <= a.offset <= plan.interval
+        for c in a.chunks:
+            assert c.start == covered[c.tensor]  # in order, no gap, no overlap
+            covered[c.tensor] = c.stop
+    assert covered == {0: 1 << 20, 1: 3 << 20}
+    assert sum(a.commit for a in plan.assignments) == 1
+    # A START that already holds the current plan gets no answer.
+    again = pb.BubbleEvent(job="plan", rank=0, kind=pb.BubbleEvent.START, iteration=4,
+                           plan_version=plan.plan_version)
+    assert list(daemon.stub.Bubbles(iter([again]), timeout=10)) == []
+    status = daemon.stub.Status(pb.StatusRequest(job="plan"), timeout=10).jobs[0].plan
+    assert status.version == plan.plan_version and status.ranks[0].step_bytes == 4 << 20
+
+
+def test_cpu_fetch_takes_the_shards_orbax_takes():
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    leaves = [jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, spec))
+              for spec in (P(), P("a"), P("a", "b"), P(None, "b"))]
+    ours = _transfer.fetch_to_host(leaves)
+    theirs = [np.asarray(rs.unsliced_data).reshape(-1).view(np.uint8)
+              for r in replica_slices.transfer_arrays_to_host(leaves, None, False,
+                                                              enable_pinned_host_transfer=False)
+              for rs in r.replica_slices]
+    assert [(a.ctypes.data, a.nbytes) for a in ours] == [(b.ctypes.data, b.nbytes)
+                                                          for b in theirs]
+
+
+def _run_example(*flags, timeout=600):
+    result = subprocess.run([sys.executable, EXAMPLE, "--json", *flags], capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_restores_what_it_snapshotted(schedule, tmp_path):
+    timeline = tmp_path / "timeline.png"
+    report = _run_example("--stages", "3", "--schedule", schedule, "--steps", "9",
+                          "--d-model", "64", "--vocab", "256", "--seq-len", "16",
+                          "--verify-restore", "--timeline", str(timeline))
+    assert report["modes"]["bubblesnap"]["snapshots"] > 0
+    assert report["restore_matches"] is True
+    assert all(s["restore"]["matches"] for s in report["per_stage"])
+    assert timeline.stat().st_size > 10_000
+
+
+def test_process_per_stage_run_compares_every_mode(tmp_path):
+    report = _run_example("--transport", "processes", "--stages", "2", "--d-model", "64",
+                          "--vocab", "256", "--seq-len", "16", "--modes",
+                          "none,bubblesnap,eager,orbax_async", "--rounds", "1", "--segment", "5",
+                          "--verify-restore")
+    assert set(report["modes"]) == {"none", "bubblesnap", "eager", "orbax_async"}
+    assert report["modes"]["eager"]["snapshots"] == 5
+    assert report["modes"]["orbax_async"]["snapshots"] == 5
+    assert report["restore_matches"] is True
+    assert report["plan"]["interval"] >= 1
