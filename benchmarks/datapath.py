@@ -124,6 +124,7 @@ class Bench:
     def __init__(self, state, address: str, orbax_dir: str):
         import jax
         import orbax.checkpoint as ocp
+
         from bubblesnap.clients.jax import ClientOptions, SnapshotClient
         self.state = state
         self.target = jax.tree.map(

@@ -13,6 +13,7 @@ import time
 
 import grpc
 import numpy as np
+
 from bubblesnap.clients._bubble_stream import BubbleStream
 from bubblesnap.clients._shared_memory import SegmentMaps, map_restored
 from bubblesnap.protos import daemon_pb2 as pb
@@ -75,6 +76,21 @@ class Staging:
     slots: tuple[tuple[int, int], ...]
 
 
+class PendingStaging:
+    """A BeginStep in flight: ``done()`` without blocking, ``()`` waits and maps the segment."""
+
+    def __init__(self, step: int, future, maps: SegmentMaps):
+        self.step, self._future, self._maps = step, future, maps
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __call__(self) -> Staging:
+        answer = self._future.result()
+        segment = self._maps.view(answer.segment_path, answer.segment_bytes)
+        return Staging(self.step, segment, tuple((s.offset, s.nbytes) for s in answer.slots))
+
+
 @dataclasses.dataclass(frozen=True)
 class RawStep:
     """A restored step before it is turned back into framework arrays."""
@@ -135,7 +151,7 @@ class Session:
             for (offset, nbytes), array in zip(staging.slots, fetch(), strict=True):
                 np.copyto(staging.segment[offset:offset + nbytes], array)
             self.commit(step, started)
-        except grpc.RpcError as err:
+        except (grpc.RpcError, OSError, ValueError) as err:
             return self.failed(step, started, err)
         if not wait:
             return SnapshotResult(step, True, None, "", time.perf_counter() - started)
@@ -159,18 +175,13 @@ class Session:
         """Registers if needed and reserves the step's segment; raises grpc.RpcError."""
         return self.begin_async(step, tensors)()
 
-    def begin_async(self, step: int, tensors):
-        """Like :meth:`begin`, but returns at once a function that waits for the answer."""
+    def begin_async(self, step: int, tensors) -> "PendingStaging":
+        """Like :meth:`begin`, but returns at once; the answer is waited for when used."""
         self.ensure_registered(tensors)
         future = self._stub.BeginStep.future(
             pb.BeginStepRequest(job=self.job, rank=self.rank, step=step),
             timeout=self.options.rpc_timeout_seconds)
-
-        def staging() -> Staging:
-            answer = future.result()
-            segment = self._maps.view(answer.segment_path, answer.segment_bytes)
-            return Staging(step, segment, tuple((s.offset, s.nbytes) for s in answer.slots))
-        return staging
+        return PendingStaging(step, future, self._maps)
 
     def commit(self, step: int, started: float, checksums=(), usage=None):
         """Sends the commit without waiting and returns its future; :meth:`wait` collects it."""
@@ -199,9 +210,20 @@ class Session:
         self._in_flight = still
         return outcome
 
-    def failed(self, step: int, started: float, err: grpc.RpcError) -> SnapshotResult:
+    def quiet(self) -> bool:
+        """Whether the daemon failed recently and is being left alone."""
+        return time.monotonic() < self._quiet_until
+
+    def failed(self, step: int, started: float, err: Exception) -> SnapshotResult:
         """Turns a failed call into "no snapshot", backing off if the daemon is unreachable."""
+        if not isinstance(err, grpc.RpcError):  # shared memory trouble: mapping, permissions
+            self._quiet_until = time.monotonic() + self.options.backoff_seconds
+            reason = f"shared memory of daemon {self.options.daemon}: {err}"
+            log.warning("no snapshot of step %d: %s", step, reason)
+            return SnapshotResult(step, False, False, reason, time.perf_counter() - started)
         code = err.code()
+        if code == grpc.StatusCode.NOT_FOUND:
+            self._registered = False  # a restarted daemon: register again next time
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._quiet_until = time.monotonic() + self.options.backoff_seconds
             self._registered = False  # a restarted daemon has forgotten us
@@ -241,7 +263,7 @@ class Session:
 
     def bubble_stream(self) -> BubbleStream:
         """A Bubbles stream on this session's channel."""
-        return BubbleStream(self._stub)
+        return BubbleStream(self._stub, self.options.backoff_seconds)
 
     def status(self) -> pb.JobStatus:
         response = self.call("Status", pb.StatusRequest(job=self.job))

@@ -19,26 +19,28 @@ class SegmentMaps:
     """An LRU cache of writable mappings of daemon segments."""
 
     def __init__(self, max_mappings: int = _MAX_MAPPINGS):
-        self._maps: collections.OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = (
+        self._maps: collections.OrderedDict[str, tuple[mmap.mmap, np.ndarray, int]] = (
             collections.OrderedDict())
         self._max = max_mappings
 
     def view(self, path: str, nbytes: int) -> np.ndarray:
         """A uint8 view of the first ``nbytes`` of the segment at ``path``."""
         entry = self._maps.get(path)
-        if entry is not None and entry[1].nbytes >= nbytes:
+        if entry is not None and entry[1].nbytes >= nbytes and entry[2] == os.stat(path).st_ino:
             self._maps.move_to_end(path)
             return entry[1]
         fd = os.open(path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size = stat.st_size
             if size < nbytes:
                 raise ValueError(f"segment {path} holds {size} bytes; the daemon said {nbytes}")
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
         self._evict(path)
-        self._maps[path] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
+        # The inode tells a recreated file (a restarted daemon) from the one mapped before.
+        self._maps[path] = (mapping, np.frombuffer(mapping, dtype=np.uint8), stat.st_ino)
         while len(self._maps) > self._max:
             self._evict(next(iter(self._maps)))
         return self._maps[path][1]
@@ -46,7 +48,7 @@ class SegmentMaps:
     def _evict(self, path: str) -> None:
         entry = self._maps.pop(path, None)
         if entry is not None:
-            mapping, view = entry
+            mapping, view, _ = entry
             del view, entry
             try:
                 mapping.close()

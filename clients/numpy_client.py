@@ -5,6 +5,7 @@ protocol to copy for another framework.
 """
 
 import numpy as np
+
 from bubblesnap.clients._session import ClientOptions, Session, SnapshotResult
 from bubblesnap.clients._shared_memory import as_bytes
 from bubblesnap.protos import daemon_pb2 as pb

@@ -80,6 +80,7 @@ def make_modes(args, stage: int, stages: int) -> dict:
 def run_stage(args, stage: int, devices, inbox, send) -> dict:
     """Builds and runs one stage; returns what the parent needs to report."""
     import jax
+
     from pipeline.model import StageProgram
     from pipeline.schedules import SCHEDULES
     from pipeline.stage import StageRunner
@@ -141,6 +142,7 @@ def run_threads(args) -> list[dict]:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                                f"device_count={args.stages * args.devices_per_stage}")
     import jax
+
     from pipeline.transport import ThreadLinks
     links, results, errors = ThreadLinks(args.stages), [None] * args.stages, []
     devices = jax.devices()
@@ -174,6 +176,7 @@ def stage_process(args) -> int:
                                "false --xla_force_host_platform_device_count="
                                f"{args.devices_per_stage}")
     import jax
+
     from pipeline.transport import SocketLinks
     links = SocketLinks(args.rendezvous, args.stages, args.stage)
     inbox, send = links.endpoint(args.stage)
@@ -226,6 +229,10 @@ def summarize(args, results: list[dict]) -> dict:
     for mode, times in per_mode.items():
         measured_iterations = {i for i, (m, c) in enumerate(zip(plan, measured, strict=True))
                                if c and m == mode}
+        if mode == "bubblesnap":
+            # Step k is fetched in iteration k+1: count it only if that iteration was
+            # measured too (the step pending when a segment ends is flushed untimed).
+            measured_iterations = {i for i in measured_iterations if i + 1 in measured_iterations}
         snapshots = len(set.intersection(*[set(r["snapshots"].get(mode, [])) for r in results])
                         & measured_iterations)
         modes[mode] = {"median_step_seconds": statistics.median(times),

@@ -84,6 +84,7 @@ def digest(state) -> str:
 def train(args) -> int:
     """The child process: (restore,) train, snapshot every step, log digests."""
     import jax
+
     from bubblesnap.clients.jax import ClientOptions, RestoreError, SnapshotClient
 
     init, batch, train_step = build_training()
@@ -135,6 +136,21 @@ def start_daemon():
     return proc, json.loads(ready)["address"]
 
 
+def forget_job(daemon: str, job: str) -> None:
+    """Deletes what an earlier quickstart left under this job name: the demo starts over."""
+    import grpc
+
+    from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
+    with grpc.insecure_channel(daemon) as channel:
+        try:
+            daemon_pb2_grpc.DaemonStub(channel).DeleteSnapshots(
+                daemon_pb2.DeleteSnapshotsRequest(job=job), timeout=10)
+            log(f"deleted the snapshots an earlier run left under job {job!r}")
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise SystemExit(f"daemon {daemon}: {err.code().name}: {err.details()}") from None
+
+
 def trainer(args, digests: str, resume: bool) -> subprocess.Popen:
     cmd = [sys.executable, os.path.abspath(__file__), "--role", "train", "--daemon",
            args.daemon, "--job", args.job, "--steps", str(args.steps), "--digests", digests]
@@ -149,6 +165,8 @@ def orchestrate(args) -> int:
     if args.daemon is None:
         daemon, args.daemon = start_daemon()
         log(f"started a daemon on {args.daemon}")
+    else:
+        forget_job(args.daemon, args.job)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             digests = os.path.join(tmp, "digests.jsonl")

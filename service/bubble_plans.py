@@ -15,10 +15,14 @@ bubble start. Answering a start is a lookup. The planning itself is
 """
 
 import dataclasses
+import math
+import random
 import threading
 
 from bubblesnap.service import planner as planning
 from bubblesnap.service.errors import InvalidArgument
+
+_MAX_POSITION = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +96,22 @@ class BubblePlans:
         self.options = options
         self._jobs: dict[str, _JobPlans] = {}
         self._lock = threading.Lock()
+        # Plan versions start at a random point, so a client of a restarted daemon
+        # never mistakes a new plan for the one it holds.
+        self._first_version = random.getrandbits(40) << 16
 
     def record_end(self, job: str, rank: int, iteration: int, position: int,
                    measured_seconds: float, iteration_seconds: float, copied_bytes: int,
                    copy_seconds: float, setup_seconds: float = 0.0) -> None:
         """Folds one finished bubble into the rank's profile."""
-        if min(position, measured_seconds, copied_bytes, copy_seconds, setup_seconds) < 0:
+        numbers = (measured_seconds, iteration_seconds, copy_seconds, setup_seconds)
+        if not all(math.isfinite(x) for x in numbers):
+            raise InvalidArgument("bubble report with an infinite or NaN length")
+        if min(position, copied_bytes, *numbers) < 0:
             raise InvalidArgument("bubble report with a negative position, length or byte count")
+        if position > _MAX_POSITION:
+            raise InvalidArgument(f"bubble position {position} is beyond {_MAX_POSITION}; "
+                                  "positions number the waits of one iteration")
         weight = self.options.smoothing
         with self._lock:
             entry = self._job(job)
@@ -151,7 +164,10 @@ class BubblePlans:
             self._jobs.pop(job, None)
 
     def _job(self, job: str) -> _JobPlans:
-        return self._jobs.setdefault(job, _JobPlans())
+        entry = self._jobs.get(job)
+        if entry is None:
+            entry = self._jobs[job] = _JobPlans(version=self._first_version)
+        return entry
 
     def _rank_profile(self, job: str, entry: _JobPlans, rank: int) -> planning.RankProfile:
         if rank not in entry.slots:

@@ -10,6 +10,9 @@ import threading
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
 from bubblesnap.protos import daemon_pb2
 from bubblesnap.service.bubble_plans import BubbleOptions, BubblePlans
 from bubblesnap.service.metrics import DaemonMetrics
@@ -17,8 +20,6 @@ from bubblesnap.service.segments import shm_free_bytes
 from bubblesnap.service.server import DaemonServicer
 from bubblesnap.service.store import SnapshotStore, StoreOptions
 from bubblesnap.service.wire import generic_handler
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -27,6 +28,10 @@ SERVICE_NAME = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
 #: Below this much free space the shm directory is treated as a container's
 #: default /dev/shm (64 MiB in Docker) and the budget is capped with a warning.
 _SHM_HEADROOM = 0.9
+
+#: gRPC worker threads: one per open Bubbles stream (a pipeline stage on this
+#: host) plus room for the unary calls.
+_RPC_THREADS = 96
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +93,24 @@ class Daemon:
             log.warning("%s is not a tmpfs: snapshots will go through the page cache to disk",
                         options.shm_dir)
         self.options = options
+        server_options = [("grpc.max_receive_message_length", options.max_message_bytes),
+                          ("grpc.max_send_message_length", options.max_message_bytes),
+                          # a second daemon on a taken port must fail, not share it
+                          ("grpc.so_reuseport", 0)]
+        # Every pipeline stage holds one thread with its Bubbles stream.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_RPC_THREADS,
+                                                              thread_name_prefix="rpc"),
+                                   options=server_options)
+        try:  # bind first: a daemon that cannot listen must not take shared memory
+            self.port = self._server.add_insecure_port(options.listen)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise SystemExit(f"cannot listen on {options.listen}: address in use or invalid")
+        self.address = f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
         self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options))
         self.plans = BubblePlans(self.store.slot_bytes, options.bubbles)
         self.metrics = DaemonMetrics(self.store)
-        message_limit = [("grpc.max_receive_message_length", options.max_message_bytes),
-                         ("grpc.max_send_message_length", options.max_message_bytes)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16,
-                                                              thread_name_prefix="rpc"),
-                                   options=message_limit)
         self._server.add_generic_rpc_handlers((generic_handler(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
             DaemonServicer(self.store, self.plans, self.metrics)),))
@@ -103,10 +118,6 @@ class Daemon:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
-        self.port = self._server.add_insecure_port(options.listen)
-        if self.port == 0:
-            raise SystemExit(f"cannot listen on {options.listen}: address in use or invalid")
-        self.address = f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
         self.metrics_address = ""
         self._stopped = threading.Event()
 

@@ -10,13 +10,18 @@ times slower.
 
 import errno
 import itertools
+import logging
 import mmap
 import os
 import shutil
+import tempfile
 import threading
 
 import numpy as np
+
 from bubblesnap.service.errors import ResourceExhausted
+
+log = logging.getLogger("bubblesnap.daemon")
 
 
 class Segment:
@@ -57,8 +62,8 @@ class SegmentPool:
     """Creates, recycles and destroys the segments in one private directory."""
 
     def __init__(self, shm_dir: str):
-        self.directory = os.path.join(shm_dir, f"bubblesnap-{os.getpid()}")
-        os.makedirs(self.directory, mode=0o700, exist_ok=False)
+        _remove_dead_daemons(shm_dir)
+        self.directory = tempfile.mkdtemp(prefix=f"bubblesnap-{os.getpid()}-", dir=shm_dir)
         self._ids = itertools.count()
         self._free: list[Segment] = []
         self._lock = threading.Lock()
@@ -99,6 +104,22 @@ class SegmentPool:
     def close(self) -> None:
         self.trim(float("inf"))
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _remove_dead_daemons(shm_dir: str) -> None:
+    """Frees the segments of daemons that were killed (their pid no longer runs)."""
+    for name in os.listdir(shm_dir):
+        parts = name.split("-")
+        if len(parts) < 2 or parts[0] != "bubblesnap" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("removing %s, left by daemon %d which is gone", name, pid)
+            shutil.rmtree(os.path.join(shm_dir, name), ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def shm_free_bytes(shm_dir: str) -> int:

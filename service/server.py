@@ -5,6 +5,7 @@ import functools
 import logging
 
 import grpc
+
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service import errors
 from bubblesnap.service.store import BubbleUsage, CopyState
@@ -132,6 +133,9 @@ class DaemonServicer:
             except errors.DaemonError as err:
                 self._metrics.rpcs.labels("Bubbles", _CODES[type(err)].name).inc()
                 context.abort(_CODES[type(err)], str(err))
+            except Exception as err:  # a bug: say so, keep the daemon and its snapshots
+                log.exception("Bubbles failed on %s", event)
+                context.abort(grpc.StatusCode.INTERNAL, f"daemon error: {err!r}")
             if answer is not None:
                 yield answer
 

@@ -228,6 +228,14 @@ class SnapshotStore:
                 # A LOCAL copy that never committed job-wide, left by an earlier
                 # incarnation of this rank: the new copy replaces it.
                 self._free(held, step)
+            committed = entry.committed_steps()
+            kept = committed[-self.options.keep_steps:]
+            if kept and len(kept) == self.options.keep_steps and step < kept[0]:
+                raise FailedPrecondition(
+                    f"step {step} of job {job!r} is older than every step retention keeps "
+                    f"(committed: {committed}); it would be dropped as soon as it commits. "
+                    "A new run under an old job name? Delete the job's snapshots or use a new "
+                    "job name")
             for stale in [s for s, rs in held.steps.items() if rs.state is CopyState.STAGING]:
                 self._free(held, stale)
             segment = self._acquire(job, rank, step, held.layout.segment_bytes)
@@ -245,7 +253,7 @@ class SnapshotStore:
                     "call BeginStep first (the copy may have been aborted by a newer BeginStep "
                     "or a re-registration)")
             if rank_step.state is CopyState.LOCAL:
-                return self._commit_result(job, entry, step)
+                return self._commit_result(entry, step)
             if checksums and len(checksums) != len(held.slots):
                 raise InvalidArgument(
                     f"{len(checksums)} checksums for {len(held.slots)} shards; send one per "
@@ -266,7 +274,7 @@ class SnapshotStore:
             rank_step.usage = usage
             rank_step.state = CopyState.LOCAL
             self._retain(entry)
-            return self._commit_result(job, entry, step)
+            return self._commit_result(entry, step)
 
     def abort_step(self, job: str, rank: int, step: int) -> None:
         with self._lock:
@@ -404,11 +412,13 @@ class SnapshotStore:
         return self._pool.acquire(nbytes)
 
     def _free(self, held: _Rank, step: int) -> None:
-        segment = held.steps.pop(step).segment
-        if segment.handed_out:
-            segment.destroy()
+        rank_step = held.steps.pop(step)
+        # A segment someone may still write into (an unfinished copy) or read from
+        # (a restore) is never handed to another step: it is unlinked instead.
+        if rank_step.segment.handed_out or rank_step.state is CopyState.STAGING:
+            rank_step.segment.destroy()
         else:
-            self._pool.release(segment)
+            self._pool.release(rank_step.segment)
 
     def _retain(self, entry: _Job) -> None:
         committed = entry.committed_steps()
@@ -426,7 +436,7 @@ class SnapshotStore:
     def _staging(self, held: _Rank, rank_step: _RankStep) -> Staging:
         return Staging(rank_step.segment.path, rank_step.segment.nbytes, tuple(held.slots))
 
-    def _commit_result(self, job: str, entry: _Job, step: int) -> Commit:
+    def _commit_result(self, entry: _Job, step: int) -> Commit:
         committed = entry.committed_steps()
         return Commit(step in committed, committed[-1] if committed else -1)
 

@@ -11,6 +11,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import grpc
 import pytest
+
 from bubblesnap.protos import daemon_pb2_grpc
 
 

@@ -1,6 +1,7 @@
 """Small builders shared by the tests."""
 
 import numpy as np
+
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.layout import ITEMSIZE
 

@@ -3,9 +3,9 @@
 import grpc
 import numpy as np
 import pytest
+
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
-
 from tests.helpers import register, tensor_spec
 
 C = grpc.StatusCode
@@ -170,6 +170,8 @@ def test_bubble_stream_bad_events(held):
                                   timeout=10)) == []
     for bad, code in ((events(pb.BubbleEvent.KIND_UNSPECIFIED), C.INVALID_ARGUMENT),
                       (events(pb.BubbleEvent.REPORT, measured=-1.0), C.INVALID_ARGUMENT),
+                      (events(pb.BubbleEvent.REPORT, measured=float("inf")), C.INVALID_ARGUMENT),
+                      (events(pb.BubbleEvent.REPORT, measured=float("nan")), C.INVALID_ARGUMENT),
                       (events(pb.BubbleEvent.START, job="ghost"), C.NOT_FOUND),
                       (events(pb.BubbleEvent.START, job="../x"), C.INVALID_ARGUMENT)):
         with pytest.raises(grpc.RpcError) as info:
@@ -190,3 +192,13 @@ def test_corrupted_copy_is_never_served(held):
     assert got == C.DATA_LOSS and "failed its checksum on 'w' shard 0" in details
     status = held.stub.Status(pb.StatusRequest(job="flip"), timeout=10)
     assert [s.step for s in status.jobs[0].steps] == []
+
+
+def test_old_step_under_a_reused_job_name(held):
+    client = NumpyClient("reuse", options=ClientOptions(daemon=held.address))
+    assert client.snapshot(5, HELD).committed
+    assert client.snapshot(6, HELD).committed  # steps 5 and 6 are kept
+    refused = client.snapshot(0, HELD)          # a new run starting over under the same name
+    assert not refused.taken and "FAILED_PRECONDITION" in refused.reason
+    assert "older than every step retention keeps" in refused.reason
+    client.close()

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bubblesnap.clients.jax import _transfer
-from bubblesnap.protos import daemon_pb2 as pb
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.serialization import replica_slices
 
+from bubblesnap.clients.jax import _transfer
+from bubblesnap.protos import daemon_pb2 as pb
 from tests.helpers import register, tensor_spec
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "pipeline_gpt.py")

@@ -9,10 +9,10 @@ import sys
 import grpc
 import numpy as np
 import pytest
+
 from bubblesnap.clients import ClientOptions
 from bubblesnap.clients.jax import SnapshotClient
 from bubblesnap.protos import daemon_pb2 as pb
-
 from tests.programs.trainer import PAUSE_POINTS, abstract, state_at
 
 

@@ -5,11 +5,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.clients.jax import SnapshotClient
 from bubblesnap.protos import daemon_pb2 as pb
@@ -115,3 +117,42 @@ def test_daemon_rejects_bad_flags(flags, words):
                              "127.0.0.1:0", "--metrics", "", *flags],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and words in result.stderr
+
+
+def test_a_restarted_daemon_gets_the_job_registered_again(start_daemon):
+    first = start_daemon()
+    port = first.address.rsplit(":", 1)[1]
+    client = NumpyClient("again", options=ClientOptions(daemon=first.address,
+                                                        backoff_seconds=0.0))
+    assert client.snapshot(0, {"x": np.ones(8)}).committed
+    first.stop()
+    second = start_daemon("--listen", f"127.0.0.1:{port}")
+    results = [client.snapshot(step, {"x": np.ones(8) * step}) for step in (1, 2, 3)]
+    assert results[-1].committed, [r.reason for r in results]
+    step, restored = client.restore()
+    assert step == 3 and (restored["x"] == 3).all()
+    assert second.alive()
+
+
+def test_second_daemon_on_a_taken_port_fails(daemon):
+    result = subprocess.run([sys.executable, "-m", "bubblesnap", "daemon", "--listen",
+                             daemon.address, "--metrics", ""], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0 and "cannot listen" in result.stderr
+
+
+def test_bubble_hooks_never_raise_when_the_daemon_is_gone(daemon):
+    from bubblesnap.clients.jax import BubbleSnapshotOptions, BubbleSnapshotter
+    client = SnapshotClient("gone", rank=0, world_size=1, options=ClientOptions(
+        daemon=daemon.address, rpc_timeout_seconds=0.5, backoff_seconds=0.0))
+    snap = BubbleSnapshotter(client, stage=0, options=BubbleSnapshotOptions(warmup_iterations=1))
+    state = {"w": jnp.ones((256, 256))}
+    receive = lambda: (1, time.perf_counter())  # noqa: E731
+    for iteration in range(12):
+        if iteration == 5:
+            daemon.stop()
+        snap.begin_iteration(iteration)
+        assert snap.bubble(0, receive, lambda: False) == 1
+        snap.no_bubble(1)
+        snap.end_iteration(iteration, state)
+    snap.close()

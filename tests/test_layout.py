@@ -1,11 +1,12 @@
 """The layout rules, as pure functions: no daemon needed."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.errors import InvalidArgument
 from bubblesnap.service.layout import ITEMSIZE, build_layout, check_job_name
-from hypothesis import given
-from hypothesis import strategies as st
 
 
 @st.composite

@@ -7,6 +7,9 @@ expected plans can be worked out by hand.
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from bubblesnap.service.planner import (
     Chunk,
     PlannerOptions,
@@ -17,8 +20,6 @@ from bubblesnap.service.planner import (
     iterations_needed,
     plan,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 KiB = 1 << 10
 MiB = 1 << 20

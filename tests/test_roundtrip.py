@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from bubblesnap.clients import ClientOptions, NumpyClient, RestoreError
-from bubblesnap.clients.jax import SnapshotClient
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from bubblesnap.clients import ClientOptions, NumpyClient, RestoreError
+from bubblesnap.clients.jax import SnapshotClient
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.int32, jnp.uint8, jnp.bool_]
 SPECS = {"replicated": P(), "rows": P("a"), "grid": P("a", "b"), "cols": P(None, "b")}

@@ -2,8 +2,9 @@
 
 import jax
 import numpy as np
-from bubblesnap.protos import daemon_pb2 as pb
 from orbax.checkpoint._src.serialization import replica_slices
+
+from bubblesnap.protos import daemon_pb2 as pb
 
 
 def _key_name(key) -> str:

@@ -2,8 +2,9 @@
 
 import jax
 import numpy as np
-from bubblesnap.clients._shared_memory import as_bytes
 from orbax.checkpoint._src.serialization import replica_slices
+
+from bubblesnap.clients._shared_memory import as_bytes
 
 
 def fetch_to_host(leaves) -> list[np.ndarray]:

@@ -35,6 +35,7 @@ import time
 
 import grpc
 import numpy as np
+
 from bubblesnap.clients.jax import _layout, _transfer
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos.checksum import copy_hashing, new_hasher
@@ -114,7 +115,7 @@ class BubbleSnapshotter:
         self._pending: _Pending | None = None
         self.records: list[CopyRecord] = []
         self.overrun_seconds = 0.0
-        self.committed_steps: list[int] = []
+        self.commits_acknowledged: list[int] = []  # steps the daemon committed
 
     @property
     def interval(self) -> int:
@@ -125,8 +126,9 @@ class BubbleSnapshotter:
 
     def begin_iteration(self, iteration: int) -> None:
         now = time.perf_counter()
-        if self._iteration >= 0:
-            self._last_iteration_seconds = now - self._iteration_started
+        # After a gap (iterations this snapshotter did not see) the length is unknown.
+        self._last_iteration_seconds = (now - self._iteration_started
+                                        if iteration == self._iteration + 1 else 0.0)
         if self._reports:
             self._outbox = (self._iteration, self._last_iteration_seconds, self._reports)
             self._reports = []
@@ -150,10 +152,10 @@ class BubbleSnapshotter:
         self._prepare()
         copied, copy_seconds, setup = self._copy_planned(position, started, arrived)
         done = time.perf_counter()
-        value, arrived = receive()
-        measured = max(arrived - started, 0.0)
+        value, arrival = receive()
+        measured = max(arrival - started, 0.0)
         if copied:
-            self.overrun_seconds += max(done - arrived, 0.0)
+            self.overrun_seconds += max(done - arrival, 0.0)
         self._report(position, measured, copied, copy_seconds, setup)
         return value
 
@@ -177,7 +179,7 @@ class BubbleSnapshotter:
         """Fetches and commits the held step now, if any (training waits for it)."""
         self._prepare()
         if self._pending is not None:
-            self._finish(self._pending, spill=True)
+            self._finish(self._pending)
 
     def close(self) -> None:
         self._stream.close()
@@ -196,6 +198,8 @@ class BubbleSnapshotter:
         return self._plan_version > 0 and iteration % self._interval == 0
 
     def _register(self, state) -> None:
+        if self._session.quiet():
+            return
         names, leaves, _ = _layout.flatten(state)
         try:
             self._session.ensure_registered(self._specs.specs(names, leaves))
@@ -239,7 +243,7 @@ class BubbleSnapshotter:
         try:
             begun = ahead[1] if ahead and ahead[0] == step else self._session.begin_async(
                 step, specs)
-        except grpc.RpcError as err:
+        except (grpc.RpcError, OSError, ValueError) as err:
             self._drop(err)
             return
         slot_of, tensor_of_slot = {}, []
@@ -258,15 +262,17 @@ class BubbleSnapshotter:
         if pending is None:
             return 0, 0.0, 0.0
         chunks, commit = self._plan.get((self._iteration - pending.step, position), ((), False))
-        if not chunks:
-            return 0, 0.0, 0.0
+        if not chunks or (pending.staging is None and not pending.begun.done()):
+            return 0, 0.0, 0.0  # nothing planned here, or the daemon has not answered yet
         started = time.perf_counter()
         try:
             self._fetch(pending, {c.tensor for c in chunks})
             copied = sum(self._copy(pending, pending.slot_of[(c.tensor, c.shard)], c.stop,
                                     arrived) for c in chunks)
-        except grpc.RpcError as err:
+        except (grpc.RpcError, OSError, ValueError) as err:
             self._drop(err)
+            return 0, 0.0, 0.0
+        if not copied:
             return 0, 0.0, 0.0
         seconds = time.perf_counter() - started
         self.records.append(CopyRecord(pending.step, started, started + seconds, copied, False))
@@ -274,7 +280,7 @@ class BubbleSnapshotter:
         pending.usage.bubbles += 1
         if commit and all(p == s[1] for p, s in zip(pending.progress, pending.staging.slots,
                                                       strict=True)):
-            self._finish(pending, spill=True)
+            self._finish(pending)
         return copied, seconds, started - bubble_started
 
     def _copy(self, pending: _Pending, slot: int, stop: int, arrived=None) -> int:
@@ -308,39 +314,43 @@ class BubbleSnapshotter:
                 count = len(pending.specs[t].shards)
                 pending.host[t], host = host[:count], host[count:]
 
-    def _finish(self, pending: _Pending, spill: bool) -> None:
+    def _finish(self, pending: _Pending) -> None:
         """Copies whatever is left (spilled: training waits), commits, begins the next step."""
         started = time.perf_counter()
         try:
             self._fetch(pending, range(len(pending.specs)))
             left = sum(self._copy(pending, slot, np.iinfo(np.int64).max)
                        for slot in range(len(pending.progress)))
-        except grpc.RpcError as err:
+        except (grpc.RpcError, OSError, ValueError) as err:
             self._drop(err)
             return
         if left:
             seconds = time.perf_counter() - started
-            self.records.append(CopyRecord(pending.step, started, started + seconds, left, spill))
+            self.records.append(CopyRecord(pending.step, started, started + seconds, left, True))
             pending.usage.spilled_seconds += seconds
             pending.usage.spilled_bytes += left
         pending.usage.iterations = max(1, self._iteration - pending.step)
         future = self._session.commit(pending.step, pending.started,
                                       [h.intdigest() for h in pending.hashers], pending.usage)
-        self.committed_steps.append(pending.step)
         self._pending = None
-        next_step, specs = pending.step + self._interval, pending.specs
+        step, interval, specs = pending.step, self._interval, pending.specs
 
-        def begin_next(done) -> None:
-            # Reserve the next step's memory once this commit is answered (not before:
-            # a BeginStep overtaking the commit would abort the step being committed).
-            if done.exception() is None:
+        def on_commit(done) -> None:
+            # Runs on a gRPC thread. Reserve the next step's memory once this commit is
+            # answered (not before: a BeginStep overtaking the commit would abort the step
+            # being committed), unless the plan or the held step moved on meanwhile.
+            if done.exception() is not None:
+                return
+            self.commits_acknowledged.append(step)
+            if self._interval == interval and self._pending is None and self._held is None:
                 try:
-                    self._next_begin = (next_step, self._session.begin_async(next_step, specs))
+                    self._next_begin = (step + interval,
+                                        self._session.begin_async(step + interval, specs))
                 except grpc.RpcError:
                     pass  # the next step begins in its own bubble instead
-        future.add_done_callback(begin_next)
+        future.add_done_callback(on_commit)
 
-    def _drop(self, err: grpc.RpcError) -> None:
+    def _drop(self, err: Exception) -> None:
         step = self._pending.step if self._pending else -1
         result = self._session.failed(step, time.perf_counter(), err)
         log.warning("stage %d: %s", self._stage, result.reason)

@@ -6,6 +6,7 @@ import time
 
 import jax
 import numpy as np
+
 from bubblesnap.clients._session import ClientOptions, RestoreError, Session, SnapshotResult
 from bubblesnap.clients.jax import _layout, _transfer
 

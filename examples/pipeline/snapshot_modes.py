@@ -9,8 +9,6 @@ orbax_async  Orbax CheckpointManager with async checkpointing, saving every step
 import os
 import time
 
-MODES = ("none", "bubblesnap", "eager", "orbax_async")
-
 
 class NoSnapshots:
     """Waits without doing anything in the bubbles."""
@@ -81,7 +79,7 @@ class DaemonSnapshots(NoSnapshots):
         return [("spill" if r.spilled else "chunk", r.start, r.stop) for r in self.snap.records]
 
     def snapshots(self) -> list[int]:
-        return list(self.snap.committed_steps)
+        return list(self.snap.commits_acknowledged)
 
     def stats(self) -> dict:
         records = self.snap.records

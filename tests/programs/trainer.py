@@ -17,9 +17,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bubblesnap.clients.jax import ClientOptions, SnapshotClient, _transfer
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from bubblesnap.clients.jax import ClientOptions, SnapshotClient, _transfer
 
 PAUSE_POINTS = ("after_begin", "mid_copy", "before_commit")
 
