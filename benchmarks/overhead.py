@@ -1,4 +1,4 @@
-"""Step-time overhead of checkpointing a pipeline-parallel GPT, every mode in one run.
+"""Step-time overhead of checkpointing a pipeline-parallel GPT, every mode side by side.
 
 Runs examples/pipeline_gpt.py with one process per stage, each pinned to its
 own core (os.sched_setaffinity; 2 stages on a 2-core machine), XLA limited to
@@ -6,23 +6,25 @@ one thread, activations and gradients passed over Unix sockets, so a stage
 that waits for a neighbour leaves its core really idle. The daemon runs at
 niceness 10, so it takes idle time first.
 
-Modes, interleaved in segments of the same run (rounds x modes, the order
-rotated each round; the first iterations of every segment are not measured,
-so one mode's leftovers do not land in the next):
+Modes:
 
   none         no checkpointing: the baseline
   bubblesnap   step k fetched in iteration k+1's bubbles, as the daemon plans; the
-               daemon runs with --max-interval 1 (a snapshot every iteration,
-               whatever does not fit is spilled and counted in the step time)
+               daemon runs with --max-interval 1 (a snapshot every iteration;
+               what does not fit is spilled, and counted in the step time)
   eager        the same data path, copying the whole state right after the step
   orbax_async  Orbax CheckpointManager, async, saving every step to /dev/shm
 
-For each mode: the median step time (the slowest stage's iteration) over the
-measured iterations, its min and max, ``overhead_pct`` against ``none``, and
-the snapshot interval achieved (measured iterations per committed snapshot).
-Per stage: the state bytes, the bubble time per iteration (waits, in ``none``
-iterations), the time a naive copy of the whole state takes (``eager``'s
-copies) and their ratio.
+Each mode runs as its own short training run (fresh processes and daemon:
+--warmup unmeasured iterations, in which bubblesnap profiles its bubbles and
+gets its plan, then --measured iterations), and the runs are interleaved:
+round after round over all modes, the order rotated each round, so the
+machine's slow moments spread over every mode. Reported per mode: the median
+step time (the slowest stage's iteration) over all measured iterations, min
+and max, ``overhead_pct`` against ``none`` and the snapshot interval achieved
+(measured iterations per committed snapshot). Per stage: state bytes, bubble
+time per iteration (its waits in ``none`` runs), the time a naive copy of its
+whole state takes (``eager``'s copies) and their ratio.
 
   python benchmarks/overhead.py --json
 """
@@ -30,63 +32,110 @@ copies) and their ratio.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                        "pipeline_gpt.py")
+MODES = ("none", "bubblesnap", "eager", "orbax_async")
+
+
+def run_mode(mode: str, args) -> dict:
+    cmd = [sys.executable, EXAMPLE, "--transport", "processes", "--json", "--modes", mode,
+           "--warmup", str(args.warmup), "--steps", str(args.warmup + args.measured),
+           "--stages", str(args.stages), "--microbatches", str(args.microbatches),
+           "--layers-per-stage", args.layers_per_stage,
+           "--microbatch-size", str(args.microbatch_size), "--max-interval", "1"]
+    run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"{mode} run failed: {' '.join(cmd)}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object last")
-    p.add_argument("--rounds", type=int, default=4, help="rounds over all modes (default 4)")
-    p.add_argument("--segment", type=int, default=6,
-                   help="measured iterations per mode per round (default 6)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over all modes (default 3)")
+    p.add_argument("--warmup", type=int, default=8,
+                   help="unmeasured iterations per run (default 8)")
+    p.add_argument("--measured", type=int, default=8,
+                   help="measured iterations per run (default 8)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--layers-per-stage", default="2,2")
     p.add_argument("--microbatch-size", type=int, default=2)
     args = p.parse_args()
-    cmd = [sys.executable, EXAMPLE, "--transport", "processes", "--json",
-           "--modes", "none,bubblesnap,eager,orbax_async", "--rounds", str(args.rounds),
-           "--segment", str(args.segment), "--stages", str(args.stages),
-           "--microbatches", str(args.microbatches), "--layers-per-stage",
-           args.layers_per_stage, "--microbatch-size", str(args.microbatch_size),
-           "--max-interval", "1"]
-    print(f"running: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    if run.returncode != 0:
-        return run.returncode
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    modes = report["modes"]
+
+    times = {mode: [] for mode in MODES}
+    snapshots = dict.fromkeys(MODES, 0)
+    stages: dict[int, dict] = {}
+    plan = None
+    for round_ in range(args.rounds):
+        for k in range(len(MODES)):
+            mode = MODES[(round_ + k) % len(MODES)]
+            print(f"round {round_ + 1}/{args.rounds}: {mode}", file=sys.stderr, flush=True)
+            report = run_mode(mode, args)
+            row = report["modes"][mode]
+            times[mode] += row["step_seconds"]
+            snapshots[mode] += row["snapshots"]
+            plan = report.get("plan", plan)
+            for stage in report["per_stage"]:
+                into = stages.setdefault(stage["stage"], {"state_bytes": stage["state_bytes"],
+                                                          "bubble": [], "copy": []})
+                if stage["bubble_seconds_per_iteration"] is not None:
+                    into["bubble"].append(stage["bubble_seconds_per_iteration"])
+                if stage["naive_copy_seconds"] is not None:
+                    into["copy"].append(stage["naive_copy_seconds"])
+
+    base = statistics.median(times["none"])
+    modes = {}
+    for mode in MODES:
+        median = statistics.median(times[mode])
+        modes[mode] = {"median_step_seconds": median, "min_step_seconds": min(times[mode]),
+                       "max_step_seconds": max(times[mode]), "measured_steps": len(times[mode]),
+                       "snapshots": snapshots[mode],
+                       "snapshot_interval": (len(times[mode]) / snapshots[mode]
+                                             if snapshots[mode] else None),
+                       "overhead_pct": 100.0 * (median - base) / base}
+    per_stage = []
+    for number, s in sorted(stages.items()):
+        bubble, copy = statistics.median(s["bubble"]), statistics.median(s["copy"])
+        per_stage.append({"stage": number, "state_bytes": s["state_bytes"],
+                          "bubble_seconds_per_iteration": bubble, "naive_copy_seconds": copy,
+                          "copy_to_bubble_ratio": copy / bubble})
     bubblesnap, orbax = modes["bubblesnap"]["overhead_pct"], modes["orbax_async"]["overhead_pct"]
-    base = modes["none"]
-    report["noise_pct"] = {"none_min_to_median": 100 * (base["min_step_seconds"]
-                                                        / base["median_step_seconds"] - 1),
-                           "none_max_to_median": 100 * (base["max_step_seconds"]
-                                                        / base["median_step_seconds"] - 1)}
-    report["checks"] = {
-        "bubblesnap_overhead_le_1pct": bubblesnap <= 1.0,
-        "bubblesnap_snapshot_every_iteration": modes["bubblesnap"]["snapshot_interval"] == 1.0,
-        "bubblesnap_below_third_of_orbax_async": bubblesnap < orbax / 3,
-        "naive_copy_ge_third_of_bubble_every_stage": all(
-            (s.get("copy_to_bubble_ratio") or 0) >= 1 / 3 for s in report["per_stage"]),
+    report = {
+        "benchmark": "overhead", "stages": args.stages, "microbatches": args.microbatches,
+        "layers_per_stage": args.layers_per_stage, "microbatch_size": args.microbatch_size,
+        "rounds": args.rounds, "modes": modes, "per_stage": per_stage, "bubblesnap_plan": plan,
+        "noise_pct": {"none_min_vs_median": 100 * (modes["none"]["min_step_seconds"] / base - 1),
+                      "none_max_vs_median": 100 * (modes["none"]["max_step_seconds"] / base - 1)},
+        "checks": {
+            "bubblesnap_overhead_le_1pct": bubblesnap <= 1.0,
+            "bubblesnap_snapshot_every_iteration": modes["bubblesnap"]["snapshot_interval"]
+            == 1.0,
+            "bubblesnap_below_third_of_orbax_async": bubblesnap < orbax / 3,
+            "naive_copy_ge_third_of_bubble_every_stage": all(
+                s["copy_to_bubble_ratio"] >= 1 / 3 for s in per_stage)},
+        "method": "one process per stage pinned to its own core, XLA single-threaded, "
+                  "Unix-socket activations, daemon nice 10; one run per mode, runs "
+                  "interleaved round by round",
     }
-    report["method"] = ("one process per stage pinned to its own core, XLA single-threaded, "
-                        "Unix-socket activations; modes interleaved in segments; daemon nice 10")
+    for row in modes.values():
+        row.pop("step_seconds", None)
     if args.json:
         print(json.dumps(report))
-    else:
-        for mode, row in modes.items():
-            print(f"{mode:>12}: median {row['median_step_seconds'] * 1e3:7.2f} ms "
-                  f"[{row['min_step_seconds'] * 1e3:.2f}-{row['max_step_seconds'] * 1e3:.2f}] "
-                  f"overhead {row['overhead_pct']:+6.2f}%  interval {row['snapshot_interval']}")
-        for stage in report["per_stage"]:
-            print(f"stage {stage['stage']}: {stage['state_bytes'] / 1e6:.1f} MB state, copy/bubble "
-                  f"{stage.get('copy_to_bubble_ratio', float('nan')):.2f}")
-        for name, ok in report["checks"].items():
-            print(f"{name}: {'yes' if ok else 'NO'}")
+        return 0
+    for mode, row in modes.items():
+        print(f"{mode:>12}: median {row['median_step_seconds'] * 1e3:7.2f} ms "
+              f"[{row['min_step_seconds'] * 1e3:.2f}-{row['max_step_seconds'] * 1e3:.2f}] "
+              f"overhead {row['overhead_pct']:+6.2f}%  interval {row['snapshot_interval']}")
+    for stage in per_stage:
+        print(f"stage {stage['stage']}: {stage['state_bytes'] / 1e6:.1f} MB state, "
+              f"copy/bubble {stage['copy_to_bubble_ratio']:.2f}")
+    for name, ok in report["checks"].items():
+        print(f"{name}: {'yes' if ok else 'NO'}")
     return 0
 
 

@@ -169,8 +169,7 @@ def daemon_use(profiles, ranks, options: planner.PlannerOptions, repeats: int) -
     for it in (0, 1):
         for rank in ranks:
             for position, seconds in profiles[rank].bubbles:
-                # copied_bytes 0: the fetch bandwidth stays the configured one.
-                plans.record_end("job", rank, it, position, seconds, iteration, 0, 0.0)
+                plans.record_end("job", rank, it, position, seconds, iteration)
     learned = time.perf_counter() - started
     started = time.perf_counter()
     first = plans.answer_start("job", ranks[0], 0)

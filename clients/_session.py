@@ -85,6 +85,14 @@ class PendingStaging:
     def done(self) -> bool:
         return self._future.done()
 
+    def ready(self, give_up) -> bool:
+        """Waits for the answer until ``give_up()`` turns true; whether it came."""
+        while not self._future.done():
+            if give_up():
+                return False
+            time.sleep(2e-4)
+        return True
+
     def __call__(self) -> Staging:
         answer = self._future.result()
         segment = self._maps.view(answer.segment_path, answer.segment_bytes)

@@ -237,7 +237,7 @@ def summarize(args, results: list[dict]) -> dict:
                         & measured_iterations)
         modes[mode] = {"median_step_seconds": statistics.median(times),
                        "min_step_seconds": min(times), "max_step_seconds": max(times),
-                       "measured_steps": len(times),
+                       "measured_steps": len(times), "step_seconds": times,
                        "snapshots": snapshots,
                        "snapshot_interval": len(times) / snapshots if snapshots else None}
     if "none" in modes:

@@ -83,18 +83,16 @@ class Chunk(_message.Message):
     def __init__(self, tensor: _Optional[int] = ..., shard: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class BubbleReport(_message.Message):
-    __slots__ = ("position", "measured_seconds", "copied_bytes", "copy_seconds", "setup_seconds")
+    __slots__ = ("position", "measured_seconds", "copied_bytes", "copy_seconds")
     POSITION_FIELD_NUMBER: _ClassVar[int]
     MEASURED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COPIED_BYTES_FIELD_NUMBER: _ClassVar[int]
     COPY_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    SETUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     position: int
     measured_seconds: float
     copied_bytes: int
     copy_seconds: float
-    setup_seconds: float
-    def __init__(self, position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ..., setup_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, position: _Optional[int] = ..., measured_seconds: _Optional[float] = ..., copied_bytes: _Optional[int] = ..., copy_seconds: _Optional[float] = ...) -> None: ...
 
 class BubbleEvent(_message.Message):
     __slots__ = ("job", "rank", "stage", "step", "kind", "expected_seconds", "plan_version", "iteration", "position", "measured_seconds", "copied_bytes", "copy_seconds", "iteration_seconds", "reports")

@@ -1,11 +1,7 @@
 """Per-job bubble profiles and plans: the daemon's side of the Bubbles stream.
 
 Stages report each bubble's real length when it ends; this keeps a moving
-average per (job, rank, position) of its length, and of the time the stage
-needs to start fetching in a bubble (preparing the held state, waiting for
-the BeginStep answer). The planner is given each bubble's usable length: the
-average less that setup time. (A bubble that ends early is not overrun by
-much: the client stops fetching when the awaited tensor arrives.) A rank
+average per (job, rank, position) of its length. A rank
 counts as profiled once it has
 reported two iterations; the first plan waits for that. Afterwards a report
 that moves the rank's profile by more than ``replan_change`` (a stage got
@@ -61,7 +57,6 @@ class _Profile:
     bubbles: dict[int, float] = dataclasses.field(default_factory=dict)
     iteration_seconds: float = 0.0
     copy_bytes_per_second: float = 0.0
-    setup_seconds: float = 0.0
     iterations: set = dataclasses.field(default_factory=set)  # seen, up to two
 
     @property
@@ -100,14 +95,28 @@ class BubblePlans:
         # never mistakes a new plan for the one it holds.
         self._first_version = random.getrandbits(40) << 16
 
+    def record_bandwidth(self, job: str, rank: int, copied_bytes: int,
+                         copy_seconds: float) -> None:
+        """Folds one measurement of the rank's fetch bandwidth into its profile."""
+        if copied_bytes < 0 or not math.isfinite(copy_seconds) or copy_seconds < 0:
+            raise InvalidArgument("bubble report with a negative or infinite copy measurement")
+        if copied_bytes < self.options.planner.min_chunk_bytes or copy_seconds <= 0:
+            return
+        with self._lock:
+            entry = self._job(job)
+            profile = entry.profiles.setdefault(rank, _Profile())
+            profile.copy_bytes_per_second = _ema(profile.copy_bytes_per_second,
+                                                 copied_bytes / copy_seconds,
+                                                 self.options.smoothing)
+            self._mark_if_changed(job, entry, rank)
+
     def record_end(self, job: str, rank: int, iteration: int, position: int,
-                   measured_seconds: float, iteration_seconds: float, copied_bytes: int,
-                   copy_seconds: float, setup_seconds: float = 0.0) -> None:
+                   measured_seconds: float, iteration_seconds: float) -> None:
         """Folds one finished bubble into the rank's profile."""
-        numbers = (measured_seconds, iteration_seconds, copy_seconds, setup_seconds)
+        numbers = (measured_seconds, iteration_seconds)
         if not all(math.isfinite(x) for x in numbers):
             raise InvalidArgument("bubble report with an infinite or NaN length")
-        if min(position, copied_bytes, *numbers) < 0:
+        if min(position, *numbers) < 0:
             raise InvalidArgument("bubble report with a negative position, length or byte count")
         if position > _MAX_POSITION:
             raise InvalidArgument(f"bubble position {position} is beyond {_MAX_POSITION}; "
@@ -123,15 +132,7 @@ class BubblePlans:
             if iteration_seconds > 0:
                 profile.iteration_seconds = _ema(profile.iteration_seconds, iteration_seconds,
                                                  weight)
-            if copied_bytes >= self.options.planner.min_chunk_bytes and copy_seconds > 0:
-                profile.copy_bytes_per_second = _ema(profile.copy_bytes_per_second,
-                                                     copied_bytes / copy_seconds, weight)
-            if copied_bytes > 0 and setup_seconds > 0:
-                profile.setup_seconds = _ema(profile.setup_seconds, setup_seconds, weight)
-            if profile.ready and not entry.dirty:
-                planned = entry.planned.get(rank)
-                entry.dirty = planned is None or self._changed(
-                    planned, self._rank_profile(job, entry, rank))
+            self._mark_if_changed(job, entry, rank)
 
     def answer_start(self, job: str, rank: int, known_version: int) -> RankAssignments | None:
         """The rank's current plan if it holds an older one (else None: nothing to send)."""
@@ -173,9 +174,8 @@ class BubblePlans:
         if rank not in entry.slots:
             entry.slots[rank] = self._slot_bytes(job, rank)
         p = entry.profiles[rank]
-        usable = {pos: max(0.0, mean - p.setup_seconds) for pos, mean in p.bubbles.items()}
         return planning.RankProfile(
-            bubbles=tuple(sorted(usable.items())), iteration_seconds=p.iteration_seconds,
+            bubbles=tuple(sorted(p.bubbles.items())), iteration_seconds=p.iteration_seconds,
             copy_bytes_per_second=p.copy_bytes_per_second
             or self.options.initial_copy_bytes_per_second,
             slot_bytes=tuple(n for _, _, n in entry.slots[rank]))
@@ -188,6 +188,13 @@ class BubblePlans:
         entry.plan = planning.plan(current, self.options.planner)
         entry.planned = current
         entry.version += 1
+
+    def _mark_if_changed(self, job: str, entry: _JobPlans, rank: int) -> None:
+        """Marks the job for replanning if this rank's profile moved (lock held)."""
+        if entry.profiles[rank].ready and not entry.dirty:
+            planned = entry.planned.get(rank)
+            entry.dirty = planned is None or self._changed(
+                planned, self._rank_profile(job, entry, rank))
 
     def _changed(self, old: planning.RankProfile, new: planning.RankProfile) -> bool:
         threshold = self.options.replan_change

@@ -24,8 +24,8 @@ class PlannerOptions:
       safety: fraction of a bubble's expected length that may be filled, so a
         bubble shorter than usual is rarely cut short. Default 0.85 (clients
         stop fetching when the bubble ends, so a short one costs little).
-      per_bubble_seconds: fixed cost of using a bubble (the notification round
-        trip and starting the copies). Default 0.5 ms.
+      per_bubble_seconds: fixed cost of using a bubble (preparing the held
+        state, starting the copies). Default 1 ms.
       min_bubble_seconds: bubbles shorter than this are left alone. Default 1 ms.
       min_chunk_bytes: a slot is not cut into pieces smaller than this.
         Default 256 KiB.
@@ -35,7 +35,7 @@ class PlannerOptions:
     """
 
     safety: float = 0.85
-    per_bubble_seconds: float = 0.5e-3
+    per_bubble_seconds: float = 1e-3
     min_bubble_seconds: float = 1e-3
     min_chunk_bytes: int = 256 << 10
     max_interval: int = 8

@@ -153,14 +153,16 @@ class DaemonServicer:
                 for (offset, position), chunks in sorted(found.chunks.items())])
         if event.kind == pb.BubbleEvent.END:
             self._plans.record_end(event.job, event.rank, event.iteration, event.position,
-                                   event.measured_seconds, event.iteration_seconds,
-                                   event.copied_bytes, event.copy_seconds)
+                                   event.measured_seconds, event.iteration_seconds)
+            self._plans.record_bandwidth(event.job, event.rank, event.copied_bytes,
+                                         event.copy_seconds)
             return None
         if event.kind == pb.BubbleEvent.REPORT:
             for r in event.reports:
                 self._plans.record_end(event.job, event.rank, event.iteration, r.position,
-                                       r.measured_seconds, event.iteration_seconds,
-                                       r.copied_bytes, r.copy_seconds, r.setup_seconds)
+                                       r.measured_seconds, event.iteration_seconds)
+            self._plans.record_bandwidth(event.job, event.rank, event.copied_bytes,
+                                         event.copy_seconds)
             return None
         raise errors.InvalidArgument("bubble event without a kind: send START, END or REPORT")
 

@@ -236,7 +236,10 @@ class SnapshotStore:
                     f"(committed: {committed}); it would be dropped as soon as it commits. "
                     "A new run under an old job name? Delete the job's snapshots or use a new "
                     "job name")
-            for stale in [s for s, rs in held.steps.items() if rs.state is CopyState.STAGING]:
+            # Unfinished copies of this rank are abandoned (a crashed trainer), except the
+            # newest: its commit may still be on its way, overtaken by this call.
+            staging = sorted(s for s, rs in held.steps.items() if rs.state is CopyState.STAGING)
+            for stale in staging[:-1]:
                 self._free(held, stale)
             segment = self._acquire(job, rank, step, held.layout.segment_bytes)
             rank_step = held.steps[step] = _RankStep(segment, CopyState.STAGING)

@@ -90,7 +90,7 @@ def test_process_per_stage_run_compares_every_mode(tmp_path):
     report = _run_example("--transport", "processes", "--stages", "2", "--d-model", "64",
                           "--vocab", "256", "--seq-len", "16", "--modes",
                           "none,bubblesnap,eager,orbax_async", "--rounds", "1", "--segment", "5",
-                          "--verify-restore")
+                          "--max-interval", "1", "--verify-restore")
     assert set(report["modes"]) == {"none", "bubblesnap", "eager", "orbax_async"}
     assert report["modes"]["eager"]["snapshots"] == 5
     assert report["modes"]["orbax_async"]["snapshots"] == 5

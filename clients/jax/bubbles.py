@@ -20,8 +20,10 @@ locally, so it never waits for the daemon inside a bubble: at each bubble it
 copies the chunks planned there (device to host through Orbax's path, then
 into the daemon's shared memory, hashing as it copies), then does the
 blocking receive. If the runtime says the awaited tensor has arrived, the
-copy stops at the next 1 MiB block, so a bubble shorter than planned costs
-at most one block; what is left is fetched in a later bubble or spilled.
+copy into shared memory stops at the next 1 MiB block; what is left is
+fetched in a later bubble or spilled. (The device-to-host transfer of a
+tensor is not interrupted: on an accelerator a bubble that ends early can
+still be overrun by one tensor's transfer.)
 Once an iteration it announces a bubble (START, with the plan version it
 holds) and sends the last iteration's bubble lengths (one
 REPORT); neither is waited for. What did not fit by the end of the snapshot
@@ -106,6 +108,7 @@ class BubbleSnapshotter:
         self._last_iteration_seconds = 0.0
         self._announced = -1          # the iteration whose START was sent
         self._reports: list[pb.BubbleReport] = []
+        self._copied = [0, 0.0]  # bytes and seconds fetched this iteration, spills included
         self._outbox: tuple | None = None  # (iteration, seconds, reports) not sent yet
         self._lengths: dict[int, float] = {}  # moving average of each position's wait
         self._plan_version, self._interval = 0, 1
@@ -129,9 +132,10 @@ class BubbleSnapshotter:
         # After a gap (iterations this snapshotter did not see) the length is unknown.
         self._last_iteration_seconds = (now - self._iteration_started
                                         if iteration == self._iteration + 1 else 0.0)
-        if self._reports:
-            self._outbox = (self._iteration, self._last_iteration_seconds, self._reports)
-            self._reports = []
+        if self._reports or self._copied[0]:
+            self._outbox = (self._iteration, self._last_iteration_seconds, self._reports,
+                            self._copied)
+            self._reports, self._copied = [], [0, 0.0]
         self._iteration, self._iteration_started = iteration, now
 
     def no_bubble(self, position: int) -> None:
@@ -150,13 +154,13 @@ class BubbleSnapshotter:
         started = time.perf_counter()
         self._announce()
         self._prepare()
-        copied, copy_seconds, setup = self._copy_planned(position, started, arrived)
+        copied, copy_seconds = self._copy_planned(position, arrived)
         done = time.perf_counter()
         value, arrival = receive()
         measured = max(arrival - started, 0.0)
         if copied:
             self.overrun_seconds += max(done - arrival, 0.0)
-        self._report(position, measured, copied, copy_seconds, setup)
+        self._report(position, measured, copied, copy_seconds)
         return value
 
     def end_iteration(self, iteration: int, state) -> None:
@@ -215,10 +219,12 @@ class BubbleSnapshotter:
         event = dict(job=self._session.job, rank=self._session.rank, stage=self._stage,
                      step=self._pending.step if self._pending else -1)
         if self._outbox is not None:
-            iteration, seconds, reports = self._outbox
+            iteration, seconds, reports, (copied, copy_seconds) = self._outbox
             self._outbox = None
             self._stream.send(pb.BubbleEvent(kind=pb.BubbleEvent.REPORT, iteration=iteration,
-                                             iteration_seconds=seconds, reports=reports, **event))
+                                             iteration_seconds=seconds, reports=reports,
+                                             copied_bytes=copied, copy_seconds=copy_seconds,
+                                             **event))
         self._stream.send(pb.BubbleEvent(kind=pb.BubbleEvent.START, iteration=self._iteration,
                                          plan_version=self._plan_version, **event))
         latest = self._stream.latest
@@ -255,15 +261,16 @@ class BubbleSnapshotter:
                                  begun, progress=[0] * len(tensor_of_slot),
                                  hashers=[new_hasher() for _ in tensor_of_slot])
 
-    def _copy_planned(self, position: int, bubble_started: float,
-                      arrived) -> tuple[int, float, float]:
-        """Copies the chunks the plan puts in this bubble: (bytes, seconds, setup seconds)."""
+    def _copy_planned(self, position: int, arrived) -> tuple[int, float]:
+        """Copies the chunks the plan puts in this bubble: (bytes, seconds)."""
         pending = self._pending
         if pending is None:
-            return 0, 0.0, 0.0
+            return 0, 0.0
         chunks, commit = self._plan.get((self._iteration - pending.step, position), ((), False))
-        if not chunks or (pending.staging is None and not pending.begun.done()):
-            return 0, 0.0, 0.0  # nothing planned here, or the daemon has not answered yet
+        if not chunks:
+            return 0, 0.0
+        if pending.staging is None and not pending.begun.ready(arrived or (lambda: True)):
+            return 0, 0.0  # the daemon did not answer BeginStep within this bubble
         started = time.perf_counter()
         try:
             self._fetch(pending, {c.tensor for c in chunks})
@@ -271,17 +278,19 @@ class BubbleSnapshotter:
                                     arrived) for c in chunks)
         except (grpc.RpcError, OSError, ValueError) as err:
             self._drop(err)
-            return 0, 0.0, 0.0
+            return 0, 0.0
         if not copied:
-            return 0, 0.0, 0.0
+            return 0, 0.0
         seconds = time.perf_counter() - started
+        self._copied[0] += copied
+        self._copied[1] += seconds
         self.records.append(CopyRecord(pending.step, started, started + seconds, copied, False))
         pending.usage.used_seconds += seconds
         pending.usage.bubbles += 1
         if commit and all(p == s[1] for p, s in zip(pending.progress, pending.staging.slots,
                                                       strict=True)):
             self._finish(pending)
-        return copied, seconds, started - bubble_started
+        return copied, seconds
 
     def _copy(self, pending: _Pending, slot: int, stop: int, arrived=None) -> int:
         """Copies slot ``slot`` from where it stands up to byte ``stop``; returns bytes copied.
@@ -326,6 +335,8 @@ class BubbleSnapshotter:
             return
         if left:
             seconds = time.perf_counter() - started
+            self._copied[0] += left
+            self._copied[1] += seconds
             self.records.append(CopyRecord(pending.step, started, started + seconds, left, True))
             pending.usage.spilled_seconds += seconds
             pending.usage.spilled_bytes += left
@@ -342,7 +353,9 @@ class BubbleSnapshotter:
             if done.exception() is not None:
                 return
             self.commits_acknowledged.append(step)
-            if self._interval == interval and self._pending is None and self._held is None:
+            held = self._held
+            if (self._interval == interval and self._pending is None
+                    and (held is None or held[0] == step + interval)):
                 try:
                     self._next_begin = (step + interval,
                                         self._session.begin_async(step + interval, specs))
@@ -356,8 +369,8 @@ class BubbleSnapshotter:
         log.warning("stage %d: %s", self._stage, result.reason)
         self._pending = None
 
-    def _report(self, position: int, measured: float, copied: int = 0, seconds: float = 0.0,
-                setup: float = 0.0) -> None:
+    def _report(self, position: int, measured: float, copied: int = 0,
+                seconds: float = 0.0) -> None:
         if not self._reporting():
             return
         floor = self.options.min_report_seconds
@@ -366,5 +379,4 @@ class BubbleSnapshotter:
             return
         self._lengths[position] = 0.7 * known + 0.3 * measured if known else measured
         self._reports.append(pb.BubbleReport(position=position, measured_seconds=measured,
-                                             copied_bytes=copied, copy_seconds=seconds,
-                                             setup_seconds=setup))
+                                             copied_bytes=copied, copy_seconds=seconds))
