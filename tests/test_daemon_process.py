@@ -111,6 +111,9 @@ def test_status_command_table_and_json(daemon):
     (["--memory-budget", "lots"], "is not a size"),
     (["--keep", "0"], "--keep must be at least 1"),
     (["--shm-dir", "/nonexistent/dir"], "does not exist"),
+    (["--max-interval", "0"], "--max-interval must be at least 1"),
+    (["--nice", "40"], "--nice must be between 0 and 19"),
+    (["--max-message", "-5"], "is not a size"),
 ])
 def test_daemon_rejects_bad_flags(flags, words):
     result = subprocess.run([sys.executable, "-m", "bubblesnap", "daemon", "--listen",
