@@ -140,13 +140,20 @@ def format_status(status) -> str:
         lines.append("")
         lines.append(f"job {job.job}: {len(job.registered_ranks)}/{job.world_size} ranks "
                      f"registered, latest committed step {latest}")
+        if job.plan.version:
+            lines.append(f"  bubble plan: a snapshot every {job.plan.interval} step(s), "
+                         f"predicted overhead {100 * job.plan.predicted_overhead:.2f}%")
         lines.append(f"  {'step':>8}  {'committed':<9}  {'rank':>4}  {'state':<8}  "
-                     f"{'shards':>6}  {'bytes':>10}")
+                     f"{'shards':>6}  {'bytes':>10}  {'bubble ms offered/used/spilled':>30}")
         for step in job.steps:
             for rank in step.ranks:
+                u = rank.usage
+                usage = (f"{1e3 * u.offered_seconds:.1f}/{1e3 * u.used_seconds:.1f}/"
+                         f"{1e3 * u.spilled_seconds:.1f}" if u.bubbles or u.spilled_bytes
+                         else "-")
                 lines.append(f"  {step.step:>8}  {'yes' if step.committed else 'no':<9}  "
                              f"{rank.rank:>4}  {daemon_pb2.CopyState.Name(rank.state):<8}  "
-                             f"{len(rank.shards):>6}  {_human(rank.nbytes):>10}")
+                             f"{len(rank.shards):>6}  {_human(rank.nbytes):>10}  {usage:>30}")
     return "\n".join(lines)
 
 

@@ -96,3 +96,19 @@ def test_process_per_stage_run_compares_every_mode(tmp_path):
     assert report["modes"]["orbax_async"]["snapshots"] == 5
     assert report["restore_matches"] is True
     assert report["plan"]["interval"] >= 1
+
+
+def test_status_shows_bubble_usage_and_plan(daemon):
+    tensors = [tensor_spec("a", (1 << 18,))]
+    register(daemon.stub, job="plan", tensors=tensors)
+    events = [_report(1, {0: 0.02}), _report(2, {0: 0.02}, 8 << 20, 0.004),
+              pb.BubbleEvent(job="plan", rank=0, kind=pb.BubbleEvent.START, iteration=3)]
+    assert len(list(daemon.stub.Bubbles(iter(events), timeout=10))) == 1
+    daemon.stub.BeginStep(pb.BeginStepRequest(job="plan", rank=0, step=2), timeout=10)
+    daemon.stub.CommitStep(pb.CommitStepRequest(job="plan", rank=0, step=2, usage=pb.BubbleUsage(
+        offered_seconds=0.02, used_seconds=0.005, spilled_seconds=0.001, spilled_bytes=4096,
+        bubbles=1, iterations=1)), timeout=10)
+    table = subprocess.run([sys.executable, "-m", "bubblesnap", "status", "--daemon",
+                            daemon.address], capture_output=True, text=True, check=True).stdout
+    assert "bubble plan: a snapshot every 1 step(s)" in table
+    assert "20.0/5.0/1.0" in table
