@@ -115,12 +115,6 @@ def bubble_capacity(seconds: float, bytes_per_second: float, options: PlannerOpt
     return max(0, int(usable * bytes_per_second))
 
 
-def iteration_capacity(profile: RankProfile, options: PlannerOptions) -> int:
-    """Bytes one iteration's bubbles can hold for this rank."""
-    return sum(bubble_capacity(s, profile.copy_bytes_per_second, options)
-               for _, s in profile.bubbles)
-
-
 def iterations_needed(profile: RankProfile, options: PlannerOptions) -> int:
     """Fewest iterations whose bubbles take this rank's whole state, as :func:`assign` fills them.
 
