@@ -79,8 +79,8 @@ class Staging:
 class PendingStaging:
     """A BeginStep in flight: ``done()`` without blocking, ``()`` waits and maps the segment."""
 
-    def __init__(self, step: int, future, maps: SegmentMaps):
-        self.step, self._future, self._maps = step, future, maps
+    def __init__(self, step: int, future, session: "Session"):
+        self.step, self._future, self._session = step, future, session
 
     def done(self) -> bool:
         return self._future.done()
@@ -94,9 +94,7 @@ class PendingStaging:
         return True
 
     def __call__(self) -> Staging:
-        answer = self._future.result()
-        segment = self._maps.view(answer.segment_path, answer.segment_bytes)
-        return Staging(self.step, segment, tuple((s.offset, s.nbytes) for s in answer.slots))
+        return self._session.staging_of(self.step, self._future.result())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +177,11 @@ class Session:
                                   time.perf_counter() - started)
         return None
 
+    def staging_of(self, step: int, answer: pb.BeginStepResponse) -> Staging:
+        """The mapped segment and slots of a BeginStep answer."""
+        segment = self._maps.view(answer.segment_path, answer.segment_bytes)
+        return Staging(step, segment, tuple((s.offset, s.nbytes) for s in answer.slots))
+
     def begin(self, step: int, tensors) -> Staging:
         """Registers if needed and reserves the step's segment; raises grpc.RpcError."""
         return self.begin_async(step, tensors)()
@@ -189,12 +192,16 @@ class Session:
         future = self._stub.BeginStep.future(
             pb.BeginStepRequest(job=self.job, rank=self.rank, step=step),
             timeout=self.options.rpc_timeout_seconds)
-        return PendingStaging(step, future, self._maps)
+        return PendingStaging(step, future, self)
 
-    def commit(self, step: int, started: float, checksums=(), usage=None):
-        """Sends the commit without waiting and returns its future; :meth:`wait` collects it."""
+    def commit(self, step: int, started: float, checksums=(), usage=None, next_step=None):
+        """Sends the commit without waiting and returns its future; :meth:`wait` collects it.
+
+        With ``next_step`` the daemon also begins that step; :meth:`staging_of`
+        turns the answer into its :class:`Staging`.
+        """
         request = pb.CommitStepRequest(job=self.job, rank=self.rank, step=step,
-                                       checksums=checksums, usage=usage)
+                                       checksums=checksums, usage=usage, next_step=next_step)
         future = self._stub.CommitStep.future(request, timeout=self.options.rpc_timeout_seconds)
         self._in_flight.append((step, future, started))
         return future

@@ -209,26 +209,30 @@ class BubbleUsage(_message.Message):
     def __init__(self, offered_seconds: _Optional[float] = ..., used_seconds: _Optional[float] = ..., spilled_seconds: _Optional[float] = ..., spilled_bytes: _Optional[int] = ..., bubbles: _Optional[int] = ..., iterations: _Optional[int] = ..., overrun_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "checksums", "usage")
+    __slots__ = ("job", "rank", "step", "checksums", "usage", "next_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
     usage: BubbleUsage
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ...) -> None: ...
+    next_step: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ..., next_step: _Optional[int] = ...) -> None: ...
 
 class CommitStepResponse(_message.Message):
-    __slots__ = ("job_committed", "latest_committed_step")
+    __slots__ = ("job_committed", "latest_committed_step", "next")
     JOB_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     LATEST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
     job_committed: bool
     latest_committed_step: int
-    def __init__(self, job_committed: _Optional[bool] = ..., latest_committed_step: _Optional[int] = ...) -> None: ...
+    next: BeginStepResponse
+    def __init__(self, job_committed: _Optional[bool] = ..., latest_committed_step: _Optional[int] = ..., next: _Optional[_Union[BeginStepResponse, _Mapping]] = ...) -> None: ...
 
 class AbortStepRequest(_message.Message):
     __slots__ = ("job", "rank", "step")

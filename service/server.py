@@ -41,6 +41,11 @@ def _rpc(method):
     return wrapper
 
 
+def _staging(staging):
+    return pb.BeginStepResponse(segment_path=staging.segment_path,
+                                segment_bytes=staging.segment_bytes, slots=_slots(staging.slots))
+
+
 def _slots(slots):
     return [pb.Slot(tensor=t, shard=s, offset=o, nbytes=n) for t, s, o, n in slots]
 
@@ -71,20 +76,19 @@ class DaemonServicer:
 
     @_rpc
     def BeginStep(self, request, context):
-        staging = self._store.begin_step(request.job, request.rank, request.step)
-        return pb.BeginStepResponse(segment_path=staging.segment_path,
-                                    segment_bytes=staging.segment_bytes,
-                                    slots=_slots(staging.slots))
+        return _staging(self._store.begin_step(request.job, request.rank, request.step))
 
     @_rpc
     def CommitStep(self, request, context):
         u = request.usage
         usage = BubbleUsage(u.offered_seconds, u.used_seconds, u.spilled_seconds,
                             u.spilled_bytes, u.bubbles, u.iterations, u.overrun_seconds)
-        commit = self._store.commit_step(request.job, request.rank, request.step,
-                                         tuple(request.checksums), usage)
-        return pb.CommitStepResponse(job_committed=commit.job_committed,
-                                     latest_committed_step=commit.latest_committed_step)
+        commit = self._store.commit_step(
+            request.job, request.rank, request.step, tuple(request.checksums), usage,
+            request.next_step if request.HasField("next_step") else None)
+        return pb.CommitStepResponse(
+            job_committed=commit.job_committed, latest_committed_step=commit.latest_committed_step,
+            next=_staging(commit.next) if commit.next else None)
 
     @_rpc
     def AbortStep(self, request, context):

@@ -115,6 +115,7 @@ class Staging:
 class Commit:
     job_committed: bool
     latest_committed_step: int
+    next: Staging | None = None  # the next step, begun as the commit asked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,35 +219,47 @@ class SnapshotStore:
         layout_lib.check_step(step)
         with self._lock:
             entry, held = self._rank(job, rank)
-            existing = held.steps.get(step)
-            if existing is not None:
-                if existing.state is CopyState.STAGING:
-                    return self._staging(held, existing)
-                if step in entry.committed_steps():
-                    raise FailedPrecondition(
-                        f"step {step} of job {job!r} is already committed; snapshot a later step")
-                # A LOCAL copy that never committed job-wide, left by an earlier
-                # incarnation of this rank: the new copy replaces it.
-                self._free(held, step)
-            committed = entry.committed_steps()
-            kept = committed[-self.options.keep_steps:]
-            if kept and len(kept) == self.options.keep_steps and step < kept[0]:
+            return self._begin(job, rank, entry, held, step)
+
+    def _begin(self, job: str, rank: int, entry: _Job, held: _Rank, step: int) -> Staging:
+        """BeginStep with the lock held."""
+        existing = held.steps.get(step)
+        if existing is not None:
+            if existing.state is CopyState.STAGING:
+                return self._staging(held, existing)
+            if step in entry.committed_steps():
                 raise FailedPrecondition(
-                    f"step {step} of job {job!r} is older than every step retention keeps "
-                    f"(committed: {committed}); it would be dropped as soon as it commits. "
-                    "A new run under an old job name? Delete the job's snapshots or use a new "
-                    "job name")
-            # Unfinished copies of this rank are abandoned (a crashed trainer), except the
-            # newest: its commit may still be on its way, overtaken by this call.
-            staging = sorted(s for s, rs in held.steps.items() if rs.state is CopyState.STAGING)
-            for stale in staging[:-1]:
-                self._free(held, stale)
-            segment = self._acquire(job, rank, step, held.layout.segment_bytes)
-            rank_step = held.steps[step] = _RankStep(segment, CopyState.STAGING)
-            return self._staging(held, rank_step)
+                    f"step {step} of job {job!r} is already committed; snapshot a later step")
+            # A LOCAL copy that never committed job-wide, left by an earlier
+            # incarnation of this rank: the new copy replaces it.
+            self._free(held, step)
+        committed = entry.committed_steps()
+        kept = committed[-self.options.keep_steps:]
+        if kept and len(kept) == self.options.keep_steps and step < kept[0]:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} is older than every step retention keeps "
+                f"(committed: {committed}); it would be dropped as soon as it commits. "
+                "A new run under an old job name? Delete the job's snapshots or use a new "
+                "job name")
+        # Unfinished copies of this rank are abandoned (a crashed trainer), except the
+        # newest: its commit may still be on its way, overtaken by this call.
+        staging = sorted(s for s, rs in held.steps.items() if rs.state is CopyState.STAGING)
+        for stale in staging[:-1]:
+            self._free(held, stale)
+        segment = self._acquire(job, rank, step, held.layout.segment_bytes)
+        rank_step = held.steps[step] = _RankStep(segment, CopyState.STAGING)
+        return self._staging(held, rank_step)
 
     def commit_step(self, job: str, rank: int, step: int, checksums=(),
-                    usage: BubbleUsage = BubbleUsage()) -> Commit:
+                    usage: BubbleUsage = BubbleUsage(), next_step: int | None = None) -> Commit:
+        """Commits a staged step; with ``next_step`` (> step) also begins that one.
+
+        Beginning the next step here, in the same call, saves the client a
+        BeginStep round trip inside its next bubble. If the next step cannot
+        begin (no memory), the commit stands and ``next`` is None.
+        """
+        if next_step is not None and next_step <= step:
+            raise InvalidArgument(f"next step {next_step} must come after step {step}")
         with self._lock:
             entry, held = self._rank(job, rank)
             rank_step = held.steps.get(step)
@@ -256,7 +269,7 @@ class SnapshotStore:
                     "call BeginStep first (the copy may have been aborted by a newer BeginStep "
                     "or a re-registration)")
             if rank_step.state is CopyState.LOCAL:
-                return self._commit_result(entry, step)
+                return self._commit_result(job, rank, entry, held, step, next_step)
             if checksums and len(checksums) != len(held.slots):
                 raise InvalidArgument(
                     f"{len(checksums)} checksums for {len(held.slots)} shards; send one per "
@@ -277,7 +290,7 @@ class SnapshotStore:
             rank_step.usage = usage
             rank_step.state = CopyState.LOCAL
             self._retain(entry)
-            return self._commit_result(entry, step)
+            return self._commit_result(job, rank, entry, held, step, next_step)
 
     def abort_step(self, job: str, rank: int, step: int) -> None:
         with self._lock:
@@ -439,9 +452,16 @@ class SnapshotStore:
     def _staging(self, held: _Rank, rank_step: _RankStep) -> Staging:
         return Staging(rank_step.segment.path, rank_step.segment.nbytes, tuple(held.slots))
 
-    def _commit_result(self, entry: _Job, step: int) -> Commit:
+    def _commit_result(self, job: str, rank: int, entry: _Job, held: _Rank, step: int,
+                       next_step: int | None) -> Commit:
         committed = entry.committed_steps()
-        return Commit(step in committed, committed[-1] if committed else -1)
+        staging = None
+        if next_step is not None:
+            try:
+                staging = self._begin(job, rank, entry, held, next_step)
+            except (ResourceExhausted, FailedPrecondition):
+                staging = None
+        return Commit(step in committed, committed[-1] if committed else -1, staging)
 
     def _job_view(self, name: str, entry: _Job) -> JobView:
         committed = set(entry.committed_steps())

@@ -82,6 +82,22 @@ class _Pending:
     usage: pb.BubbleUsage = dataclasses.field(default_factory=pb.BubbleUsage)
 
 
+class _Begun:
+    """A step already begun (by the previous commit): looks like a BeginStep answered."""
+
+    def __init__(self, staging):
+        self._staging = staging
+
+    def done(self) -> bool:
+        return True
+
+    def ready(self, give_up) -> bool:
+        return True
+
+    def __call__(self):
+        return self._staging
+
+
 @dataclasses.dataclass(frozen=True)
 class CopyRecord:
     """One piece of snapshot work, for timelines: when, how many bytes, and whether it spilled."""
@@ -341,25 +357,25 @@ class BubbleSnapshotter:
             pending.usage.spilled_seconds += seconds
             pending.usage.spilled_bytes += left
         pending.usage.iterations = max(1, self._iteration - pending.step)
-        future = self._session.commit(pending.step, pending.started,
-                                      [h.intdigest() for h in pending.hashers], pending.usage)
+        step, interval = pending.step, self._interval
+        # The commit also begins the next snapshot step, so its memory is ready
+        # before that step's first bubble.
+        future = self._session.commit(step, pending.started,
+                                      [h.intdigest() for h in pending.hashers], pending.usage,
+                                      next_step=step + interval)
         self._pending = None
-        step, interval, specs = pending.step, self._interval, pending.specs
 
-        def on_commit(done) -> None:
-            # Runs on a gRPC thread. Reserve the next step's memory once this commit is
-            # answered (not before: a BeginStep overtaking the commit would abort the step
-            # being committed), unless the plan or the held step moved on meanwhile.
+        def on_commit(done) -> None:  # runs on a gRPC thread
             if done.exception() is not None:
                 return
             self.commits_acknowledged.append(step)
-            held = self._held
-            if (self._interval == interval and self._pending is None
-                    and (held is None or held[0] == step + interval)):
+            answer = done.result()
+            if answer.HasField("next"):
                 try:
                     self._next_begin = (step + interval,
-                                        self._session.begin_async(step + interval, specs))
-                except grpc.RpcError:
+                                        _Begun(self._session.staging_of(step + interval,
+                                                                        answer.next)))
+                except (OSError, ValueError):
                     pass  # the next step begins in its own bubble instead
         future.add_done_callback(on_commit)
 
