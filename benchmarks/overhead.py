@@ -47,6 +47,7 @@ def run_mode(mode: str, args) -> dict:
     cmd = [sys.executable, EXAMPLE, "--transport", "processes", "--json", "--modes", mode,
            "--warmup", str(args.warmup), "--steps", str(args.warmup + args.measured),
            "--stages", str(args.stages), "--microbatches", str(args.microbatches),
+           "--schedule", args.schedule,
            "--layers-per-stage", args.layers_per_stage,
            "--microbatch-size", str(args.microbatch_size), "--max-interval", "1"]
     run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
@@ -65,6 +66,8 @@ def main() -> int:
                    help="measured iterations per run (default 8)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b",
+                   help="pipeline schedule (default 1f1b)")
     p.add_argument("--layers-per-stage", default="2,2")
     p.add_argument("--microbatch-size", type=int, default=2)
     args = p.parse_args()
@@ -109,6 +112,7 @@ def main() -> int:
     bubblesnap, orbax = modes["bubblesnap"]["overhead_pct"], modes["orbax_async"]["overhead_pct"]
     report = {
         "benchmark": "overhead", "stages": args.stages, "microbatches": args.microbatches,
+        "schedule": args.schedule,
         "layers_per_stage": args.layers_per_stage, "microbatch_size": args.microbatch_size,
         "rounds": args.rounds, "modes": modes, "per_stage": per_stage, "bubblesnap_plan": plan,
         "noise_pct": {"none_min_vs_median": 100 * (modes["none"]["min_step_seconds"] / base - 1),
