@@ -149,14 +149,16 @@ class Assignment(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., position: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class FetchPlan(_message.Message):
-    __slots__ = ("interval", "plan_version", "assignments")
+    __slots__ = ("interval", "plan_version", "assignments", "first_step")
     INTERVAL_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
     interval: int
     plan_version: int
     assignments: _containers.RepeatedCompositeFieldContainer[Assignment]
-    def __init__(self, interval: _Optional[int] = ..., plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
+    first_step: int
+    def __init__(self, interval: _Optional[int] = ..., plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("tensor", "shard", "offset", "nbytes")

@@ -19,6 +19,7 @@ from bubblesnap.service import planner as planning
 from bubblesnap.service.errors import InvalidArgument
 
 _MAX_POSITION = 1 << 16
+_SWITCH_AHEAD = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ class RankAssignments:
 
     interval: int
     version: int
+    first_step: int  # the plan chooses steps from this one on
     # (offset, position) -> ((tensor, shard, start, stop), ...), and the commit point
     chunks: dict[tuple[int, int], tuple[tuple[int, int, int, int], ...]]
     commit_at: tuple[int, int] | None
@@ -72,6 +74,8 @@ class _JobPlans:
     slots: dict[int, tuple[tuple[int, int, int], ...]] = dataclasses.field(default_factory=dict)
     version: int = 0
     dirty: bool = False
+    latest_iteration: int = -1  # the furthest any rank has reported
+    first_step: int = 0
 
 
 def _ema(old: float, new: float, weight: float) -> float:
@@ -127,6 +131,7 @@ class BubblePlans:
             profile = entry.profiles.setdefault(rank, _Profile())
             if len(profile.iterations) < 2:
                 profile.iterations.add(iteration)
+            entry.latest_iteration = max(entry.latest_iteration, iteration)
             profile.bubbles[position] = _ema(profile.bubbles.get(position, 0.0),
                                              measured_seconds, weight)
             if iteration_seconds > 0:
@@ -134,22 +139,25 @@ class BubblePlans:
                                                  weight)
             self._mark_if_changed(job, entry, rank)
 
-    def answer_start(self, job: str, rank: int, known_version: int) -> RankAssignments | None:
+    def answer_start(self, job: str, rank: int, known_version: int,
+                     iteration: int = -1) -> RankAssignments | None:
         """The rank's current plan if it holds an older one (else None: nothing to send)."""
         with self._lock:
             entry = self._job(job)
+            entry.latest_iteration = max(entry.latest_iteration, iteration)
             if entry.dirty:
                 self._replan(job, entry)
             if entry.plan is None or known_version == entry.version:
                 return None
             rank_plan = entry.plan.ranks.get(rank)
             if rank_plan is None:
-                return RankAssignments(entry.plan.interval, entry.version, {}, None)
+                return RankAssignments(entry.plan.interval, entry.version, entry.first_step, {},
+                                       None)
             slots = entry.slots[rank]
             chunks = {key: tuple((slots[c.slot][0], slots[c.slot][1], c.start, c.stop)
                                  for c in assigned)
                       for key, assigned in rank_plan.assignments.items()}
-            return RankAssignments(entry.plan.interval, entry.version, chunks,
+            return RankAssignments(entry.plan.interval, entry.version, entry.first_step, chunks,
                                    rank_plan.commit_at)
 
     def plan_of(self, job: str) -> tuple[planning.Plan | None, dict, int]:
@@ -188,6 +196,9 @@ class BubblePlans:
         entry.plan = planning.plan(current, self.options.planner)
         entry.planned = current
         entry.version += 1
+        # Far enough ahead that every rank has the plan before it applies (pipeline
+        # stages run at most a couple of iterations apart).
+        entry.first_step = entry.latest_iteration + _SWITCH_AHEAD
 
     def _mark_if_changed(self, job: str, entry: _JobPlans, rank: int) -> None:
         """Marks the job for replanning if this rank's profile moved (lock held)."""

@@ -146,10 +146,12 @@ class DaemonServicer:
     def _bubble(self, event):
         self._store.slot_bytes(event.job, event.rank)  # the rank must be registered
         if event.kind == pb.BubbleEvent.START:
-            found = self._plans.answer_start(event.job, event.rank, event.plan_version)
+            found = self._plans.answer_start(event.job, event.rank, event.plan_version,
+                                             event.iteration)
             if found is None:
                 return None
-            return pb.FetchPlan(interval=found.interval, plan_version=found.version, assignments=[
+            return pb.FetchPlan(interval=found.interval, plan_version=found.version,
+                                first_step=found.first_step, assignments=[
                 pb.Assignment(offset=offset, position=position, commit=(offset, position)
                               == found.commit_at,
                               chunks=[pb.Chunk(tensor=t, shard=s, start=a, stop=b)

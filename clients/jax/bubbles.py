@@ -128,6 +128,7 @@ class BubbleSnapshotter:
         self._outbox: tuple | None = None  # (iteration, seconds, reports) not sent yet
         self._lengths: dict[int, float] = {}  # moving average of each position's wait
         self._plan_version, self._interval = 0, 1
+        self._choosers: list[tuple[int, int]] = []  # (first step, interval) of each plan seen
         self._plan: dict[tuple[int, int], tuple] = {}  # (offset, position) -> (chunks, commit)
         self._held: tuple[int, object] | None = None  # (step, state) not prepared yet
         self._next_begin: tuple[int, object] | None = None  # BeginStep sent ahead
@@ -215,7 +216,12 @@ class BubbleSnapshotter:
             return False
         if self.options.eager:
             return True
-        return self._plan_version > 0 and iteration % self._interval == 0
+        # Every rank picks the same steps: a plan chooses only from its first step on.
+        chooser = [c for c in self._choosers if c[0] <= iteration]
+        if not chooser:
+            return False
+        first, interval = chooser[-1]
+        return (iteration - first) % interval == 0
 
     def _register(self, state) -> None:
         if self._session.quiet():
@@ -246,6 +252,8 @@ class BubbleSnapshotter:
         latest = self._stream.latest
         if latest is not None and latest.plan_version != self._plan_version:
             self._plan_version, self._interval = latest.plan_version, max(1, latest.interval)
+            earlier = [c for c in self._choosers if c[0] < latest.first_step][-1:]
+            self._choosers = [*earlier, (latest.first_step, self._interval)]
             self._plan = {(a.offset, a.position): (tuple(a.chunks), a.commit)
                           for a in latest.assignments}
 
