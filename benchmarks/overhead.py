@@ -60,8 +60,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.add_argument("--rounds", type=int, default=3, help="rounds over all modes (default 3)")
-    p.add_argument("--warmup", type=int, default=8,
-                   help="unmeasured iterations per run (default 8)")
+    p.add_argument("--warmup", type=int, default=12,
+                   help="unmeasured iterations per run: compilation, bubble profiling, the "
+                        "first plan and the first snapshots into new memory (default 12)")
     p.add_argument("--measured", type=int, default=8,
                    help="measured iterations per run (default 8)")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
