@@ -171,12 +171,16 @@ class BubbleSnapshotter:
         started = time.perf_counter()
         self._announce()
         self._prepare()
+        pending = self._pending
         copied, copy_seconds = self._copy_planned(position, arrived)
         done = time.perf_counter()
         value, arrival = receive()
         measured = max(arrival - started, 0.0)
-        if copied:
-            self.overrun_seconds += max(done - arrival, 0.0)
+        overrun = max(done - arrival, 0.0) if copied else 0.0
+        self.overrun_seconds += overrun
+        if pending is not None and pending is self._pending:  # not committed in this bubble
+            pending.usage.offered_seconds += measured
+            pending.usage.overrun_seconds += overrun
         self._report(position, measured, copied, copy_seconds)
         return value
 
@@ -311,8 +315,10 @@ class BubbleSnapshotter:
         self.records.append(CopyRecord(pending.step, started, started + seconds, copied, False))
         pending.usage.used_seconds += seconds
         pending.usage.bubbles += 1
+        # The commit goes out before this bubble ends: count it as its copy time.
         if commit and all(p == s[1] for p, s in zip(pending.progress, pending.staging.slots,
                                                       strict=True)):
+            pending.usage.offered_seconds += seconds
             self._finish(pending)
         return copied, seconds
 
