@@ -68,8 +68,83 @@ def _daemon_parser(sub):
                    help="re-hash committed bytes even when the client sent checksums (by default "
                         "client checksums are trusted at commit and every copy is verified "
                         "before it is served)")
+    peers = p.add_argument_group(
+        "peers", "Replicate every committed copy to the next daemons in a ring so a lost host "
+        "is restored from a neighbour. Every daemon of the group gets the same --peers list "
+        "(peer addresses, ring order) and its own --index; a replacement host takes the dead "
+        "one's index with its new address and announces itself.")
+    peers.add_argument("--peers", default="", metavar="ADDR,ADDR,...",
+                       help="peer addresses of all daemons in ring order, this one's included")
+    peers.add_argument("--peers-file", default="", metavar="FILE",
+                       help="the same, one address per line ('#' starts a comment)")
+    peers.add_argument("--index", type=int, default=0, metavar="N",
+                       help="this daemon's position in the peer list (default 0)")
+    peers.add_argument("--replicas", type=int, default=1, metavar="K",
+                       help="copies pushed to the next K daemons; a step is committed when "
+                            "every rank has 1+K copies (default 1)")
+    peers.add_argument("--peer-listen", default="", metavar="HOST:PORT",
+                       help="bind the peer port here instead of at this daemon's --peers entry")
+    peers.add_argument("--data-listen", default="", metavar="HOST:PORT",
+                       help="bulk data channel (default: the peer host, a free port)")
+    peers.add_argument("--peer-token-file", default="", metavar="FILE",
+                       help="file holding the shared token every peer call must carry; calls "
+                            "without it get UNAUTHENTICATED. The environment variable "
+                            "BUBBLESNAP_PEER_TOKEN works too (a file keeps it out of ps)")
+    peers.add_argument("--peer-tls-cert", default="", metavar="PEM",
+                       help="this daemon's certificate: peer calls and data use TLS")
+    peers.add_argument("--peer-tls-key", default="", metavar="PEM", help="its private key")
+    peers.add_argument("--peer-tls-ca", default="", metavar="PEM",
+                       help="CA certificate that signed every daemon's certificate")
+    peers.add_argument("--peer-tls-client-auth", action="store_true",
+                       help="mutual TLS: peers must present a certificate signed by the CA")
+    durable = p.add_argument_group(
+        "durable tier", "Write some committed steps as standard Orbax checkpoints (loadable "
+        "with orbax.checkpoint.StandardCheckpointer().restore(path), no daemon needed), in "
+        "the background; the last resort of a restore.")
+    durable.add_argument("--durable-dir", default="", metavar="DIR",
+                         help="where to write (shared storage every host sees); empty: off")
+    durable.add_argument("--durable-every-steps", type=int, default=0, metavar="N",
+                         help="write steps that are multiples of N (all hosts pick the same)")
+    durable.add_argument("--durable-every-seconds", type=float, default=0.0, metavar="T",
+                         help="also write the next committed step once T seconds passed")
+    durable.add_argument("--durable-keep", type=int, default=2, metavar="N",
+                         help="durable steps kept per rank (default 2)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run_daemon)
+
+
+def _peer_options(args):
+    from bubblesnap.service import PeerOptions, PeerSecurity
+    if args.peers and args.peers_file:
+        raise SystemExit("give --peers or --peers-file, not both")
+    addresses = [a.strip() for a in args.peers.split(",") if a.strip()]
+    if args.peers_file:
+        with open(args.peers_file) as f:
+            addresses = [line.split("#", 1)[0].strip() for line in f]
+        addresses = [a for a in addresses if a]
+    token = os.environ.get("BUBBLESNAP_PEER_TOKEN", "")
+    if args.peer_token_file:
+        with open(args.peer_token_file) as f:
+            token = f.read().strip()
+        if not token:
+            raise SystemExit(f"--peer-token-file {args.peer_token_file} is empty")
+    try:
+        security = PeerSecurity(token, args.peer_tls_cert, args.peer_tls_key, args.peer_tls_ca,
+                                args.peer_tls_client_auth)
+        return PeerOptions(peers=tuple(addresses), index=args.index, listen=args.peer_listen,
+                           data_listen=args.data_listen, replicas=args.replicas,
+                           security=security)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
+
+
+def _durable_options(args):
+    from bubblesnap.service import DurableOptions
+    try:
+        return DurableOptions(args.durable_dir, args.durable_every_steps,
+                              args.durable_every_seconds, args.durable_keep)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
 
 
 def _run_daemon(args) -> int:
@@ -89,7 +164,8 @@ def _run_daemon(args) -> int:
                          verify_on_commit=args.verify_on_commit)
     bubbles = BubbleOptions(planner=PlannerOptions(max_interval=args.max_interval))
     return run(DaemonOptions(listen=args.listen, metrics=args.metrics, shm_dir=args.shm_dir,
-                             store=store, bubbles=bubbles, max_message_bytes=args.max_message))
+                             store=store, bubbles=bubbles, max_message_bytes=args.max_message,
+                             peers=_peer_options(args), durable=_durable_options(args)))
 
 
 def _status_parser(sub):

@@ -269,18 +269,24 @@ class ShardStatus(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., shard: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class RankStepStatus(_message.Message):
-    __slots__ = ("rank", "state", "nbytes", "shards", "usage")
+    __slots__ = ("rank", "state", "nbytes", "shards", "usage", "replica", "copies", "durable")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: CopyState
     nbytes: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
     usage: BubbleUsage
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[CopyState, str]] = ..., nbytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ...) -> None: ...
+    replica: bool
+    copies: int
+    durable: bool
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[CopyState, str]] = ..., nbytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ..., replica: _Optional[bool] = ..., copies: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class StepStatus(_message.Message):
     __slots__ = ("step", "committed", "ranks")
@@ -291,6 +297,20 @@ class StepStatus(_message.Message):
     committed: bool
     ranks: _containers.RepeatedCompositeFieldContainer[RankStepStatus]
     def __init__(self, step: _Optional[int] = ..., committed: _Optional[bool] = ..., ranks: _Optional[_Iterable[_Union[RankStepStatus, _Mapping]]] = ...) -> None: ...
+
+class CorruptCopy(_message.Message):
+    __slots__ = ("rank", "step", "source", "detail", "unix_time")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    source: str
+    detail: str
+    unix_time: float
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., source: _Optional[str] = ..., detail: _Optional[str] = ..., unix_time: _Optional[float] = ...) -> None: ...
 
 class RankPlan(_message.Message):
     __slots__ = ("rank", "bubbles", "bubble_seconds", "copy_bytes_per_second", "step_bytes", "predicted_overhead", "planned_spill_bytes")
@@ -323,20 +343,26 @@ class PlanStatus(_message.Message):
     def __init__(self, interval: _Optional[int] = ..., version: _Optional[int] = ..., predicted_overhead: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps", "plan")
+    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps", "plan", "replicas", "durable_steps", "corrupt_copies")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
     LATEST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_COPIES_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     registered_ranks: _containers.RepeatedScalarFieldContainer[int]
     latest_committed_step: int
     steps: _containers.RepeatedCompositeFieldContainer[StepStatus]
     plan: PlanStatus
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ...) -> None: ...
+    replicas: int
+    durable_steps: _containers.RepeatedScalarFieldContainer[int]
+    corrupt_copies: _containers.RepeatedCompositeFieldContainer[CorruptCopy]
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ..., replicas: _Optional[int] = ..., durable_steps: _Optional[_Iterable[int]] = ..., corrupt_copies: _Optional[_Iterable[_Union[CorruptCopy, _Mapping]]] = ...) -> None: ...
 
 class MemoryStatus(_message.Message):
     __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes")
@@ -371,18 +397,22 @@ class RestoreRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors")
+    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     step: int
     segment_path: str
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    source: str
+    source_detail: str
+    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("job",)

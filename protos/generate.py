@@ -15,7 +15,7 @@ import tempfile
 from grpc_tools import protoc
 
 PROTO_DIR = pathlib.Path(__file__).resolve().parent
-PROTO_FILES = ("daemon.proto",)
+PROTO_FILES = ("daemon.proto", "peer.proto")
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:

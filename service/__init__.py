@@ -2,12 +2,17 @@
 
 Public names: :class:`Daemon`, :func:`run` and the option dataclasses
 :class:`DaemonOptions`, :class:`StoreOptions`, :class:`BubbleOptions`,
-:class:`PlannerOptions`. Everything else is internal to the daemon.
+:class:`PlannerOptions`, :class:`PeerOptions`, :class:`PeerSecurity`,
+:class:`DurableOptions`. Everything else is internal to the daemon.
 """
 
 from bubblesnap.service.bubble_plans import BubbleOptions
 from bubblesnap.service.daemon import Daemon, DaemonOptions, run
+from bubblesnap.service.durable import DurableOptions
+from bubblesnap.service.peer_security import PeerSecurity
+from bubblesnap.service.peers import PeerOptions
 from bubblesnap.service.planner import PlannerOptions
 from bubblesnap.service.store import StoreOptions
 
-__all__ = ["BubbleOptions", "Daemon", "DaemonOptions", "PlannerOptions", "StoreOptions", "run"]
+__all__ = ["BubbleOptions", "Daemon", "DaemonOptions", "DurableOptions", "PeerOptions",
+           "PeerSecurity", "PlannerOptions", "StoreOptions", "run"]

@@ -13,17 +13,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from bubblesnap.protos import daemon_pb2
+from bubblesnap.protos import daemon_pb2, peer_pb2
 from bubblesnap.service.bubble_plans import BubbleOptions, BubblePlans
+from bubblesnap.service.data_channel import DataServer
+from bubblesnap.service.durable import DurableOptions, DurableTier
 from bubblesnap.service.metrics import DaemonMetrics
+from bubblesnap.service.peer_security import TokenInterceptor
+from bubblesnap.service.peer_server import PeerServicer
+from bubblesnap.service.peers import PeerGroup, PeerOptions
+from bubblesnap.service.replicator import Replicator
 from bubblesnap.service.segments import shm_free_bytes
 from bubblesnap.service.server import DaemonServicer
 from bubblesnap.service.store import SnapshotStore, StoreOptions
+from bubblesnap.service.tiers import Tiers
 from bubblesnap.service.wire import generic_handler
 
 log = logging.getLogger("bubblesnap.daemon")
 
 SERVICE_NAME = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
+PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"]
 
 #: Below this much free space the shm directory is treated as a container's
 #: default /dev/shm (64 MiB in Docker) and the budget is capped with a warning.
@@ -47,6 +55,8 @@ class DaemonOptions:
       max_message_bytes: largest gRPC message accepted (layouts of huge
         pytrees); larger ones get RESOURCE_EXHAUSTED. Default 64 MiB.
       grace_seconds: how long SIGTERM lets in-flight RPCs finish. Default 5 s.
+      peers: the ring of daemons this one replicates to. Default: alone.
+      durable: the durable tier (Orbax checkpoints). Default: off.
     """
 
     listen: str = "127.0.0.1:7070"
@@ -56,6 +66,8 @@ class DaemonOptions:
     bubbles: BubbleOptions = BubbleOptions()
     max_message_bytes: int = 64 << 20
     grace_seconds: float = 5.0
+    peers: PeerOptions = PeerOptions()
+    durable: DurableOptions = DurableOptions()
 
 
 def _fit_budget_to_shm(options: DaemonOptions) -> StoreOptions:
@@ -108,12 +120,27 @@ class Daemon:
         if self.port == 0:
             raise SystemExit(f"cannot listen on {options.listen}: address in use or invalid")
         self.address = f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
-        self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options))
+        self.group = PeerGroup(options.peers) if options.peers.enabled else None
+        self._peer_server = self._bind_peer_port() if self.group else None
+        self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options),
+                                   grouped=self.group is not None)
         self.plans = BubblePlans(self.store.slot_bytes, options.bubbles)
         self.metrics = DaemonMetrics(self.store)
+        self.data = self.replicator = None
+        if self.group is not None:
+            security = options.peers.security
+            data_listen = options.peers.data_listen or \
+                f"{self.group.address(self.group.index).rsplit(':', 1)[0]}:0"
+            self.data = DataServer(data_listen, security.server_ssl_context())
+            self.replicator = Replicator(self.store, self.group, self.data)
+            self._peer_server.add_generic_rpc_handlers((generic_handler(
+                PEER_SERVICE, PeerServicer(self.store, self.group, self.data, self.metrics)),))
+        self.durable = DurableTier(options.durable, self.store) \
+            if options.durable.enabled else None
+        self.tiers = Tiers(self.store, self.group, self.replicator, self.durable)
         self._server.add_generic_rpc_handlers((generic_handler(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
-            DaemonServicer(self.store, self.plans, self.metrics)),))
+            DaemonServicer(self.store, self.plans, self.metrics, self.tiers)),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
@@ -121,8 +148,32 @@ class Daemon:
         self.metrics_address = ""
         self._stopped = threading.Event()
 
+    def _bind_peer_port(self) -> grpc.Server:
+        peers = self.options.peers
+        interceptors = [TokenInterceptor(peers.security.token)] if peers.security.token else []
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16,
+                                                        thread_name_prefix="peer"),
+                             interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20),
+                                      ("grpc.so_reuseport", 0)])
+        listen = peers.listen or peers.peers[peers.index]
+        try:
+            port = peers.security.add_port(server, listen)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise SystemExit(f"cannot listen for peers on {listen}: address in use or invalid")
+        return server
+
     def start(self) -> None:
         self._server.start()
+        if self.group is not None:
+            self._peer_server.start()
+            self.group.announce()
+            self.replicator.start()
+        if self.durable is not None:
+            self.durable.start()
         if self.options.metrics:
             host, port = self.options.metrics.rsplit(":", 1)
             self.metrics_address = f"{host}:{self.metrics.serve(host, int(port))}"
@@ -135,11 +186,22 @@ class Daemon:
         self._stopped.set()
         self._health.enter_graceful_shutdown()
         self._server.stop(self.options.grace_seconds).wait()
+        if self.durable is not None:
+            self.durable.stop()
+        if self.group is not None:
+            self.replicator.stop()
+            self._peer_server.stop(self.options.grace_seconds).wait()
+            self.data.close()
+            self.group.close()
         self.store.close()
 
     def ready_line(self) -> str:
         memory = self.store.memory()
-        return json.dumps({"event": "ready", "address": self.address,
+        peers = {}
+        if self.group is not None:
+            peers = {"peer_address": self.group.address(self.group.index),
+                     "peer_index": self.group.index, "data_address": self.data.address}
+        return json.dumps({"event": "ready", "address": self.address, **peers,
                            "metrics": self.metrics_address, "shm_dir": memory.shm_dir,
                            "memory_budget_bytes": memory.budget_bytes,
                            "shm_free_bytes": memory.shm_free_bytes, "pid": os.getpid()})

@@ -31,3 +31,7 @@ class ResourceExhausted(DaemonError):
 
 class DataLoss(DaemonError):
     """Bytes held no longer match their checksum."""
+
+
+class Aborted(DaemonError):
+    """A transfer between daemons broke off; trying again may work."""

@@ -38,6 +38,9 @@ class DaemonMetrics:
         self.registry.register(_StoreCollector(store))
         self.rpcs = Counter("bubblesnap_rpcs", "RPCs answered, by method and status code.",
                             ["method", "code"], registry=self.registry)
+        self.restores = Counter("bubblesnap_restores", "Restores served, by the tier the bytes "
+                                "came from (memory, peer, durable).", ["source"],
+                                registry=self.registry)
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP endpoint; returns the port it listens on."""

@@ -8,6 +8,7 @@ import grpc
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service import errors
+from bubblesnap.service.layout_messages import slots, tensor_specs
 from bubblesnap.service.store import BubbleUsage, CopyState
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -19,11 +20,12 @@ _CODES = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
+    errors.Aborted: grpc.StatusCode.ABORTED,
 }
 _STATES = {CopyState.STAGING: pb.STAGING, CopyState.LOCAL: pb.LOCAL}
 
 
-def _rpc(method):
+def rpc_errors(method):
     """Maps store errors to status codes and counts every answer."""
 
     @functools.wraps(method)
@@ -43,30 +45,19 @@ def _rpc(method):
 
 def _staging(staging):
     return pb.BeginStepResponse(segment_path=staging.segment_path,
-                                segment_bytes=staging.segment_bytes, slots=_slots(staging.slots))
-
-
-def _slots(slots):
-    return [pb.Slot(tensor=t, shard=s, offset=o, nbytes=n) for t, s, o, n in slots]
-
-
-def _tensor_specs(layout):
-    return [pb.TensorSpec(
-        name=t.name, dtype=t.dtype, global_shape=t.global_shape,
-        shards=[pb.ShardSpec(index=[pb.Slice(start=a, stop=b) for a, b in s.index],
-                             nbytes=s.nbytes) for s in t.shards])
-        for t in layout.tensors]
+                                segment_bytes=staging.segment_bytes, slots=slots(staging.slots))
 
 
 class DaemonServicer:
     """Implements ``bubblesnap.v1.Daemon`` over a :class:`SnapshotStore`."""
 
-    def __init__(self, store, plans, metrics):
+    def __init__(self, store, plans, metrics, tiers):
         self._store = store
         self._plans = plans
         self._metrics = metrics
+        self._tiers = tiers
 
-    @_rpc
+    @rpc_errors
     def Register(self, request, context):
         reg = self._store.register(request.job, request.rank, request.world_size,
                                    request.tensors, request.replica_group)
@@ -74,11 +65,11 @@ class DaemonServicer:
                                    latest_local_step=reg.latest_local_step,
                                    step_bytes=reg.step_bytes)
 
-    @_rpc
+    @rpc_errors
     def BeginStep(self, request, context):
         return _staging(self._store.begin_step(request.job, request.rank, request.step))
 
-    @_rpc
+    @rpc_errors
     def CommitStep(self, request, context):
         u = request.usage
         usage = BubbleUsage(u.offered_seconds, u.used_seconds, u.spilled_seconds,
@@ -86,24 +77,29 @@ class DaemonServicer:
         commit = self._store.commit_step(
             request.job, request.rank, request.step, tuple(request.checksums), usage,
             request.next_step if request.HasField("next_step") else None)
+        if commit.newly_local:
+            self._tiers.committed(request.job, request.rank, request.step)
         return pb.CommitStepResponse(
             job_committed=commit.job_committed, latest_committed_step=commit.latest_committed_step,
             next=_staging(commit.next) if commit.next else None)
 
-    @_rpc
+    @rpc_errors
     def AbortStep(self, request, context):
         self._store.abort_step(request.job, request.rank, request.step)
         return pb.AbortStepResponse()
 
-    @_rpc
+    @rpc_errors
     def Restore(self, request, context):
         step = request.step if request.HasField("step") else None
-        found = self._store.restore(request.job, request.rank, step)
+        restored = self._tiers.restore(request.job, request.rank, step)
+        found = restored.found
+        self._metrics.restores.labels(restored.source).inc()
         return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
-                                  slots=_slots(found.slots), checksums=found.checksums,
-                                  tensors=_tensor_specs(found.layout))
+                                  slots=slots(found.slots), checksums=found.checksums,
+                                  tensors=tensor_specs(found.layout), source=restored.source,
+                                  source_detail=restored.detail)
 
-    @_rpc
+    @rpc_errors
     def Status(self, request, context):
         memory = self._store.memory()
         return pb.StatusResponse(
@@ -114,7 +110,7 @@ class DaemonServicer:
                                    shm_dir=memory.shm_dir,
                                    shm_free_bytes=memory.shm_free_bytes))
 
-    @_rpc
+    @rpc_errors
     def ListSnapshots(self, request, context):
         return pb.ListSnapshotsResponse(snapshots=[
             pb.SnapshotSummary(
@@ -123,7 +119,7 @@ class DaemonServicer:
                 nbytes=sum(r.nbytes for r in step.ranks))
             for job in self._store.jobs(request.job) for step in job.steps])
 
-    @_rpc
+    @rpc_errors
     def DeleteSnapshots(self, request, context):
         deleted = self._store.delete(request.job, tuple(request.steps))
         if not request.steps:
@@ -174,6 +170,8 @@ class DaemonServicer:
 
     def _job_status(self, job):
         plan, profiles, version = self._plans.plan_of(job.job)
+        copies = self._tiers.copies(job.job)
+        durable = self._tiers.durable_steps(job.job)
         return pb.JobStatus(
             job=job.job, world_size=job.world_size, registered_ranks=job.registered_ranks,
             latest_committed_step=job.latest_committed_step,
@@ -181,9 +179,14 @@ class DaemonServicer:
                 pb.RankStepStatus(rank=r.rank, state=_STATES[r.state], nbytes=r.nbytes, shards=[
                     pb.ShardStatus(tensor=sh.tensor, shard=sh.shard, nbytes=sh.nbytes,
                                    checksum=sh.checksum) for sh in r.shards],
-                    usage=pb.BubbleUsage(**dataclasses.asdict(r.usage)))
+                    usage=pb.BubbleUsage(**dataclasses.asdict(r.usage)), replica=r.replica,
+                    copies=copies.get((r.rank, s.step), 0), durable=s.step in durable)
                 for r in s.ranks]) for s in job.steps],
-            plan=_plan_status(plan, profiles, version))
+            plan=_plan_status(plan, profiles, version), replicas=self._tiers.replicas,
+            durable_steps=durable, corrupt_copies=[
+                pb.CorruptCopy(rank=c.rank, step=c.step, source=c.source, detail=c.detail,
+                               unix_time=c.unix_time)
+                for c in self._tiers.corrupt_copies(job.job)])
 
 
 def _plan_status(plan, profiles, version):

@@ -71,6 +71,8 @@ class _RankStep:
     state: CopyState
     checksums: tuple[int, ...] = ()
     usage: BubbleUsage = BubbleUsage()
+    pins: int = 0          # readers outside the lock (replication, durable writes)
+    released: bool = False  # freed while pinned: the last unpin disposes of the segment
 
 
 @dataclasses.dataclass
@@ -78,6 +80,7 @@ class _Rank:
     layout: layout_lib.Layout
     slots: list[tuple[int, int, int, int]]
     steps: dict[int, _RankStep] = dataclasses.field(default_factory=dict)
+    replica: bool = False  # held for a peer; no trainer registered it here
 
 
 @dataclasses.dataclass
@@ -85,9 +88,18 @@ class _Job:
     world_size: int
     replica_group: tuple[int, ...]
     ranks: dict[int, _Rank] = dataclasses.field(default_factory=dict)
+    #: With peers, the steps the peer group has committed (set by the
+    #: replicator from every daemon's holdings); None on a lone daemon.
+    group_committed: list[int] | None = None
 
     def committed_steps(self) -> list[int]:
-        """Steps every rank of the job holds LOCAL, oldest first."""
+        """Steps committed for the job, oldest first.
+
+        A lone daemon holds every rank: a step is committed when each rank
+        holds it LOCAL. With peers, the group decides.
+        """
+        if self.group_committed is not None:
+            return self.group_committed
         if len(self.ranks) < self.world_size:
             return []
         common = None
@@ -116,6 +128,7 @@ class Commit:
     job_committed: bool
     latest_committed_step: int
     next: Staging | None = None  # the next step, begun as the commit asked
+    newly_local: bool = False    # this call made the copy LOCAL (not a repeated commit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +155,7 @@ class RankStepView:
     nbytes: int
     shards: tuple[ShardView, ...]
     usage: BubbleUsage
+    replica: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +175,33 @@ class JobView:
 
 
 @dataclasses.dataclass(frozen=True)
+class HeldCopy:
+    """A committed (LOCAL) copy this daemon holds, as peers see it."""
+
+    job: str
+    rank: int
+    step: int
+    replica: bool
+    world_size: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedCopy:
+    """A LOCAL copy that stays intact (not recycled) until :meth:`SnapshotStore.unpin`."""
+
+    job: str
+    rank: int
+    step: int
+    world_size: int
+    segment: Segment
+    layout: layout_lib.Layout
+    slots: tuple[tuple[int, int, int, int], ...]
+    checksums: tuple[int, ...]
+    _held: "_RankStep" = dataclasses.field(repr=False, compare=False, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryView:
     budget_bytes: int
     used_bytes: int
@@ -172,8 +213,10 @@ class MemoryView:
 class SnapshotStore:
     """Holds every job's snapshots in shared memory, within a memory budget."""
 
-    def __init__(self, shm_dir: str, options: StoreOptions = StoreOptions()):
+    def __init__(self, shm_dir: str, options: StoreOptions = StoreOptions(),
+                 grouped: bool = False):
         self.options = options
+        self.grouped = grouped  # peers decide what is committed
         self.shm_dir = shm_dir
         self._pool = SegmentPool(shm_dir)
         self._jobs: dict[str, _Job] = {}
@@ -198,8 +241,17 @@ class SnapshotStore:
                     f"job {job!r} is registered with world_size {entry.world_size}, "
                     f"not {world_size}; delete the job's snapshots to start it over")
             if entry is None:
-                entry = self._jobs[job] = _Job(world_size, group)
+                entry = self._new_job(job, world_size, group)
+            entry.replica_group = entry.replica_group or group
             held = entry.ranks.get(rank)
+            if held is not None and held.replica:
+                # A trainer takes over a rank this daemon held replicas of
+                # (a replacement host): the replicas become its own copies.
+                if held.layout != layout:
+                    for step in list(held.steps):
+                        self._free(held, step)
+                    held = entry.ranks[rank] = _Rank(layout, layout.slots())
+                held.replica = False
             if held is not None:
                 if held.layout != layout:
                     raise AlreadyExists(
@@ -290,7 +342,8 @@ class SnapshotStore:
             rank_step.usage = usage
             rank_step.state = CopyState.LOCAL
             self._retain(entry)
-            return self._commit_result(job, rank, entry, held, step, next_step)
+            return dataclasses.replace(
+                self._commit_result(job, rank, entry, held, step, next_step), newly_local=True)
 
     def abort_step(self, job: str, rank: int, step: int) -> None:
         with self._lock:
@@ -306,18 +359,26 @@ class SnapshotStore:
 
     # -- restore ------------------------------------------------------------
 
-    def restore(self, job: str, rank: int, step: int | None = None) -> Restorable:
+    def restore(self, job: str, rank: int, step: int | None = None,
+                chosen_by_group: bool = False) -> Restorable:
         """Verifies a committed step and hands its segment to the client.
 
         The client may keep arrays that alias the segment (zero-copy on the
         CPU backend), so a segment once restored from is never recycled: when
         retention frees it, it is unlinked, and its memory lives on only as
         long as the client maps it.
+
+        ``chosen_by_group``: the step was chosen from every peer's holdings
+        (restore.py); it only has to be held LOCAL here. NotFound otherwise.
         """
         with self._lock:
             entry, held = self._rank(job, rank)
             committed = entry.committed_steps()
-            if step is None:
+            if chosen_by_group:
+                rank_step = held.steps.get(step)
+                if rank_step is None or rank_step.state is not CopyState.LOCAL:
+                    raise NotFound(f"this daemon holds no copy of step {step} of rank {rank}")
+            elif step is None:
                 if not committed:
                     raise NotFound(
                         f"job {job!r} has no committed step yet: "
@@ -343,6 +404,122 @@ class SnapshotStore:
             rank_step.segment.handed_out = True
             return Restorable(step, rank_step.segment.path, tuple(held.slots),
                               rank_step.checksums, held.layout)
+
+    # -- peers: replicas, holdings, pinned reads ------------------------------
+
+    def holdings(self, job: str = "") -> list[HeldCopy]:
+        """Every LOCAL copy held, of one job or all."""
+        if job:
+            layout_lib.check_job_name(job)
+        with self._lock:
+            return [HeldCopy(name, rank, step, held.replica, entry.world_size,
+                             held.layout.nbytes)
+                    for name, entry in sorted(self._jobs.items()) if not job or name == job
+                    for rank, held in sorted(entry.ranks.items())
+                    for step, rank_step in sorted(held.steps.items())
+                    if rank_step.state is CopyState.LOCAL]
+
+    def world_size(self, job: str) -> int:
+        layout_lib.check_job_name(job)
+        with self._lock:
+            entry = self._jobs.get(job)
+            if entry is None:
+                raise NotFound(f"no job {job!r} is registered with this daemon; "
+                               "call Register first")
+            return entry.world_size
+
+    def layout_of(self, job: str, rank: int) -> layout_lib.Layout:
+        with self._lock:
+            return self._rank(job, rank)[1].layout
+
+    def pin(self, job: str, rank: int, step: int) -> PinnedCopy:
+        """Keeps a LOCAL copy's segment intact for a reader outside the lock."""
+        with self._lock:
+            entry, held = self._rank(job, rank)
+            rank_step = held.steps.get(step)
+            if rank_step is None or rank_step.state is not CopyState.LOCAL:
+                raise NotFound(f"this daemon holds no committed copy of step {step} of rank "
+                               f"{rank} of job {job!r}")
+            rank_step.pins += 1
+            return PinnedCopy(job, rank, step, entry.world_size, rank_step.segment, held.layout,
+                              tuple(held.slots), rank_step.checksums, rank_step)
+
+    def unpin(self, pinned: PinnedCopy) -> None:
+        with self._lock:
+            self._unpin(pinned._held)
+
+    def install(self, job: str, world_size: int, rank: int, step: int, layout, checksums,
+                fill, replica: bool) -> int:
+        """Stores a copy that arrives from elsewhere (a peer, the durable tier).
+
+        ``fill(view)`` writes the segment's bytes, outside the lock; every
+        slot is then verified against ``checksums`` before the copy counts.
+        ``replica``: held for a rank registered on another daemon. Returns
+        the bytes stored; DataLoss (and nothing kept) when a checksum fails.
+        """
+        layout_lib.check_job_name(job)
+        layout_lib.check_world(rank, world_size)
+        layout_lib.check_step(step)
+        slots = layout.slots()
+        if len(checksums) != len(slots):
+            raise InvalidArgument(f"{len(checksums)} checksums for {len(slots)} shards")
+        with self._lock:
+            entry = self._jobs.get(job)
+            if entry is None:
+                entry = self._new_job(job, world_size, ())
+            if entry.world_size != world_size:
+                raise FailedPrecondition(
+                    f"job {job!r} has world_size {entry.world_size} here, not {world_size}")
+            held = entry.ranks.get(rank)
+            if held is None:
+                held = entry.ranks[rank] = _Rank(layout, slots, replica=replica)
+            elif held.layout != layout:
+                if not held.replica:
+                    raise FailedPrecondition(
+                        f"rank {rank} of job {job!r} is registered here with a different "
+                        f"layout ({_describe_difference(held.layout, layout)})")
+                for old in list(held.steps):
+                    self._free(held, old)
+                held = entry.ranks[rank] = _Rank(layout, slots, replica=True)
+            existing = held.steps.get(step)
+            if existing is not None and existing.state is CopyState.LOCAL:
+                return 0
+            if existing is not None:
+                self._free(held, step)
+            segment = self._acquire(job, rank, step, layout.segment_bytes)
+            rank_step = held.steps[step] = _RankStep(segment, CopyState.STAGING, pins=1)
+        try:
+            fill(segment.view)
+            computed = self._hash(segment, slots)
+        except BaseException:
+            with self._lock:
+                if held.steps.get(step) is rank_step:
+                    self._free(held, step)
+                self._unpin(rank_step)
+            raise
+        with self._lock:
+            self._unpin(rank_step)
+            if held.steps.get(step) is not rank_step:  # deleted meanwhile
+                raise NotFound(f"step {step} of rank {rank} was deleted while it arrived")
+            bad = _mismatches(checksums, computed)
+            if bad:
+                names = _slot_names(held, bad)
+                self._free(held, step)
+                raise DataLoss(f"step {step} of rank {rank} of job {job!r}: checksum mismatch on "
+                               f"{names}; the copy was dropped")
+            rank_step.checksums = tuple(checksums)
+            rank_step.state = CopyState.LOCAL
+            self._retain(entry)
+            return layout.nbytes
+
+    def set_group_committed(self, job: str, steps) -> None:
+        """The peer group's committed steps of ``job``; frees what retention lets go."""
+        with self._lock:
+            entry = self._jobs.get(job)
+            if entry is None:
+                return
+            entry.group_committed = sorted(steps)
+            self._retain(entry)
 
     # -- listing and deleting -----------------------------------------------
 
@@ -427,22 +604,39 @@ class SnapshotStore:
                     "everything already held is kept")
         return self._pool.acquire(nbytes)
 
+    def _new_job(self, job: str, world_size: int, group) -> _Job:
+        entry = self._jobs[job] = _Job(world_size, tuple(group),
+                                       group_committed=[] if self.grouped else None)
+        return entry
+
     def _free(self, held: _Rank, step: int) -> None:
         rank_step = held.steps.pop(step)
+        if rank_step.pins:
+            rank_step.released = True  # the last unpin disposes of it
+            return
+        self._dispose(rank_step.segment, rank_step.state is CopyState.STAGING)
+
+    def _unpin(self, rank_step: _RankStep) -> None:
+        rank_step.pins -= 1
+        if rank_step.released and rank_step.pins == 0:
+            self._dispose(rank_step.segment, rank_step.state is CopyState.STAGING)
+
+    def _dispose(self, segment: Segment, staging: bool) -> None:
         # A segment someone may still write into (an unfinished copy) or read from
         # (a restore) is never handed to another step: it is unlinked instead.
-        if rank_step.segment.handed_out or rank_step.state is CopyState.STAGING:
-            rank_step.segment.destroy()
+        if segment.handed_out or staging:
+            segment.destroy()
         else:
-            self._pool.release(rank_step.segment)
+            self._pool.release(segment)
 
     def _retain(self, entry: _Job) -> None:
         committed = entry.committed_steps()
-        if not committed:
-            return
-        floor = committed[-self.options.keep_steps:][0]
+        floor = committed[-self.options.keep_steps:][0] if committed else -1
+        cap = _keep_per_rank(self.options.keep_steps)
         for held in entry.ranks.values():
-            for step in [s for s in held.steps if s < floor]:
+            local = sorted(s for s, rs in held.steps.items() if rs.state is CopyState.LOCAL)
+            too_many = set(local[:-cap]) if self.grouped else set()
+            for step in [s for s in held.steps if s < floor or s in too_many]:
                 self._free(held, step)
 
     def _hash(self, segment: Segment, slots) -> tuple[int, ...]:
@@ -478,7 +672,7 @@ class SnapshotStore:
                               rank_step.checksums[i] if rank_step.checksums else 0)
                     for i, (t, s, _, n) in enumerate(held.slots))
                 ranks.append(RankStepView(rank, rank_step.state, held.layout.nbytes, shards,
-                                          rank_step.usage))
+                                          rank_step.usage, held.replica))
             views.append(StepView(step, step in committed, tuple(ranks)))
         return JobView(name, entry.world_size, tuple(sorted(entry.ranks)),
                        max(committed, default=-1), tuple(views))
@@ -521,3 +715,9 @@ def _describe_difference(a: layout_lib.Layout, b: layout_lib.Layout) -> str:
             return (f"tensor {ta.name!r}: {ta.dtype}{list(ta.global_shape)} in {len(ta.shards)} "
                     f"shards vs {tb.dtype}{list(tb.global_shape)} in {len(tb.shards)} shards")
     return "same tensors, different shards"
+
+
+def _keep_per_rank(keep_steps: int) -> int:
+    """LOCAL copies a rank keeps at most even when the group commits nothing
+    (peers down): memory must not grow without bound."""
+    return keep_steps + 2

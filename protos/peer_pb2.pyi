@@ -1,0 +1,112 @@
+from bubblesnap.protos import daemon_pb2 as _daemon_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CopyRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COPY_ROLE_UNSPECIFIED: _ClassVar[CopyRole]
+    PRIMARY: _ClassVar[CopyRole]
+    REPLICA: _ClassVar[CopyRole]
+COPY_ROLE_UNSPECIFIED: CopyRole
+PRIMARY: CopyRole
+REPLICA: CopyRole
+
+class JoinRequest(_message.Message):
+    __slots__ = ("index", "address")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HoldingsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class HeldCopy(_message.Message):
+    __slots__ = ("job", "rank", "step", "role", "world_size", "nbytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    role: CopyRole
+    world_size: int
+    nbytes: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[_Union[CopyRole, str]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class HoldingsResponse(_message.Message):
+    __slots__ = ("index", "copies")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    copies: _containers.RepeatedCompositeFieldContainer[HeldCopy]
+    def __init__(self, index: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[HeldCopy, _Mapping]]] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("job", "world_size", "rank", "step", "tensors", "checksums", "data_address", "ticket", "from_index")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    world_size: int
+    rank: int
+    step: int
+    tensors: _containers.RepeatedCompositeFieldContainer[_daemon_pb2.TensorSpec]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    data_address: str
+    ticket: bytes
+    from_index: int
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., data_address: _Optional[str] = ..., ticket: _Optional[bytes] = ..., from_index: _Optional[int] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenReadRequest(_message.Message):
+    __slots__ = ("job", "rank", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class OpenReadResponse(_message.Message):
+    __slots__ = ("ticket", "data_address", "segment_bytes", "checksums", "tensors", "world_size")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    data_address: str
+    segment_bytes: int
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_daemon_pb2.TensorSpec]
+    world_size: int
+    def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., world_size: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,288 @@
+"""The durable tier: some committed steps written as standard Orbax checkpoints.
+
+Each daemon writes the ranks its trainers registered, in the background:
+``<directory>/<job>/step_<step>/rank_<rank>/`` is an Orbax checkpoint of the
+rank's state as a nested dict of numpy arrays (tensor names split at "/"),
+so ``orbax.checkpoint.StandardCheckpointer().restore(path)`` loads it with
+no daemon, into any sharding. Beside it, ``rank_<rank>.json`` lists each
+tensor's dtype, shape and xxh3 checksum; it is written last, so a rank
+directory without it is an unfinished write and is ignored.
+
+Orbax and JAX are imported on first use: a daemon without ``--durable-dir``
+does not need them.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+
+import numpy as np
+
+from bubblesnap.protos.checksum import checksum
+from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, NotFound
+
+log = logging.getLogger("bubblesnap.daemon")
+
+_FORMAT = "bubblesnap-durable-1"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DurableOptions:
+    """When and where snapshots are written to durable storage.
+
+    Attributes:
+      directory: where checkpoints go (a shared filesystem or a bucket mount
+        all hosts see). Empty: no durable tier.
+      every_steps: write steps that are multiples of this. Every daemon picks
+        the same steps, so each one is whole for the job. 0: off.
+      every_seconds: also write the next committed step once this long has
+        passed since the last write. 0: off. Hosts decide independently, so a
+        step chosen this way may be whole only once every host wrote it.
+      keep: steps kept per rank; older ones are deleted. Default 2.
+    """
+
+    directory: str = ""
+    every_steps: int = 0
+    every_seconds: float = 0.0
+    keep: int = 2
+
+    def __post_init__(self):
+        if self.every_steps < 0 or self.every_seconds < 0:
+            raise ValueError("--durable-every-steps and --durable-every-seconds must be >= 0")
+        if self.keep < 1:
+            raise ValueError("--durable-keep must be at least 1")
+        if self.directory and not (self.every_steps or self.every_seconds):
+            raise ValueError("--durable-dir needs --durable-every-steps or "
+                             "--durable-every-seconds to say how often to write")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.directory)
+
+
+def should_write(step: int, seconds_since_last: float, options: DurableOptions) -> bool:
+    """Whether a newly committed step goes to the durable tier."""
+    if options.every_steps and step % options.every_steps == 0:
+        return True
+    return bool(options.every_seconds) and seconds_since_last >= options.every_seconds
+
+
+def rank_path(directory: str, job: str, step: int, rank: int) -> str:
+    return os.path.join(directory, job, f"step_{step}", f"rank_{rank}")
+
+
+class DurableTier:
+    """Writes chosen steps in a background thread; finds and loads them on restore."""
+
+    def __init__(self, options: DurableOptions, store):
+        self.options = options
+        self._store = store
+        self._queue: queue.Queue = queue.Queue()
+        self._last_write: dict[tuple[str, int], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="durable", daemon=True)
+        self.written_bytes = 0
+        os.makedirs(options.directory, exist_ok=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def committed(self, job: str, rank: int, step: int) -> None:
+        """A trainer committed (job, rank, step) here; write it if the policy says so."""
+        since = time.monotonic() - self._last_write.get((job, rank), float("-inf"))
+        if should_write(step, since, self.options):
+            self._last_write[(job, rank)] = time.monotonic()
+            self._queue.put((job, rank, step))
+
+    def flush(self) -> None:
+        """Waits until every write queued so far has finished."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait()
+
+    def steps(self, job: str, world_size: int) -> list[int]:
+        """Steps whose every rank is fully written, oldest first."""
+        job_dir = os.path.join(self.options.directory, job)
+        found = []
+        for name in _listdir(job_dir):
+            match = _STEP_DIR.fullmatch(name)
+            if match and all(os.path.exists(rank_path(self.options.directory, job,
+                                                      int(match[1]), r) + ".json")
+                             for r in range(world_size)):
+                found.append(int(match[1]))
+        return sorted(found)
+
+    def load(self, job: str, rank: int, step: int, layout):
+        """Reads a written rank and cuts it into ``layout``'s shards.
+
+        Returns ``(fill, checksums)`` for :meth:`SnapshotStore.install`.
+        Every tensor is verified against the checksum written beside it;
+        DataLoss when one does not match or the checkpoint cannot be read.
+        """
+        path = rank_path(self.options.directory, job, step, rank)
+        try:
+            with open(path + ".json") as f:
+                meta = json.load(f)
+        except FileNotFoundError as err:
+            raise NotFound(f"the durable tier has no step {step} of rank {rank}") from err
+        except (OSError, ValueError) as err:
+            raise DataLoss(f"{path}.json is unreadable: {err}") from err
+        expected = {t["name"]: t for t in meta["tensors"]}
+        if sorted(expected) != sorted(t.name for t in layout.tensors):
+            raise FailedPrecondition(
+                f"{path} holds tensors {sorted(expected)[:4]}..., not the registered "
+                f"{sorted(t.name for t in layout.tensors)[:4]}...")
+        try:
+            tree = _orbax().StandardCheckpointer().restore(os.path.abspath(path))
+        except Exception as err:  # Orbax raises many types for damaged files
+            raise DataLoss(f"{path} cannot be read by Orbax: {err}") from err
+        arrays = {}
+        for name, meta_t in expected.items():
+            array = np.ascontiguousarray(_lookup(tree, name))
+            if checksum(array) != meta_t["checksum"]:
+                raise DataLoss(f"{path}: tensor {name!r} does not match its checksum")
+            arrays[name] = array
+        pieces, checksums = [], []
+        for t_index, s_index, offset, nbytes in layout.slots():
+            tensor = layout.tensors[t_index]
+            index = tensor.shards[s_index].index
+            piece = np.ascontiguousarray(arrays[tensor.name][tuple(slice(a, b) for a, b in index)])
+            pieces.append((offset, nbytes, piece))
+            checksums.append(checksum(piece))
+
+        def fill(view):
+            for offset, nbytes, piece in pieces:
+                view[offset:offset + nbytes] = piece.reshape(-1).view(np.uint8)
+
+        return fill, tuple(checksums)
+
+    # -- the thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._write(*item)
+            except DaemonError as err:
+                log.info("durable write of %s skipped: %s", item, err)
+            except Exception:
+                log.exception("durable write of %s failed", item)
+
+    def _write(self, job: str, rank: int, step: int) -> None:
+        path = rank_path(self.options.directory, job, step, rank)
+        if os.path.exists(path + ".json"):
+            return
+        pinned = self._store.pin(job, rank, step)
+        try:
+            arrays = _assemble(pinned)
+        finally:
+            self._store.unpin(pinned)
+        if os.path.exists(path):  # an unfinished write of a killed daemon
+            shutil.rmtree(path)
+        started = time.perf_counter()
+        checkpointer = _orbax().StandardCheckpointer()
+        checkpointer.save(os.path.abspath(path), _nest(arrays))
+        checkpointer.wait_until_finished()
+        checkpointer.close()
+        meta = {"format": _FORMAT, "job": job, "rank": rank, "step": step,
+                "world_size": pinned.world_size,
+                "tensors": [{"name": name, "dtype": str(a.dtype), "shape": list(a.shape),
+                             "checksum": checksum(a)} for name, a in arrays.items()]}
+        tmp = path + ".json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path + ".json")
+        nbytes = sum(a.nbytes for a in arrays.values())
+        self.written_bytes += nbytes
+        log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s", step, rank,
+                 job, nbytes / 1e6, time.perf_counter() - started, path)
+        self._retire(job, rank)
+
+    def _retire(self, job: str, rank: int) -> None:
+        job_dir = os.path.join(self.options.directory, job)
+        written = sorted(int(m[1]) for m in map(_STEP_DIR.fullmatch, _listdir(job_dir))
+                         if m and os.path.exists(rank_path(self.options.directory, job,
+                                                           int(m[1]), rank) + ".json"))
+        for step in written[:-self.options.keep]:
+            path = rank_path(self.options.directory, job, step, rank)
+            os.unlink(path + ".json")
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(path))  # the last rank out removes the step
+            except OSError:
+                pass
+
+
+def _assemble(pinned) -> dict[str, np.ndarray]:
+    """The rank's tensors as whole numpy arrays, from the shards in its segment."""
+    dtypes = {}
+    arrays = {}
+    for t_index, s_index, offset, nbytes in pinned.slots:
+        tensor = pinned.layout.tensors[t_index]
+        if tensor.name not in arrays:
+            dtypes[tensor.name] = _numpy_dtype(tensor.dtype)
+            arrays[tensor.name] = np.zeros(tensor.global_shape, dtypes[tensor.name])
+        index = tensor.shards[s_index].index
+        shape = tuple(b - a for a, b in index)
+        piece = pinned.segment.view[offset:offset + nbytes].view(dtypes[tensor.name])
+        arrays[tensor.name][tuple(slice(a, b) for a, b in index)] = piece.reshape(shape)
+    return arrays
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    import ml_dtypes  # bfloat16 and float8, which numpy lacks (a dependency of JAX)
+
+    return np.dtype(getattr(ml_dtypes, name, name))
+
+
+def _nest(arrays: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for name, array in arrays.items():
+        node = tree
+        *parents, leaf = name.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = array
+    return tree
+
+
+def _lookup(tree, name: str):
+    node = tree
+    for part in name.split("/"):
+        node = node[part]
+    return node
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+def _orbax():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as err:
+        raise SystemExit("the durable tier writes through Orbax: pip install "
+                         "'bubblesnap[jax]' (orbax-checkpoint) on this host") from err
+    return ocp

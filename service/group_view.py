@@ -1,0 +1,72 @@
+"""What the peer group holds, as pure functions over every daemon's holdings.
+
+Each daemon reports the committed copies in its memory (``Holdings``); these
+functions turn the reports into the job-wide answers: which steps are
+committed (every rank with 1 + k copies), which step the whole job can
+restore, and which copies need another replica after a peer died. No I/O.
+"""
+
+import dataclasses
+from collections import defaultdict
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """One daemon (by ring index) holds a committed copy of (rank, step)."""
+
+    index: int
+    rank: int
+    step: int
+    replica: bool = False
+
+
+def holders(holdings) -> dict[tuple[int, int], set[int]]:
+    """(rank, step) -> ring indices of the daemons holding a copy."""
+    found = defaultdict(set)
+    for h in holdings:
+        found[(h.rank, h.step)].add(h.index)
+    return found
+
+
+def committed_steps(world_size: int, holdings, copies_wanted: int) -> list[int]:
+    """Steps every rank holds with at least ``copies_wanted`` copies, oldest first."""
+    found = holders(holdings)
+    steps = {step for _, step in found}
+    return sorted(s for s in steps
+                  if all(len(found.get((r, s), ())) >= copies_wanted for r in range(world_size)))
+
+
+def restorable_steps(world_size: int, holdings, durable_steps=()) -> list[int]:
+    """Steps every rank can get back from some peer's memory or the durable tier."""
+    found = holders(holdings)
+    durable = set(durable_steps)
+    steps = {step for _, step in found} | durable
+    return sorted(s for s in steps
+                  if s in durable or all(found.get((r, s)) for r in range(world_size)))
+
+
+def successors(index: int, ring_size: int, live, count: int) -> list[int]:
+    """The next ``count`` live daemons after ``index`` in ring order."""
+    ring = [(index + i) % ring_size for i in range(1, ring_size)]
+    return [i for i in ring if i in live][:count]
+
+
+def re_replication(index: int, ring_size: int, live, holdings,
+                   copies_wanted: int) -> list[tuple[int, int, list[int]]]:
+    """(rank, step, targets) this daemon should push so every copy it holds is back
+    at ``copies_wanted`` live copies.
+
+    Of the live holders of a copy, the first in ring order (from index 0)
+    does the pushing, so two survivors never push the same copy twice.
+    Targets are the next live daemons after it that do not hold the copy.
+    """
+    work = []
+    for (rank, step), where in sorted(holders(holdings).items()):
+        alive = sorted(where & set(live))
+        if index not in alive or alive[0] != index or len(alive) >= copies_wanted:
+            continue
+        missing = copies_wanted - len(alive)
+        targets = [i for i in successors(index, ring_size, live, ring_size) if i not in where]
+        if targets[:missing]:
+            work.append((rank, step, targets[:missing]))
+    return work

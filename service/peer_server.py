@@ -1,0 +1,67 @@
+"""The gRPC face daemons show each other: translate, delegate, map errors."""
+
+import logging
+
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service import data_channel, errors
+from bubblesnap.service import layout as layout_lib
+from bubblesnap.service.layout_messages import tensor_specs
+from bubblesnap.service.server import rpc_errors
+
+log = logging.getLogger("bubblesnap.daemon")
+
+
+class PeerServicer:
+    """Implements ``bubblesnap.v1.Peer`` over the store, the group and the data channel."""
+
+    def __init__(self, store, group, data_server, metrics):
+        self._store = store
+        self._group = group
+        self._data = data_server
+        self._metrics = metrics
+
+    @rpc_errors
+    def Join(self, request, context):
+        if not 0 <= request.index < self._group.size or request.index == self._group.index:
+            raise errors.InvalidArgument(
+                f"ring index {request.index} is not another member of this {self._group.size}-"
+                "daemon group; check --index and --peers")
+        self._group.set_address(request.index, request.address)
+        return ppb.JoinResponse()
+
+    @rpc_errors
+    def Holdings(self, request, context):
+        return ppb.HoldingsResponse(index=self._group.index, copies=[
+            ppb.HeldCopy(job=h.job, rank=h.rank, step=h.step,
+                         role=ppb.REPLICA if h.replica else ppb.PRIMARY,
+                         world_size=h.world_size, nbytes=h.nbytes)
+            for h in self._store.holdings(request.job)])
+
+    @rpc_errors
+    def Replicate(self, request, context):
+        layout = layout_lib.build_layout(request.tensors)
+        security = self._group.options.security
+        timeout = self._group.options.transfer_timeout_seconds
+
+        def fill(view):
+            try:
+                data_channel.pull(request.data_address, request.ticket, view,
+                                  security.client_ssl_context(), timeout=timeout)
+            except OSError as err:
+                raise errors.Aborted(f"pulling step {request.step} of rank {request.rank} from "
+                                     f"{request.data_address} failed: {err}") from err
+
+        self._store.install(request.job, request.world_size, request.rank, request.step, layout,
+                            tuple(request.checksums), fill, replica=True)
+        return ppb.ReplicateResponse()
+
+    @rpc_errors
+    def OpenRead(self, request, context):
+        pinned = self._store.pin(request.job, request.rank, request.step)
+        ticket = self._data.offer(pinned.segment.path, pinned.segment.nbytes,
+                                  lambda: self._store.unpin(pinned))
+        return ppb.OpenReadResponse(ticket=ticket, data_address=self._data.address,
+                                    segment_bytes=pinned.segment.nbytes,
+                                    checksums=pinned.checksums,
+                                    tensors=tensor_specs(pinned.layout),
+                                    world_size=pinned.world_size)

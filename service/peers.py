@@ -1,0 +1,161 @@
+"""The ring of daemons this one belongs to: addresses, liveness, calls to peers."""
+
+import dataclasses
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.protos import peer_pb2_grpc
+from bubblesnap.service.group_view import Holding
+from bubblesnap.service.peer_security import PeerSecurity
+
+log = logging.getLogger("bubblesnap.daemon")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerOptions:
+    """Where this daemon sits among its peers.
+
+    Attributes:
+      peers: peer gRPC addresses of every daemon of the group, in ring order,
+        this one's included. Empty: a lone daemon (no replication).
+      index: this daemon's position in ``peers``.
+      listen: address the peer port binds; default ``peers[index]``. Set it
+        to bind another interface (0.0.0.0:PORT) than the one peers dial.
+      data_listen: address of the bulk data channel; default the peer
+        host with a free port (peers learn it from each call).
+      replicas: copies pushed to the next daemons in the ring (k). A step is
+        committed when every rank holds it 1 + k times. Default 1.
+      security: TLS and token of peer calls.
+      call_timeout_seconds: deadline of small peer calls. Default 2 s.
+      transfer_timeout_seconds: deadline of a replica or restore transfer.
+        Default 120 s.
+      refresh_seconds: how often the group's holdings are gathered to find
+        dead peers, re-replicate and advance retention. Default 1 s.
+    """
+
+    peers: tuple[str, ...] = ()
+    index: int = 0
+    listen: str = ""
+    data_listen: str = ""
+    replicas: int = 1
+    security: PeerSecurity = PeerSecurity()
+    call_timeout_seconds: float = 2.0
+    transfer_timeout_seconds: float = 120.0
+    refresh_seconds: float = 1.0
+
+    def __post_init__(self):
+        if self.peers and not 0 <= self.index < len(self.peers):
+            raise ValueError(f"--index {self.index} is outside the {len(self.peers)} peers")
+        if self.replicas < 0:
+            raise ValueError("--replicas must be 0 or more")
+        if self.peers and self.replicas > len(self.peers) - 1:
+            raise ValueError(f"--replicas {self.replicas} needs at least {self.replicas + 1} "
+                             f"daemons in --peers; there are {len(self.peers)}")
+
+    @property
+    def enabled(self) -> bool:
+        return len(self.peers) > 1
+
+    @property
+    def copies_wanted(self) -> int:
+        return 1 + self.replicas
+
+
+class PeerGroup:
+    """Calls to the other daemons, with the token; remembers which answered."""
+
+    def __init__(self, options: PeerOptions):
+        self.options = options
+        self.index = options.index
+        self._addresses = list(options.peers)
+        self._stubs: dict[int, peer_pb2_grpc.PeerStub] = {}
+        self._live = set(range(len(self._addresses)))
+        self._lock = threading.Lock()
+        self._calls = ThreadPoolExecutor(max(1, len(self._addresses)),
+                                         thread_name_prefix="peer-call")
+
+    @property
+    def size(self) -> int:
+        return len(self._addresses)
+
+    def live(self) -> set[int]:
+        with self._lock:
+            return set(self._live)
+
+    def address(self, index: int) -> str:
+        with self._lock:
+            return self._addresses[index]
+
+    def others(self) -> list[int]:
+        return [i for i in range(self.size) if i != self.index]
+
+    def set_address(self, index: int, address: str) -> None:
+        """A replacement daemon took ring position ``index`` at ``address``."""
+        with self._lock:
+            if self._addresses[index] != address:
+                log.info("peer %d is now at %s (was %s)", index, address, self._addresses[index])
+                self._addresses[index] = address
+                self._stubs.pop(index, None)
+            self._live.add(index)
+
+    def call(self, index: int, method: str, request, timeout: float | None = None):
+        """One peer call; marks the peer dead when it cannot be reached."""
+        stub = self._stub(index)
+        try:
+            answer = getattr(stub, method)(
+                request, timeout=timeout or self.options.call_timeout_seconds,
+                metadata=self.options.security.metadata())
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._mark(index, alive=False)
+            raise
+        self._mark(index, alive=True)
+        return answer
+
+    def announce(self) -> None:
+        """Tells every peer where this daemon is (a replacement host has a new address)."""
+        request = ppb.JoinRequest(index=self.index, address=self.address(self.index))
+        for index in self.others():
+            try:
+                self.call(index, "Join", request)
+            except grpc.RpcError as err:
+                log.info("peer %d (%s) did not take the join: %s", index, self.address(index),
+                         err.code().name)
+
+    def holdings(self, job: str, own) -> list[Holding]:
+        """Every live daemon's committed copies of ``job``; ``own`` is this daemon's."""
+        found = [Holding(self.index, h.rank, h.step, h.replica) for h in own]
+        request = ppb.HoldingsRequest(job=job)
+        futures = {i: self._calls.submit(self.call, i, "Holdings", request) for i in self.others()}
+        for index, future in futures.items():
+            try:
+                answer = future.result()
+            except grpc.RpcError:
+                continue
+            found += [Holding(index, c.rank, c.step, c.role == ppb.REPLICA)
+                      for c in answer.copies if c.job == job]
+        return found
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False)
+
+    def _stub(self, index: int) -> peer_pb2_grpc.PeerStub:
+        with self._lock:
+            stub = self._stubs.get(index)
+            if stub is None:
+                channel = self.options.security.channel(self._addresses[index])
+                stub = self._stubs[index] = peer_pb2_grpc.PeerStub(channel)
+            return stub
+
+    def _mark(self, index: int, alive: bool) -> None:
+        with self._lock:
+            if alive and index not in self._live:
+                log.info("peer %d (%s) is back", index, self._addresses[index])
+                self._live.add(index)
+            elif not alive and index in self._live:
+                log.warning("peer %d (%s) is unreachable", index, self._addresses[index])
+                self._live.discard(index)

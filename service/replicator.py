@@ -1,0 +1,132 @@
+"""Pushes committed copies to the next daemons in the ring and keeps them there.
+
+After a trainer commits a step, the copy is offered on the data channel and
+the next k live daemons are asked to take it (``Replicate``); each answers
+once it pulled and verified the bytes, which is the acknowledgement. Every
+``refresh_seconds`` the group's holdings are gathered: they say which steps
+are committed (each rank 1 + k times, which drives retention) and which
+copies lost a holder (a dead peer), which this daemon then pushes again.
+"""
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service import group_view
+from bubblesnap.service.errors import DaemonError
+from bubblesnap.service.layout_messages import tensor_specs
+
+log = logging.getLogger("bubblesnap.daemon")
+
+
+class Replicator:
+    """The background thread that replicates and tracks the group's copies."""
+
+    def __init__(self, store, group, data_server):
+        self._store = store
+        self._group = group
+        self._data = data_server
+        self._queue: queue.Queue = queue.Queue()
+        self._views: dict[str, list[group_view.Holding]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.pushed_bytes = 0
+        self._thread = threading.Thread(target=self._run, name="replicator", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def committed(self, job: str, rank: int, step: int) -> None:
+        """A trainer committed (job, rank, step) here: replicate it soon."""
+        self._queue.put((job, rank, step))
+
+    def copies(self, job: str) -> dict[tuple[int, int], int]:
+        """(rank, step) -> live copies in the group, as last gathered."""
+        with self._lock:
+            view = self._views.get(job, [])
+        return {key: len(where) for key, where in group_view.holders(view).items()}
+
+    def view(self, job: str) -> list[group_view.Holding]:
+        """The group's holdings of ``job``, gathered now."""
+        holdings = self._group.holdings(job, self._store.holdings(job))
+        with self._lock:
+            self._views[job] = holdings
+        return holdings
+
+    # -- the thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        next_refresh = 0.0
+        while not self._stop.is_set():
+            timeout = max(0.0, next_refresh - time.monotonic())
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            try:
+                if item:
+                    self._replicate_new(*item)
+                if item or time.monotonic() >= next_refresh:
+                    self._refresh(item[0] if item else None)
+                    next_refresh = time.monotonic() + self._group.options.refresh_seconds
+            except Exception:  # a bug must not end replication for good
+                log.exception("replication round failed")
+
+    def _replicate_new(self, job: str, rank: int, step: int) -> None:
+        targets = group_view.successors(self._group.index, self._group.size, self._group.live(),
+                                        self._group.options.replicas)
+        for target in targets:
+            self._push(job, rank, step, target)
+
+    def _refresh(self, only_job: str | None) -> None:
+        jobs = [only_job] if only_job else sorted({h.job for h in self._store.holdings()})
+        for job in jobs:
+            holdings = self.view(job)
+            try:
+                world = self._store.world_size(job)
+            except DaemonError:
+                continue
+            wanted = self._group.options.copies_wanted
+            self._store.set_group_committed(
+                job, group_view.committed_steps(world, holdings, wanted))
+            if only_job:
+                continue
+            work = group_view.re_replication(self._group.index, self._group.size,
+                                             self._group.live(), holdings, wanted)
+            for rank, step, targets in work:
+                log.info("re-replicating step %d of rank %d of %s to peers %s", step, rank, job,
+                         targets)
+                for target in targets:
+                    self._push(job, rank, step, target)
+
+    def _push(self, job: str, rank: int, step: int, target: int) -> bool:
+        try:
+            pinned = self._store.pin(job, rank, step)
+        except DaemonError:
+            return False  # freed meanwhile: a newer step replaced it
+        ticket = self._data.offer(pinned.segment.path, pinned.segment.nbytes,
+                                  lambda: self._store.unpin(pinned))
+        request = ppb.ReplicateRequest(
+            job=job, world_size=pinned.world_size, rank=rank, step=step,
+            tensors=tensor_specs(pinned.layout), checksums=pinned.checksums,
+            data_address=self._data.address, ticket=ticket, from_index=self._group.index)
+        try:
+            self._group.call(target, "Replicate", request,
+                             timeout=self._group.options.transfer_timeout_seconds)
+        except grpc.RpcError as err:
+            log.warning("peer %d did not take step %d of rank %d of %s: %s: %s", target, step,
+                        rank, job, err.code().name, err.details())
+            return False
+        self.pushed_bytes += pinned.segment.nbytes
+        return True

@@ -1,0 +1,190 @@
+"""Where copies of a snapshot live: this daemon's memory, peers' memory, durable storage.
+
+Commits fan out from here to the replicator and the durable tier; status
+asks here how many copies each step has. Restore goes in tier order: this
+daemon's memory, a peer's memory, the durable tier. Every copy is verified
+against its checksums before it is served; a copy that fails is dropped,
+recorded (status and log) and the next one is tried.
+With peers or a durable tier, "the latest step" means the latest step every
+rank of the job can get back from some tier, so all ranks restore the same
+step; a lone daemon keeps its own committed steps (store.py).
+"""
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+
+import grpc
+
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service import data_channel, group_view
+from bubblesnap.service import layout as layout_lib
+from bubblesnap.service.errors import DaemonError, DataLoss, NotFound
+
+log = logging.getLogger("bubblesnap.daemon")
+
+_CORRUPT_KEPT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    found: object  # store.Restorable
+    source: str    # "memory", "peer" or "durable"
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CorruptCopy:
+    job: str
+    rank: int
+    step: int
+    source: str
+    detail: str
+    unix_time: float
+
+
+class Tiers:
+    """The tiers beyond the store: replication to peers, the durable tier, restore order."""
+
+    def __init__(self, store, group=None, replicator=None, durable=None):
+        self._store = store
+        self._group = group
+        self._replicator = replicator
+        self._durable = durable
+        self._corrupt: collections.deque = collections.deque(maxlen=_CORRUPT_KEPT)
+        self._lock = threading.Lock()
+
+    @property
+    def grouped(self) -> bool:
+        return self._group is not None or self._durable is not None
+
+    @property
+    def replicas(self) -> int:
+        return self._group.options.replicas if self._group is not None else 0
+
+    def committed(self, job: str, rank: int, step: int) -> None:
+        """A trainer committed a step here: replicate it, maybe write it durably."""
+        if self._replicator is not None:
+            self._replicator.committed(job, rank, step)
+        if self._durable is not None:
+            self._durable.committed(job, rank, step)
+
+    def copies(self, job: str) -> dict[tuple[int, int], int]:
+        """(rank, step) -> copies in the group's memory (1 for a lone daemon's own)."""
+        if self._replicator is not None:
+            return self._replicator.copies(job)
+        return {(h.rank, h.step): 1 for h in self._store.holdings(job)}
+
+    def durable_steps(self, job: str) -> list[int]:
+        if self._durable is None:
+            return []
+        return self._durable.steps(job, self._store.world_size(job))
+
+    def corrupt_copies(self, job: str) -> list[CorruptCopy]:
+        with self._lock:
+            return [c for c in reversed(self._corrupt) if c.job == job]
+
+    def restorable_steps(self, job: str) -> tuple[list[int], list[group_view.Holding]]:
+        """Steps the whole job can restore, and the holdings they were chosen from."""
+        world = self._store.world_size(job)
+        holdings = self._holdings(job)
+        durable = self._durable.steps(job, world) if self._durable is not None else []
+        return group_view.restorable_steps(world, holdings, durable), holdings
+
+    def restore(self, job: str, rank: int, step: int | None = None) -> Restored:
+        if not self.grouped:
+            return Restored(self._store.restore(job, rank, step), "memory", "")
+        world = self._store.world_size(job)
+        layout_lib.check_rank(rank, world)
+        steps, holdings = self.restorable_steps(job)
+        if step is None:
+            if not steps:
+                raise NotFound(f"no step of job {job!r} can be restored for every rank: "
+                               f"{_describe(holdings, world)}")
+            step = steps[-1]
+        layout_lib.check_step(step)
+        tried = []
+        try:
+            return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
+                            "memory", "")
+        except DataLoss as err:
+            self._record(job, rank, step, "memory", str(err))
+            tried.append(f"memory: {err}")
+        except NotFound:
+            pass
+        for index in sorted(group_view.holders(holdings).get((rank, step), ())):
+            if self._group is None or index == self._group.index:
+                continue
+            address = self._group.address(index)
+            try:
+                self._pull_from_peer(index, job, world, rank, step)
+                return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
+                                "peer", address)
+            except DataLoss as err:
+                self._record(job, rank, step, f"peer {address}", str(err))
+                tried.append(f"peer {address}: {err}")
+            except (DaemonError, grpc.RpcError, OSError) as err:
+                tried.append(f"peer {address}: {_reason(err)}")
+        if self._durable is not None and step in self._durable.steps(job, world):
+            try:
+                self._load_durable(job, world, rank, step)
+                return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
+                                "durable", self._durable.options.directory)
+            except DataLoss as err:
+                self._record(job, rank, step, "durable", str(err))
+                tried.append(f"durable: {err}")
+        if tried:
+            raise DataLoss(f"no intact copy of step {step} of rank {rank} of job {job!r}; "
+                           f"tried: {'; '.join(tried)}")
+        raise NotFound(f"step {step} of rank {rank} of job {job!r} is held nowhere; restorable "
+                       f"steps: {steps or 'none'}")
+
+    def _pull_from_peer(self, index: int, job: str, world: int, rank: int, step: int) -> None:
+        options = self._group.options
+        answer = self._group.call(index, "OpenRead", ppb.OpenReadRequest(job=job, rank=rank,
+                                                                         step=step))
+        layout = layout_lib.build_layout(answer.tensors)
+        if layout.segment_bytes != answer.segment_bytes:
+            raise DataLoss(f"peer {index} offered {answer.segment_bytes} bytes for a "
+                           f"{layout.segment_bytes}-byte layout")
+        security = options.security
+
+        def fill(view):
+            data_channel.pull(answer.data_address, answer.ticket, view,
+                              security.client_ssl_context(),
+                              timeout=options.transfer_timeout_seconds)
+
+        self._store.install(job, world, rank, step, layout, tuple(answer.checksums), fill,
+                            replica=False)
+
+    def _load_durable(self, job: str, world: int, rank: int, step: int) -> None:
+        layout = self._store.layout_of(job, rank)
+        fill, checksums = self._durable.load(job, rank, step, layout)
+        self._store.install(job, world, rank, step, layout, checksums, fill, replica=False)
+
+    def _holdings(self, job: str) -> list[group_view.Holding]:
+        if self._replicator is not None:
+            return self._replicator.view(job)
+        return [group_view.Holding(0, h.rank, h.step, h.replica)
+                for h in self._store.holdings(job)]
+
+    def _record(self, job: str, rank: int, step: int, source: str, detail: str) -> None:
+        log.warning("corrupt copy skipped: step %d of rank %d of %s from %s: %s", step, rank,
+                    job, source, detail)
+        with self._lock:
+            self._corrupt.append(CorruptCopy(job, rank, step, source, detail, time.time()))
+
+
+def _reason(err) -> str:
+    if isinstance(err, grpc.RpcError):
+        return f"{err.code().name}: {err.details()}"
+    return str(err)
+
+
+def _describe(holdings, world: int) -> str:
+    found = group_view.holders(holdings)
+    per_rank = {r: sorted(s for (rr, s) in found if rr == r) for r in range(world)}
+    return f"steps held per rank: {per_rank}"
+
