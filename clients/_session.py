@@ -35,12 +35,15 @@ class ClientOptions:
       verify_restore: recompute checksums of restored bytes in the client too
         (the daemon checks them right before it hands a step over, and never
         writes that memory again). Default False.
+      restore_timeout_seconds: deadline of a restore, which may pull the
+        state from a peer or the durable tier first. Default 300 s.
     """
 
     daemon: str = "127.0.0.1:7070"
     rpc_timeout_seconds: float = 5.0
     backoff_seconds: float = 10.0
     verify_restore: bool = False
+    restore_timeout_seconds: float = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +107,7 @@ class RawStep:
     step: int
     tensors: tuple  # pb.TensorSpec, in registration order
     shards: dict    # (tensor index, shard index) -> read-only uint8 view of the daemon's segment
+    source: str = "memory"  # where the daemon found it: memory, peer, durable
 
 
 class Session:
@@ -257,7 +261,7 @@ class Session:
         if step is not None:
             request.step = step
         try:
-            found = self.call("Restore", request)
+            found = self._stub.Restore(request, timeout=self.options.restore_timeout_seconds)
         except grpc.RpcError as err:
             raise RestoreError(f"daemon {self.options.daemon}: {err.code().name}: "
                                f"{err.details()}") from None
@@ -274,7 +278,7 @@ class Session:
                     f"step {found.step}: {found.tensors[slot.tensor].name!r} shard {slot.shard} "
                     "does not match its checksum in this process; restore again")
             shards[(slot.tensor, slot.shard)] = data
-        return RawStep(found.step, tuple(found.tensors), shards)
+        return RawStep(found.step, tuple(found.tensors), shards, found.source or "memory")
 
     def bubble_stream(self) -> BubbleStream:
         """A Bubbles stream on this session's channel."""

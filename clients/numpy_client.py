@@ -28,6 +28,7 @@ class NumpyClient:
     def __init__(self, job: str, rank: int = 0, world_size: int = 1,
                  options: ClientOptions = ClientOptions()):
         self._session = Session(job, rank, world_size, options)
+        self.last_restore_source = ""
 
     def snapshot(self, step: int, arrays: dict[str, np.ndarray],
                  wait: bool = True) -> SnapshotResult:
@@ -39,9 +40,11 @@ class NumpyClient:
     def restore(self, step: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
         """The latest committed step (or ``step``) as ``(step, {name: array})``.
 
-        The arrays are private, writable copies.
+        The arrays are private, writable copies. :attr:`last_restore_source`
+        says where the daemon found them (memory, peer, durable).
         """
         raw = self._session.restore(step)
+        self.last_restore_source = raw.source
         return raw.step, {
             t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape)).copy()
             for i, t in enumerate(raw.tensors)}

@@ -15,6 +15,7 @@ does not need them.
 import dataclasses
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -25,6 +26,7 @@ import time
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum
+from bubblesnap.service import layout as layout_lib
 from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, NotFound
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -90,6 +92,7 @@ class DurableTier:
         self._thread = threading.Thread(target=self._run, name="durable", daemon=True)
         self.written_bytes = 0
         os.makedirs(options.directory, exist_ok=True)
+        _orbax()  # JAX and Orbax take seconds to import: at startup, not in the first write
 
     def start(self) -> None:
         self._thread.start()
@@ -114,15 +117,38 @@ class DurableTier:
 
     def steps(self, job: str, world_size: int) -> list[int]:
         """Steps whose every rank is fully written, oldest first."""
-        job_dir = os.path.join(self.options.directory, job)
-        found = []
-        for name in _listdir(job_dir):
-            match = _STEP_DIR.fullmatch(name)
-            if match and all(os.path.exists(rank_path(self.options.directory, job,
-                                                      int(match[1]), r) + ".json")
-                             for r in range(world_size)):
-                found.append(int(match[1]))
-        return sorted(found)
+        return sorted(
+            step for step in _step_numbers(os.path.join(self.options.directory, job))
+            if all(os.path.exists(rank_path(self.options.directory, job, step, r) + ".json")
+                   for r in range(world_size)))
+
+    def world_size(self, job: str) -> int:
+        """The world size the newest written rank of ``job`` recorded; 0: none written."""
+        for step in sorted(_step_numbers(os.path.join(self.options.directory, job)),
+                           reverse=True):
+            step_dir = os.path.join(self.options.directory, job, f"step_{step}")
+            for name in _listdir(step_dir):
+                if name.endswith(".json"):
+                    return int(self._meta(os.path.join(step_dir, name[:-5]))["world_size"])
+        return 0
+
+    def whole_layout(self, job: str, rank: int, step: int):
+        """A layout with each tensor whole (one shard), as written."""
+        meta = self._meta(rank_path(self.options.directory, job, step, rank))
+        return layout_lib.Layout(tuple(
+            layout_lib.Tensor(t["name"], t["dtype"], tuple(t["shape"]), (layout_lib.Shard(
+                tuple((0, d) for d in t["shape"]),
+                math.prod(t["shape"]) * layout_lib.ITEMSIZE[t["dtype"]]),))
+            for t in meta["tensors"]))
+
+    def _meta(self, path: str) -> dict:
+        try:
+            with open(path + ".json") as f:
+                return json.load(f)
+        except FileNotFoundError as err:
+            raise NotFound(f"the durable tier has no {path}") from err
+        except (OSError, ValueError) as err:
+            raise DataLoss(f"{path}.json is unreadable: {err}") from err
 
     def load(self, job: str, rank: int, step: int, layout):
         """Reads a written rank and cuts it into ``layout``'s shards.
@@ -132,13 +158,7 @@ class DurableTier:
         DataLoss when one does not match or the checkpoint cannot be read.
         """
         path = rank_path(self.options.directory, job, step, rank)
-        try:
-            with open(path + ".json") as f:
-                meta = json.load(f)
-        except FileNotFoundError as err:
-            raise NotFound(f"the durable tier has no step {step} of rank {rank}") from err
-        except (OSError, ValueError) as err:
-            raise DataLoss(f"{path}.json is unreadable: {err}") from err
+        meta = self._meta(path)
         expected = {t["name"]: t for t in meta["tensors"]}
         if sorted(expected) != sorted(t.name for t in layout.tensors):
             raise FailedPrecondition(
@@ -218,10 +238,9 @@ class DurableTier:
         self._retire(job, rank)
 
     def _retire(self, job: str, rank: int) -> None:
-        job_dir = os.path.join(self.options.directory, job)
-        written = sorted(int(m[1]) for m in map(_STEP_DIR.fullmatch, _listdir(job_dir))
-                         if m and os.path.exists(rank_path(self.options.directory, job,
-                                                           int(m[1]), rank) + ".json"))
+        written = sorted(
+            step for step in _step_numbers(os.path.join(self.options.directory, job))
+            if os.path.exists(rank_path(self.options.directory, job, step, rank) + ".json"))
         for step in written[:-self.options.keep]:
             path = rank_path(self.options.directory, job, step, rank)
             os.unlink(path + ".json")
@@ -270,6 +289,10 @@ def _lookup(tree, name: str):
     for part in name.split("/"):
         node = node[part]
     return node
+
+
+def _step_numbers(job_dir: str) -> list[int]:
+    return [int(m[1]) for m in map(_STEP_DIR.fullmatch, _listdir(job_dir)) if m]
 
 
 def _listdir(path: str) -> list[str]:

@@ -18,6 +18,7 @@ class Holding:
     rank: int
     step: int
     replica: bool = False
+    world_size: int = 0
 
 
 def holders(holdings) -> dict[tuple[int, int], set[int]]:
@@ -51,10 +52,13 @@ def successors(index: int, ring_size: int, live, count: int) -> list[int]:
     return [i for i in ring if i in live][:count]
 
 
-def re_replication(index: int, ring_size: int, live, holdings,
-                   copies_wanted: int) -> list[tuple[int, int, list[int]]]:
-    """(rank, step, targets) this daemon should push so every copy it holds is back
-    at ``copies_wanted`` live copies.
+def re_replication(index: int, ring_size: int, live, holdings, copies_wanted: int,
+                   floor: int = 0) -> list[tuple[int, int, list[int]]]:
+    """(rank, step, targets) this daemon should push so every copy it holds of a
+    step from ``floor`` on is back at ``copies_wanted`` live copies.
+
+    Steps below ``floor`` are left alone: retention is freeing them on every
+    daemon, each at its own moment, and they must not be copied back.
 
     Of the live holders of a copy, the first in ring order (from index 0)
     does the pushing, so two survivors never push the same copy twice.
@@ -62,6 +66,8 @@ def re_replication(index: int, ring_size: int, live, holdings,
     """
     work = []
     for (rank, step), where in sorted(holders(holdings).items()):
+        if step < floor:
+            continue
         alive = sorted(where & set(live))
         if index not in alive or alive[0] != index or len(alive) >= copies_wanted:
             continue

@@ -59,8 +59,14 @@ class PeerSecurity:
         return server.add_secure_port(address, creds)
 
     def channel(self, address: str) -> grpc.Channel:
+        # gRPC waits out a reconnect backoff (1 s, growing to 2 min) before it
+        # dials a peer that was down again; a replacement host must be reached
+        # at once.
         options = [("grpc.max_receive_message_length", 64 << 20),
-                   ("grpc.max_send_message_length", 64 << 20)]
+                   ("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
         if not self.tls:
             return grpc.insecure_channel(address, options=options)
         creds = grpc.ssl_channel_credentials(

@@ -52,7 +52,7 @@ class PeerServicer:
                                      f"{request.data_address} failed: {err}") from err
 
         self._store.install(request.job, request.world_size, request.rank, request.step, layout,
-                            tuple(request.checksums), fill, replica=True)
+                            tuple(request.checksums), fill)
         return ppb.ReplicateResponse()
 
     @rpc_errors

@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -35,6 +36,9 @@ class PeerOptions:
         Default 120 s.
       refresh_seconds: how often the group's holdings are gathered to find
         dead peers, re-replicate and advance retention. Default 1 s.
+      dead_after_seconds: a peer that has not answered for this long is
+        dead: its copies are made again elsewhere. Shorter would copy
+        needlessly whenever a busy peer misses one call. Default 5 s.
     """
 
     peers: tuple[str, ...] = ()
@@ -46,6 +50,7 @@ class PeerOptions:
     call_timeout_seconds: float = 2.0
     transfer_timeout_seconds: float = 120.0
     refresh_seconds: float = 1.0
+    dead_after_seconds: float = 5.0
 
     def __post_init__(self):
         if self.peers and not 0 <= self.index < len(self.peers):
@@ -74,6 +79,8 @@ class PeerGroup:
         self._addresses = list(options.peers)
         self._stubs: dict[int, peer_pb2_grpc.PeerStub] = {}
         self._live = set(range(len(self._addresses)))
+        self._silent_since: dict[int, float] = {}
+        self._last_holdings: dict[tuple[int, str], list[Holding]] = {}
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max(1, len(self._addresses)),
                                          thread_name_prefix="peer-call")
@@ -85,6 +92,13 @@ class PeerGroup:
     def live(self) -> set[int]:
         with self._lock:
             return set(self._live)
+
+    def not_dead(self) -> set[int]:
+        """Peers that answered within ``dead_after_seconds`` (re-replication spares them)."""
+        limit = time.monotonic() - self.options.dead_after_seconds
+        with self._lock:
+            return {i for i in range(self.size)
+                    if i in self._live or self._silent_since.get(i, limit) > limit}
 
     def address(self, index: int) -> str:
         with self._lock:
@@ -100,7 +114,10 @@ class PeerGroup:
                 log.info("peer %d is now at %s (was %s)", index, address, self._addresses[index])
                 self._addresses[index] = address
                 self._stubs.pop(index, None)
+                for key in [k for k in self._last_holdings if k[0] == index]:
+                    del self._last_holdings[key]  # a new daemon: it starts empty
             self._live.add(index)
+            self._silent_since.pop(index, None)
 
     def call(self, index: int, method: str, request, timeout: float | None = None):
         """One peer call; marks the peer dead when it cannot be reached."""
@@ -127,17 +144,26 @@ class PeerGroup:
                          err.code().name)
 
     def holdings(self, job: str, own) -> list[Holding]:
-        """Every live daemon's committed copies of ``job``; ``own`` is this daemon's."""
-        found = [Holding(self.index, h.rank, h.step, h.replica) for h in own]
+        """The committed copies of ``job`` in the group; ``own`` is this daemon's.
+
+        A peer that misses one call but is not dead yet (``dead_after_seconds``)
+        counts with what it answered last: a busy peer must not look like lost
+        copies, which would be pushed again for nothing.
+        """
+        found = [Holding(self.index, h.rank, h.step, h.replica, h.world_size) for h in own]
         request = ppb.HoldingsRequest(job=job)
         futures = {i: self._calls.submit(self.call, i, "Holdings", request) for i in self.others()}
         for index, future in futures.items():
             try:
                 answer = future.result()
             except grpc.RpcError:
+                if index in self.not_dead():
+                    found += self._last_holdings.get((index, job), [])
                 continue
-            found += [Holding(index, c.rank, c.step, c.role == ppb.REPLICA)
+            theirs = [Holding(index, c.rank, c.step, c.role == ppb.REPLICA, c.world_size)
                       for c in answer.copies if c.job == job]
+            self._last_holdings[(index, job)] = theirs
+            found += theirs
         return found
 
     def close(self) -> None:
@@ -156,6 +182,8 @@ class PeerGroup:
             if alive and index not in self._live:
                 log.info("peer %d (%s) is back", index, self._addresses[index])
                 self._live.add(index)
+                self._silent_since.pop(index, None)
             elif not alive and index in self._live:
                 log.warning("peer %d (%s) is unreachable", index, self._addresses[index])
                 self._live.discard(index)
+                self._silent_since[index] = time.monotonic()

@@ -84,10 +84,26 @@ class Replicator:
                 log.exception("replication round failed")
 
     def _replicate_new(self, job: str, rank: int, step: int) -> None:
-        targets = group_view.successors(self._group.index, self._group.size, self._group.live(),
-                                        self._group.options.replicas)
-        for target in targets:
-            self._push(job, rank, step, target)
+        # The next k daemons that answer, in ring order. One believed dead is
+        # asked first with a short call: daemons start one after another, and a
+        # peer missed at startup must not lose its place in the ring.
+        everyone = set(range(self._group.size))
+        ring = group_view.successors(self._group.index, self._group.size, everyone,
+                                     self._group.size)
+        acked = 0
+        for target in ring:
+            if acked == self._group.options.replicas:
+                return
+            if target not in self._group.live() and not self._probe(target, job):
+                continue
+            acked += self._push(job, rank, step, target)
+
+    def _probe(self, target: int, job: str) -> bool:
+        try:
+            self._group.call(target, "Holdings", ppb.HoldingsRequest(job=job))
+            return True
+        except grpc.RpcError:
+            return False
 
     def _refresh(self, only_job: str | None) -> None:
         jobs = [only_job] if only_job else sorted({h.job for h in self._store.holdings()})
@@ -98,12 +114,14 @@ class Replicator:
             except DaemonError:
                 continue
             wanted = self._group.options.copies_wanted
-            self._store.set_group_committed(
-                job, group_view.committed_steps(world, holdings, wanted))
+            committed = group_view.committed_steps(world, holdings, wanted)
+            self._store.set_group_committed(job, committed)
             if only_job:
                 continue
+            kept = committed[-self._store.options.keep_steps:]
             work = group_view.re_replication(self._group.index, self._group.size,
-                                             self._group.live(), holdings, wanted)
+                                             self._group.not_dead(), holdings, wanted,
+                                             floor=kept[0] if kept else 0)
             for rank, step, targets in work:
                 log.info("re-replicating step %d of rank %d of %s to peers %s", step, rank, job,
                          targets)

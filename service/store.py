@@ -449,13 +449,14 @@ class SnapshotStore:
             self._unpin(pinned._held)
 
     def install(self, job: str, world_size: int, rank: int, step: int, layout, checksums,
-                fill, replica: bool) -> int:
+                fill) -> int:
         """Stores a copy that arrives from elsewhere (a peer, the durable tier).
 
         ``fill(view)`` writes the segment's bytes, outside the lock; every
         slot is then verified against ``checksums`` before the copy counts.
-        ``replica``: held for a rank registered on another daemon. Returns
-        the bytes stored; DataLoss (and nothing kept) when a checksum fails.
+        A rank no trainer registered here is held as a replica until one
+        does. Returns the bytes stored; DataLoss (and nothing kept) when a
+        checksum fails.
         """
         layout_lib.check_job_name(job)
         layout_lib.check_world(rank, world_size)
@@ -472,7 +473,7 @@ class SnapshotStore:
                     f"job {job!r} has world_size {entry.world_size} here, not {world_size}")
             held = entry.ranks.get(rank)
             if held is None:
-                held = entry.ranks[rank] = _Rank(layout, slots, replica=replica)
+                held = entry.ranks[rank] = _Rank(layout, slots, replica=True)
             elif held.layout != layout:
                 if not held.replica:
                     raise FailedPrecondition(

@@ -86,19 +86,20 @@ class Tiers:
         with self._lock:
             return [c for c in reversed(self._corrupt) if c.job == job]
 
-    def restorable_steps(self, job: str) -> tuple[list[int], list[group_view.Holding]]:
-        """Steps the whole job can restore, and the holdings they were chosen from."""
-        world = self._store.world_size(job)
-        holdings = self._holdings(job)
-        durable = self._durable.steps(job, world) if self._durable is not None else []
-        return group_view.restorable_steps(world, holdings, durable), holdings
-
     def restore(self, job: str, rank: int, step: int | None = None) -> Restored:
+        """The rank's copy of ``step`` (default: the latest the whole job can restore).
+
+        With peers or a durable tier the rank need not be registered here: a
+        replacement host's trainer restores first and registers after.
+        """
         if not self.grouped:
             return Restored(self._store.restore(job, rank, step), "memory", "")
-        world = self._store.world_size(job)
+        layout_lib.check_job_name(job)
+        holdings = self._holdings(job)
+        world = self._world_size(job, holdings)
         layout_lib.check_rank(rank, world)
-        steps, holdings = self.restorable_steps(job)
+        durable = self._durable.steps(job, world) if self._durable is not None else []
+        steps = group_view.restorable_steps(world, holdings, durable)
         if step is None:
             if not steps:
                 raise NotFound(f"no step of job {job!r} can be restored for every rank: "
@@ -127,7 +128,7 @@ class Tiers:
                 tried.append(f"peer {address}: {err}")
             except (DaemonError, grpc.RpcError, OSError) as err:
                 tried.append(f"peer {address}: {_reason(err)}")
-        if self._durable is not None and step in self._durable.steps(job, world):
+        if step in durable:
             try:
                 self._load_durable(job, world, rank, step)
                 return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
@@ -156,19 +157,35 @@ class Tiers:
                               security.client_ssl_context(),
                               timeout=options.transfer_timeout_seconds)
 
-        self._store.install(job, world, rank, step, layout, tuple(answer.checksums), fill,
-                            replica=False)
+        self._store.install(job, world, rank, step, layout, tuple(answer.checksums), fill)
 
     def _load_durable(self, job: str, world: int, rank: int, step: int) -> None:
-        layout = self._store.layout_of(job, rank)
+        try:
+            layout = self._store.layout_of(job, rank)
+        except NotFound:  # not registered here yet: whole tensors, the client reshards
+            layout = self._durable.whole_layout(job, rank, step)
         fill, checksums = self._durable.load(job, rank, step, layout)
-        self._store.install(job, world, rank, step, layout, checksums, fill, replica=False)
+        self._store.install(job, world, rank, step, layout, checksums, fill)
 
     def _holdings(self, job: str) -> list[group_view.Holding]:
         if self._replicator is not None:
             return self._replicator.view(job)
-        return [group_view.Holding(0, h.rank, h.step, h.replica)
+        return [group_view.Holding(0, h.rank, h.step, h.replica, h.world_size)
                 for h in self._store.holdings(job)]
+
+    def _world_size(self, job: str, holdings) -> int:
+        try:
+            return self._store.world_size(job)
+        except NotFound:
+            pass
+        sizes = {h.world_size for h in holdings if h.world_size}
+        if self._durable is not None and not sizes:
+            sizes = {self._durable.world_size(job)} - {0}
+        if len(sizes) != 1:
+            raise NotFound(f"no peer and no durable checkpoint knows job {job!r}"
+                           if not sizes else f"peers disagree on the world size of job "
+                           f"{job!r}: {sorted(sizes)}")
+        return sizes.pop()
 
     def _record(self, job: str, rank: int, step: int, source: str, detail: str) -> None:
         log.warning("corrupt copy skipped: step %d of rank %d of %s from %s: %s", step, rank,

@@ -13,11 +13,13 @@ from bubblesnap.clients.jax import _layout, _transfer
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """A restored state: the step it was taken at, the pytree, and how long it took."""
+    """A restored state: the step it was taken at, the pytree, how long it took, and
+    where the daemon found it (``memory``, ``peer`` or ``durable``)."""
 
     step: int
     state: object
     seconds: float
+    source: str = "memory"
 
 
 class SnapshotClient:
@@ -98,7 +100,7 @@ class SnapshotClient:
             except ValueError as err:
                 raise RestoreError(f"{name!r}: {err}") from None
         state = jax.tree_util.tree_unflatten(treedef, arrays)
-        return Restored(raw.step, state, time.perf_counter() - started)
+        return Restored(raw.step, state, time.perf_counter() - started, raw.source)
 
     def status(self):
         """This job's status as the daemon reports it (a ``JobStatus`` message)."""

@@ -1,0 +1,192 @@
+"""Daemons as a group: replication, host loss, the durable tier, corrupt copies, the token.
+
+Every daemon is a separate process on a loopback port (one per simulated
+host); hosts die by SIGKILL.
+"""
+
+import os
+import pathlib
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from bubblesnap.clients import ClientOptions, NumpyClient
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.protos import peer_pb2_grpc
+
+JOB = "ring"
+
+
+def state(rank: int, step: int) -> dict[str, np.ndarray]:
+    """Sizes differ per rank, values per rank and step: a mixed-up copy shows."""
+    n = 2048 * (rank + 1)
+    return {"w": (np.arange(n, dtype=np.float32) * (rank + 1) + step),
+            "m": np.full((rank + 1, 64), step * 10 + rank, dtype=np.int32)}
+
+
+def client(daemon, rank: int, world: int = 3) -> NumpyClient:
+    return NumpyClient(JOB, rank, world, ClientOptions(daemon=daemon.address,
+                                                       restore_timeout_seconds=60))
+
+
+def snapshot_steps(ring, steps, world: int = 3) -> None:
+    clients = [client(ring.daemons[r], r, world) for r in range(world)]
+    for step in steps:
+        for rank, c in enumerate(clients):
+            result = c.snapshot(step, state(rank, step))
+            assert result.taken, result.reason
+    for c in clients:
+        c.close()
+
+
+def job_status(daemon) -> pb.JobStatus:
+    return daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs[0]
+
+
+def wait_for(check, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = check()
+        except grpc.RpcError:
+            found = None
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def committed(daemon, step: int) -> bool:
+    return any(s.step == step and s.committed for s in job_status(daemon).steps)
+
+
+def assert_restores(daemon, rank: int, step: int, source: str) -> None:
+    c = client(daemon, rank)
+    got_step, arrays = c.restore()
+    assert (got_step, c.last_restore_source) == (step, source)
+    for name, expected in state(rank, step).items():
+        assert arrays[name].tobytes() == expected.tobytes(), f"rank {rank} {name} differs"
+    c.close()
+
+
+def test_replicas_counted_and_step_committed_with_k_plus_one_copies(start_ring):
+    ring = start_ring(3, "--replicas", "1")
+    snapshot_steps(ring, range(3))
+    wait_for(lambda: committed(ring.daemons[0], 2), "step 2 committed for the job")
+    status = job_status(ring.daemons[1])
+    rows = {(r.rank, s.step): r for s in status.steps for r in s.ranks}
+    assert status.replicas == 1
+    # daemon 1 holds its own rank 1 and the replica of rank 0 (its predecessor)
+    assert not rows[(1, 2)].replica and rows[(0, 2)].replica
+    assert rows[(1, 2)].copies == 2 and rows[(0, 2)].copies == 2
+    assert (2, 2) not in rows
+
+
+def test_host_loss_is_restored_from_a_peer_and_re_replicated(start_ring):
+    ring = start_ring(3, "--replicas", "1")
+    snapshot_steps(ring, range(4))
+    wait_for(lambda: committed(ring.daemons[0], 3), "step 3 committed")
+    ring.daemons[1].kill()
+
+    # The survivors bring every step back to two copies: rank 0 (whose replica
+    # lived on host 1) goes to host 2, rank 1 (whose only copy is on host 2) to host 0.
+    def back_to_two_copies():
+        rows = [(r.rank, s.step, r.copies) for s in job_status(ring.daemons[2]).steps
+                for r in s.ranks if s.step == 3]
+        return sorted(rows) == [(0, 3, 2), (1, 3, 2), (2, 3, 2)] and rows
+    wait_for(back_to_two_copies, "re-replication after host 1 died")
+
+    replacement = ring.replace(1)
+    assert_restores(replacement, 1, 3, "peer")
+    assert_restores(ring.daemons[0], 0, 3, "memory")
+    assert_restores(ring.daemons[2], 2, 3, "memory")
+    # the replacement now holds rank 1 itself and serves it from memory
+    assert_restores(replacement, 1, 3, "memory")
+
+
+def test_two_adjacent_hosts_lost_restore_from_the_durable_tier(start_ring, tmp_path):
+    durable = tmp_path / "durable"
+    ring = start_ring(3, "--replicas", "1", "--durable-dir", str(durable),
+                      "--durable-every-steps", "2")
+    snapshot_steps(ring, range(5))
+    wait_for(lambda: 4 in job_status(ring.daemons[0]).durable_steps, "step 4 written durably")
+    held = {(r.rank, s.step) for s in job_status(ring.daemons[0]).steps for r in s.ranks}
+    assert (1, 4) not in held, held
+    ring.daemons[1].proc.kill()  # both at once
+    ring.daemons[2].kill()
+    ring.daemons[1].kill()
+    # Rank 1 lived on hosts 1 and 2; rank 2 on hosts 2 and 0.
+    new1, new2 = ring.replace(1), ring.replace(2)
+    assert_restores(new1, 1, 4, "durable")
+    assert_restores(ring.daemons[0], 0, 4, "memory")
+    assert_restores(new2, 2, 4, "peer")
+    # retention: --durable-keep 2 leaves steps 2 and 4
+    assert sorted(os.listdir(durable / JOB)) == ["step_2", "step_4"]
+
+
+def test_flipped_byte_in_a_replica_is_skipped_and_reported(start_ring):
+    ring = start_ring(3, "--replicas", "2")
+    snapshot_steps(ring, range(2))
+    wait_for(lambda: committed(ring.daemons[0], 1), "step 1 committed with 3 copies")
+    ring.daemons[1].kill()
+    # Corrupt host 0's copies of rank 1 (the first holder a restore asks).
+    rank1_bytes = sum(a.nbytes for a in state(1, 0).values())
+    shm = pathlib.Path(ring.daemons[0].shm_dir)
+    flipped = 0
+    for seg in shm.iterdir():
+        if rank1_bytes <= seg.stat().st_size < rank1_bytes + 128:
+            with open(seg, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            flipped += 1
+    assert flipped >= 1
+    replacement = ring.replace(1)
+    assert_restores(replacement, 1, 1, "peer")
+    corrupt = job_status(replacement).corrupt_copies
+    assert corrupt and corrupt[0].rank == 1 and corrupt[0].step == 1
+    assert ring.peers[0] in corrupt[0].source and "checksum" in corrupt[0].detail
+
+
+def test_peer_calls_without_the_token_are_unauthenticated(start_ring, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    ring = start_ring(2, "--replicas", "1", "--peer-token-file", str(token_file))
+    snapshot_steps(ring, range(2), world=2)
+    # with the token the daemons replicate to each other
+    wait_for(lambda: committed(ring.daemons[0], 1), "step 1 committed between token holders")
+    stub = peer_pb2_grpc.PeerStub(grpc.insecure_channel(ring.peers[0]))
+    for metadata in ((), (("authorization", "Bearer wrong"),)):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Holdings(ppb.HoldingsRequest(job=JOB), timeout=10, metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "--peer-token" in info.value.details()
+    held = stub.Holdings(ppb.HoldingsRequest(job=JOB), timeout=10,
+                         metadata=(("authorization", "Bearer s3cret-token"),))
+    assert {(c.rank, c.step) for c in held.copies} >= {(0, 1), (1, 1)}
+    # the daemon refused the calls and lost nothing
+    assert committed(ring.daemons[0], 1)
+
+
+def test_bad_peer_input_gets_precise_codes(start_ring):
+    ring = start_ring(2, "--replicas", "1")
+    snapshot_steps(ring, range(1), world=2)
+    stub = peer_pb2_grpc.PeerStub(grpc.insecure_channel(ring.peers[0]))
+    cases = [
+        ("OpenRead", ppb.OpenReadRequest(job=JOB, rank=0, step=99), grpc.StatusCode.NOT_FOUND),
+        ("OpenRead", ppb.OpenReadRequest(job="../x", rank=0, step=0),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("Join", ppb.JoinRequest(index=7, address="x:1"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("Replicate", ppb.ReplicateRequest(job=JOB, world_size=2, rank=1, step=5),
+         grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for method, request, code in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            getattr(stub, method)(request, timeout=10)
+        assert info.value.code() == code, (method, info.value.details())
+    wait_for(lambda: committed(ring.daemons[0], 0), "step 0 still committed")
