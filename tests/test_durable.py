@@ -1,0 +1,95 @@
+"""The durable tier writes standard Orbax checkpoints, loadable without the daemon."""
+
+import os
+import time
+
+import grpc
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from bubblesnap.clients.jax import ClientOptions, SnapshotClient
+from bubblesnap.protos import daemon_pb2 as pb
+from tests.programs.trainer import state_at
+
+ROWS = 32
+
+
+def other_shardings():
+    """Two devices instead of the four the state was saved from, other axes."""
+    mesh = Mesh(np.array(jax.devices()[2:4]), ("x",))
+    return {"w": NamedSharding(mesh, P(None, "x")), "m": NamedSharding(mesh, P("x")),
+            "v": NamedSharding(mesh, P()), "count": NamedSharding(mesh, P())}
+
+
+def other_target():
+    shardings = other_shardings()
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+            for k, v in state_at(0, ROWS).items()}
+
+
+def durable_steps(daemon, job):
+    return list(daemon.stub.Status(pb.StatusRequest(job=job), timeout=10).jobs[0].durable_steps)
+
+
+def assert_state(restored, step):
+    expected = state_at(step, ROWS)
+    for name, array in restored.items():
+        assert np.asarray(array).tobytes() == np.asarray(expected[name]).tobytes(), name
+        assert array.sharding.is_equivalent_to(other_shardings()[name], array.ndim), name
+
+
+def test_persisted_step_loads_with_plain_orbax_and_through_a_new_daemon(start_daemon, tmp_path):
+    durable = tmp_path / "durable"
+    flags = ("--durable-dir", str(durable), "--durable-every-steps", "2", "--durable-keep", "1")
+    daemon = start_daemon(*flags)
+    client = SnapshotClient("dur", options=ClientOptions(daemon=daemon.address))
+    for step in range(5):
+        assert client.snapshot(step, state_at(step, ROWS), wait=True).taken
+    client.close()
+    deadline = time.monotonic() + 60
+    while durable_steps(daemon, "dur") != [4]:
+        assert time.monotonic() < deadline, durable_steps(daemon, "dur")
+        time.sleep(0.2)
+    assert os.listdir(durable / "dur") == ["step_4"]  # --durable-keep 1 removed 0 and 2
+
+    # No daemon involved: Orbax alone, into another sharding on other devices.
+    path = durable / "dur" / "step_4" / "rank_0"
+    assert_state(ocp.StandardCheckpointer().restore(path, other_target()), 4)
+
+    # The host dies; a new daemon on it has an empty memory and restores from disk.
+    daemon.kill()
+    fresh = start_daemon(*flags)
+    restored = SnapshotClient("dur", options=ClientOptions(daemon=fresh.address)).restore(
+        other_target())
+    assert (restored.step, restored.source) == (4, "durable")
+    assert_state(restored.state, 4)
+
+
+def test_damaged_durable_checkpoint_is_reported_not_served(start_daemon, tmp_path):
+    durable = tmp_path / "durable"
+    flags = ("--durable-dir", str(durable), "--durable-every-steps", "1")
+    daemon = start_daemon(*flags)
+    client = SnapshotClient("bad", options=ClientOptions(daemon=daemon.address))
+    assert client.snapshot(0, state_at(0, ROWS), wait=True).taken
+    client.close()
+    deadline = time.monotonic() + 60
+    while durable_steps(daemon, "bad") != [0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    daemon.kill()
+    for root, _, files in os.walk(durable / "bad" / "step_0" / "rank_0" / "d"):
+        for name in files:  # the array data files
+            with open(os.path.join(root, name), "r+b") as f:
+                data = bytearray(f.read())
+                data[len(data) // 2] ^= 0xFF
+                f.seek(0)
+                f.write(data)
+    fresh = start_daemon(*flags)
+    with pytest.raises(grpc.RpcError) as info:
+        fresh.stub.Restore(pb.RestoreRequest(job="bad", rank=0), timeout=60)
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "durable" in info.value.details()

@@ -1,0 +1,56 @@
+"""The group's view of its copies: pure functions, no daemons."""
+
+from bubblesnap.service.group_view import (
+    Holding,
+    committed_steps,
+    re_replication,
+    restorable_steps,
+    successors,
+)
+
+
+def ring_copies(steps, hosts=3, replicas=1):
+    """Rank r lives on host r and its replicas on the next hosts."""
+    return [Holding((r + i) % hosts, r, s, i > 0)
+            for s in steps for r in range(hosts) for i in range(replicas + 1)]
+
+
+def test_committed_needs_every_rank_with_k_plus_one_copies():
+    holdings = ring_copies([1, 2])
+    assert committed_steps(3, holdings, 2) == [1, 2]
+    missing_replica = [h for h in holdings if not (h.rank == 1 and h.step == 2 and h.replica)]
+    assert committed_steps(3, missing_replica, 2) == [1]
+    assert committed_steps(3, missing_replica, 1) == [1, 2]
+    assert committed_steps(4, holdings, 1) == []  # rank 3 holds nothing
+
+
+def test_restorable_counts_any_copy_or_the_durable_tier():
+    holdings = [h for h in ring_copies([5, 6]) if h.index not in (1, 2)]  # hosts 1, 2 gone
+    assert restorable_steps(3, holdings) == []  # rank 1 lived on hosts 1 and 2 only
+    assert restorable_steps(3, holdings, durable_steps=[4, 6]) == [4, 6]
+
+
+def test_successors_skip_dead_daemons_in_ring_order():
+    assert successors(2, 4, {0, 1, 2, 3}, 2) == [3, 0]
+    assert successors(2, 4, {0, 1, 2}, 2) == [0, 1]
+    assert successors(0, 3, {0}, 1) == []
+
+
+def test_re_replication_after_a_death_is_done_once_by_the_first_live_holder():
+    holdings = [h for h in ring_copies([7]) if h.index != 1]
+    live = {0, 2}
+    work = {i: re_replication(i, 3, live, holdings, 2) for i in live}
+    # rank 0 was on 0 and 1 -> 0 pushes to 2; rank 1 was on 1 and 2 -> 2 pushes to 0
+    assert work[0] == [(0, 7, [2])]
+    assert work[2] == [(1, 7, [0])]
+    # rank 2 is on 2 and 0: both live, nothing to do
+
+
+def test_re_replication_leaves_steps_below_the_retention_floor():
+    holdings = [h for h in ring_copies([3, 4]) if h.index != 1]
+    assert [w[1] for w in re_replication(0, 3, {0, 2}, holdings, 2, floor=4)] == [4]
+
+
+def test_no_target_left_means_no_work():
+    holdings = [Holding(0, 0, 1)]
+    assert re_replication(0, 2, {0}, holdings, 2) == []
