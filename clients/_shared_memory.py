@@ -9,6 +9,7 @@ gives its memory back.
 import collections
 import mmap
 import os
+import threading
 
 import numpy as np
 
@@ -16,15 +17,24 @@ _MAX_MAPPINGS = 6
 
 
 class SegmentMaps:
-    """An LRU cache of writable mappings of daemon segments."""
+    """An LRU cache of writable mappings of daemon segments.
+
+    Thread-safe: the training thread maps segments while gRPC callback threads
+    map the next step's segment as a commit returns.
+    """
 
     def __init__(self, max_mappings: int = _MAX_MAPPINGS):
         self._maps: collections.OrderedDict[str, tuple[mmap.mmap, np.ndarray, int]] = (
             collections.OrderedDict())
         self._max = max_mappings
+        self._lock = threading.Lock()
 
     def view(self, path: str, nbytes: int) -> np.ndarray:
         """A uint8 view of the first ``nbytes`` of the segment at ``path``."""
+        with self._lock:
+            return self._view(path, nbytes)
+
+    def _view(self, path: str, nbytes: int) -> np.ndarray:
         entry = self._maps.get(path)
         if entry is not None and entry[1].nbytes >= nbytes and entry[2] == os.stat(path).st_ino:
             self._maps.move_to_end(path)
@@ -56,8 +66,9 @@ class SegmentMaps:
                 pass  # a caller still holds a view; the mapping closes when it is dropped
 
     def close(self) -> None:
-        for path in list(self._maps):
-            self._evict(path)
+        with self._lock:
+            for path in list(self._maps):
+                self._evict(path)
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:

@@ -40,3 +40,35 @@ def copy_hashing(dst, src, hasher, stop_early=None) -> int:
         dst[start:stop] = src[start:stop]
         hasher.update(dst[start:stop])
     return src.nbytes
+
+
+class SlotHasher:
+    """Checksums of the slots of a segment whose bytes arrive in order, in any pieces.
+
+    ``slots`` are (offset, nbytes) in offset order. Feeding each received
+    range right after it lands hashes it while it is still in cache, instead
+    of reading the whole segment again afterwards.
+    """
+
+    def __init__(self, slots):
+        self._slots = list(slots)
+        self._hashers = [new_hasher() for _ in self._slots]
+        self._next = 0  # first slot not yet complete
+
+    def feed(self, segment, start: int, stop: int) -> None:
+        """``segment[start:stop]`` has arrived (ranges come in order, without gaps)."""
+        i = self._next
+        while i < len(self._slots):
+            offset, nbytes = self._slots[i]
+            if offset >= stop:
+                break
+            lo, hi = max(start, offset), min(stop, offset + nbytes)
+            if lo < hi:
+                self._hashers[i].update(segment[lo:hi])
+            if offset + nbytes > stop:
+                break
+            i += 1
+        self._next = i
+
+    def digests(self) -> tuple[int, ...]:
+        return tuple(h.intdigest() for h in self._hashers)

@@ -110,3 +110,17 @@ class OpenReadResponse(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[_daemon_pb2.TensorSpec]
     world_size: int
     def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("job", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class RollbackResponse(_message.Message):
+    __slots__ = ("dropped_copies",)
+    DROPPED_COPIES_FIELD_NUMBER: _ClassVar[int]
+    dropped_copies: int
+    def __init__(self, dropped_copies: _Optional[int] = ...) -> None: ...

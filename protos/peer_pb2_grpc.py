@@ -54,6 +54,11 @@ class PeerStub:
                 request_serializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.FromString,
                 _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/bubblesnap.v1.Peer/Rollback',
+                request_serializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -89,6 +94,14 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rollback(self, request, context):
+        """The job was restored to `step` and resumes from there: copies of later
+        steps belong to an abandoned run and are dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.OpenRead,
                     request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +239,33 @@ class Peer:
             '/bubblesnap.v1.Peer/OpenRead',
             bubblesnap_dot_protos_dot_peer__pb2.OpenReadRequest.SerializeToString,
             bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Peer/Rollback',
+            bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,12 +9,14 @@ with a live ticket is closed at once.
 """
 
 import logging
-import os
 import secrets
 import socket
 import ssl
 import threading
 import time
+
+from bubblesnap.protos.checksum import SlotHasher
+from bubblesnap.service.errors import Aborted
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -86,7 +88,7 @@ class DataServer:
                 log.warning("data channel: a connection presented an unknown or used ticket")
                 return
             path, nbytes, _, _ = offer
-            _send_file(conn, path, nbytes, tls=self._ssl is not None)
+            _send_file(conn, path, nbytes)
         except (OSError, ConnectionError) as err:
             log.warning("data channel: sending failed: %s", err)
         finally:
@@ -96,8 +98,11 @@ class DataServer:
 
 
 def pull(address: str, ticket: bytes, view, ssl_context: ssl.SSLContext | None = None,
-         server_hostname: str | None = None, timeout: float = 60.0) -> None:
-    """Reads ``len(view)`` bytes offered under ``ticket`` at ``address`` into ``view``."""
+         server_hostname: str | None = None, timeout: float = 60.0, received=None) -> None:
+    """Reads ``len(view)`` bytes offered under ``ticket`` at ``address`` into ``view``.
+
+    ``received(start, stop)`` is called as each range lands (to hash it hot).
+    """
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=timeout) as raw:
         conn = raw
@@ -111,25 +116,34 @@ def pull(address: str, ticket: bytes, view, ssl_context: ssl.SSLContext | None =
             if n == 0:
                 raise ConnectionError(f"{address} closed the data channel after {got} of "
                                       f"{total} bytes")
+            if received is not None:
+                received(got, got + n)
             got += n
 
 
-def _send_file(conn, path: str, nbytes: int, tls: bool) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if not tls:
-            sent = 0
-            while sent < nbytes:
-                n = os.sendfile(conn.fileno(), fd, sent, nbytes - sent)
-                if n == 0:
-                    raise ConnectionError(f"{path} ended after {sent} of {nbytes} bytes")
-                sent += n
-            return
-        with open(fd, "rb", closefd=False) as f:
-            while chunk := f.read(_RECV_CHUNK):
-                conn.sendall(chunk)
-    finally:
-        os.close(fd)
+def puller(address: str, ticket: bytes, ssl_context, timeout: float, what: str):
+    """A ``fill`` for :meth:`SnapshotStore.install`: pulls a whole segment and hashes
+    each slot as its bytes land. ``what`` names the copy in errors."""
+
+    def fill(view, slots):
+        hasher = SlotHasher(slots)
+        try:
+            pull(address, ticket, view, ssl_context, timeout=timeout,
+                 received=lambda start, stop: hasher.feed(view, start, stop))
+        except OSError as err:
+            raise Aborted(f"pulling {what} from {address} failed: {err}") from err
+        return hasher.digests()
+
+    return fill
+
+
+def _send_file(conn, path: str, nbytes: int) -> None:
+    # socket.sendfile: os.sendfile (zero copy) on a plain socket, waiting out a
+    # full send buffer under the socket's timeout; plain sends under TLS.
+    with open(path, "rb") as f:
+        sent = conn.sendfile(f, 0, nbytes)
+    if sent != nbytes:
+        raise ConnectionError(f"{path} ended after {sent} of {nbytes} bytes")
 
 
 def _recv_exact(conn, n: int) -> bytes:

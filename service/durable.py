@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum
+from bubblesnap.service import group_view
 from bubblesnap.service import layout as layout_lib
 from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, NotFound
 
@@ -86,34 +87,42 @@ class DurableTier:
     def __init__(self, options: DurableOptions, store):
         self.options = options
         self._store = store
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()  # wake-ups; the work is in _waiting
+        # (job, rank) -> step -> its copy, pinned so retention cannot free it first
+        self._waiting: dict[tuple[str, int], dict[int, object]] = {}
+        self._lock = threading.Lock()
         self._last_write: dict[tuple[str, int], float] = {}
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="durable", daemon=True)
         self.written_bytes = 0
         os.makedirs(options.directory, exist_ok=True)
         _orbax()  # JAX and Orbax take seconds to import: at startup, not in the first write
+        logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
         self._queue.put(None)
         self._thread.join(timeout=60)
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        for copies in waiting.values():
+            for pinned in copies.values():
+                self._store.unpin(pinned)
 
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here; write it if the policy says so."""
         since = time.monotonic() - self._last_write.get((job, rank), float("-inf"))
-        if should_write(step, since, self.options):
-            self._last_write[(job, rank)] = time.monotonic()
-            self._queue.put((job, rank, step))
-
-    def flush(self) -> None:
-        """Waits until every write queued so far has finished."""
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait()
+        if not should_write(step, since, self.options):
+            return
+        try:
+            pinned = self._store.pin(job, rank, step)
+        except DaemonError:
+            return  # already freed: a newer step replaced it
+        self._last_write[(job, rank)] = time.monotonic()
+        with self._lock:
+            self._waiting.setdefault((job, rank), {})[step] = pinned
+        self._queue.put(job)
 
     def steps(self, job: str, world_size: int) -> list[int]:
         """Steps whose every rank is fully written, oldest first."""
@@ -121,6 +130,16 @@ class DurableTier:
             step for step in _step_numbers(os.path.join(self.options.directory, job))
             if all(os.path.exists(rank_path(self.options.directory, job, step, r) + ".json")
                    for r in range(world_size)))
+
+    def discard_after(self, job: str, step: int) -> int:
+        """Deletes written steps of ``job`` newer than ``step`` (an abandoned run's)."""
+        dropped = 0
+        for later in _step_numbers(os.path.join(self.options.directory, job)):
+            if later > step:
+                shutil.rmtree(os.path.join(self.options.directory, job, f"step_{later}"),
+                              ignore_errors=True)
+                dropped += 1
+        return dropped
 
     def world_size(self, job: str) -> int:
         """The world size the newest written rank of ``job`` recorded; 0: none written."""
@@ -182,35 +201,38 @@ class DurableTier:
             pieces.append((offset, nbytes, piece))
             checksums.append(checksum(piece))
 
-        def fill(view):
+        def fill(view, slots):
             for offset, nbytes, piece in pieces:
                 view[offset:offset + nbytes] = piece.reshape(-1).view(np.uint8)
+            return tuple(checksums)  # of the arrays just verified and copied
 
         return fill, tuple(checksums)
 
     # -- the thread -----------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            try:
-                self._write(*item)
-            except DaemonError as err:
-                log.info("durable write of %s skipped: %s", item, err)
-            except Exception:
-                log.exception("durable write of %s failed", item)
+        while self._queue.get() is not None:
+            # Writes that fell behind collapse into the roundest waiting step of
+            # each rank (group_view.roundest): every host then writes common steps.
+            with self._lock:
+                waiting, self._waiting = self._waiting, {}
+            for (job, rank), copies in sorted(waiting.items()):
+                chosen = group_view.roundest(copies)
+                for step, pinned in copies.items():
+                    if step != chosen:
+                        self._store.unpin(pinned)
+                try:
+                    self._write(copies[chosen])
+                except Exception:
+                    log.exception("durable write of step %d of rank %d of %s failed", chosen,
+                                  rank, job)
 
-    def _write(self, job: str, rank: int, step: int) -> None:
+    def _write(self, pinned) -> None:
+        job, rank, step = pinned.job, pinned.rank, pinned.step
         path = rank_path(self.options.directory, job, step, rank)
-        if os.path.exists(path + ".json"):
-            return
-        pinned = self._store.pin(job, rank, step)
         try:
+            if os.path.exists(path + ".json"):
+                return
             arrays = _assemble(pinned)
         finally:
             self._store.unpin(pinned)

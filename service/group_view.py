@@ -76,3 +76,13 @@ def re_replication(index: int, ring_size: int, live, holdings, copies_wanted: in
         if targets[:missing]:
             work.append((rank, step, targets[:missing]))
     return work
+
+
+def roundest(steps) -> int:
+    """The step with the most trailing zero bits (the newest among those).
+
+    Daemons that must skip steps (replication behind training) keep the
+    roundest one: one daemon's choice is then among every other's, so the
+    group commits common steps however far behind each daemon is.
+    """
+    return max(steps, key=lambda s: ((s & -s).bit_length() if s else 64, s))

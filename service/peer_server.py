@@ -40,17 +40,11 @@ class PeerServicer:
     @rpc_errors
     def Replicate(self, request, context):
         layout = layout_lib.build_layout(request.tensors)
-        security = self._group.options.security
-        timeout = self._group.options.transfer_timeout_seconds
-
-        def fill(view):
-            try:
-                data_channel.pull(request.data_address, request.ticket, view,
-                                  security.client_ssl_context(), timeout=timeout)
-            except OSError as err:
-                raise errors.Aborted(f"pulling step {request.step} of rank {request.rank} from "
-                                     f"{request.data_address} failed: {err}") from err
-
+        options = self._group.options
+        fill = data_channel.puller(request.data_address, request.ticket,
+                                   options.security.client_ssl_context(),
+                                   options.transfer_timeout_seconds,
+                                   f"step {request.step} of rank {request.rank}")
         self._store.install(request.job, request.world_size, request.rank, request.step, layout,
                             tuple(request.checksums), fill)
         return ppb.ReplicateResponse()
@@ -65,3 +59,9 @@ class PeerServicer:
                                     checksums=pinned.checksums,
                                     tensors=tensor_specs(pinned.layout),
                                     world_size=pinned.world_size)
+
+    @rpc_errors
+    def Rollback(self, request, context):
+        layout_lib.check_step(request.step)
+        return ppb.RollbackResponse(dropped_copies=self._store.rollback(request.job,
+                                                                        request.step))

@@ -158,13 +158,20 @@ class PeerGroup:
                 answer = future.result()
             except grpc.RpcError:
                 if index in self.not_dead():
-                    found += self._last_holdings.get((index, job), [])
+                    with self._lock:
+                        found += self._last_holdings.get((index, job), [])
                 continue
             theirs = [Holding(index, c.rank, c.step, c.role == ppb.REPLICA, c.world_size)
                       for c in answer.copies if c.job == job]
-            self._last_holdings[(index, job)] = theirs
+            with self._lock:
+                self._last_holdings[(index, job)] = theirs
             found += theirs
         return found
+
+    def forget_holdings(self, job: str) -> None:
+        with self._lock:
+            for key in [k for k in self._last_holdings if k[1] == job]:
+                del self._last_holdings[key]
 
     def close(self) -> None:
         self._calls.shutdown(wait=False)

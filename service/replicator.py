@@ -2,7 +2,11 @@
 
 After a trainer commits a step, the copy is offered on the data channel and
 the next k live daemons are asked to take it (``Replicate``); each answers
-once it pulled and verified the bytes, which is the acknowledgement. Every
+once it pulled and verified the bytes, which is the acknowledgement. When
+replication falls behind training (slow network, busy cores), the waiting
+steps of a rank collapse into one: the "roundest" (most trailing zero bits,
+then newest), so daemons that fall behind by different amounts still pick
+common steps, and a step gets committed for the whole job. Every
 ``refresh_seconds`` the group's holdings are gathered: they say which steps
 are committed (each rank 1 + k times, which drives retention) and which
 copies lost a holder (a dead peer), which this daemon then pushes again.
@@ -30,7 +34,8 @@ class Replicator:
         self._store = store
         self._group = group
         self._data = data_server
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()  # wake-ups; the work is in _waiting
+        self._waiting: dict[tuple[str, int], set[int]] = {}
         self._views: dict[str, list[group_view.Holding]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -47,13 +52,23 @@ class Replicator:
 
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here: replicate it soon."""
-        self._queue.put((job, rank, step))
+        with self._lock:
+            self._waiting.setdefault((job, rank), set()).add(step)
+        self._queue.put(job)
 
     def copies(self, job: str) -> dict[tuple[int, int], int]:
         """(rank, step) -> live copies in the group, as last gathered."""
         with self._lock:
             view = self._views.get(job, [])
         return {key: len(where) for key, where in group_view.holders(view).items()}
+
+    def forget_views(self, job: str) -> None:
+        """Drops what is known of ``job``'s copies (after a rollback changed them)."""
+        with self._lock:
+            self._views.pop(job, None)
+            self._waiting = {key: steps for key, steps in self._waiting.items()
+                             if key[0] != job}
+        self._group.forget_holdings(job)
 
     def view(self, job: str) -> list[group_view.Holding]:
         """The group's holdings of ``job``, gathered now."""
@@ -69,19 +84,26 @@ class Replicator:
         while not self._stop.is_set():
             timeout = max(0.0, next_refresh - time.monotonic())
             try:
-                item = self._queue.get(timeout=timeout)
+                job = self._queue.get(timeout=timeout)
             except queue.Empty:
-                item = ()
-            if item is None:
+                job = ""
+            if job is None:
                 return
             try:
-                if item:
-                    self._replicate_new(*item)
-                if item or time.monotonic() >= next_refresh:
-                    self._refresh(item[0] if item else None)
+                for job_, rank, step in self._take_waiting():
+                    self._replicate_new(job_, rank, step)
+                if job or time.monotonic() >= next_refresh:
+                    self._refresh(job or None)
                     next_refresh = time.monotonic() + self._group.options.refresh_seconds
             except Exception:  # a bug must not end replication for good
                 log.exception("replication round failed")
+
+    def _take_waiting(self) -> list[tuple[str, int, int]]:
+        """One step per (job, rank) to replicate now; older waiting steps are dropped."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        return [(job, rank, group_view.roundest(steps))
+                for (job, rank), steps in sorted(waiting.items())]
 
     def _replicate_new(self, job: str, rank: int, step: int) -> None:
         # The next k daemons that answer, in ring order. One believed dead is
@@ -147,4 +169,5 @@ class Replicator:
                         rank, job, err.code().name, err.details())
             return False
         self.pushed_bytes += pinned.segment.nbytes
+        self._store.mark_replicated(job, rank, step)
         return True

@@ -51,7 +51,10 @@ class Segment:
 
     def destroy(self) -> None:
         del self.view
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view is still alive (an exception's traceback): unmapped when it dies
         try:
             os.unlink(self.path)
         except FileNotFoundError:

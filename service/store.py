@@ -73,6 +73,8 @@ class _RankStep:
     usage: BubbleUsage = BubbleUsage()
     pins: int = 0          # readers outside the lock (replication, durable writes)
     released: bool = False  # freed while pinned: the last unpin disposes of the segment
+    replicated: bool = False  # a peer acknowledged a copy (or this is that copy)
+    just_verified: bool = False  # installed and verified; not served since
 
 
 @dataclasses.dataclass
@@ -392,7 +394,11 @@ class SnapshotStore:
                 raise NotFound(
                     f"job {job!r} holds no step {step}; committed steps: {committed or 'none'}")
             rank_step = held.steps[step]
-            computed = self._hash(rank_step.segment, held.slots)
+            # A copy verified as it arrived (a moment ago, restore from a peer or
+            # disk) is not read a second time.
+            computed = rank_step.checksums if rank_step.just_verified else \
+                self._hash(rank_step.segment, held.slots)
+            rank_step.just_verified = False
             bad = _mismatches(rank_step.checksums, computed)
             if bad:
                 names = _slot_names(held, bad)
@@ -452,8 +458,10 @@ class SnapshotStore:
                 fill) -> int:
         """Stores a copy that arrives from elsewhere (a peer, the durable tier).
 
-        ``fill(view)`` writes the segment's bytes, outside the lock; every
-        slot is then verified against ``checksums`` before the copy counts.
+        ``fill(view, slots)`` writes the segment's bytes, outside the lock,
+        and may return the checksums of the (offset, nbytes) ``slots`` it
+        computed on the way (else the store hashes them). They are compared
+        with ``checksums`` before the copy counts.
         A rank no trainer registered here is held as a replica until one
         does. Returns the bytes stored; DataLoss (and nothing kept) when a
         checksum fails.
@@ -490,8 +498,8 @@ class SnapshotStore:
             segment = self._acquire(job, rank, step, layout.segment_bytes)
             rank_step = held.steps[step] = _RankStep(segment, CopyState.STAGING, pins=1)
         try:
-            fill(segment.view)
-            computed = self._hash(segment, slots)
+            computed = fill(segment.view, [(o, n) for _, _, o, n in slots]) \
+                or self._hash(segment, slots)
         except BaseException:
             with self._lock:
                 if held.steps.get(step) is rank_step:
@@ -510,8 +518,40 @@ class SnapshotStore:
                                f"{names}; the copy was dropped")
             rank_step.checksums = tuple(checksums)
             rank_step.state = CopyState.LOCAL
+            rank_step.replicated = True
+            rank_step.just_verified = True
             self._retain(entry)
             return layout.nbytes
+
+    def rollback(self, job: str, step: int) -> int:
+        """Drops every copy of ``job`` newer than ``step`` (the job resumes from it).
+
+        Returns the copies dropped. Unfinished (STAGING) copies are kept: a
+        resumed trainer may already be writing its next step.
+        """
+        layout_lib.check_job_name(job)
+        with self._lock:
+            entry = self._jobs.get(job)
+            if entry is None:
+                return 0
+            dropped = 0
+            for held in entry.ranks.values():
+                for later in [s for s, rs in held.steps.items()
+                              if s > step and rs.state is CopyState.LOCAL]:
+                    self._free(held, later)
+                    dropped += 1
+            if entry.group_committed is not None:
+                entry.group_committed = [s for s in entry.group_committed if s <= step]
+            return dropped
+
+    def mark_replicated(self, job: str, rank: int, step: int) -> None:
+        """A peer acknowledged its copy: retention keeps the step until the group commits."""
+        with self._lock:
+            entry = self._jobs.get(job)
+            held = entry.ranks.get(rank) if entry else None
+            rank_step = held.steps.get(step) if held else None
+            if rank_step is not None:
+                rank_step.replicated = True
 
     def set_group_committed(self, job: str, steps) -> None:
         """The peer group's committed steps of ``job``; frees what retention lets go."""
@@ -632,11 +672,10 @@ class SnapshotStore:
 
     def _retain(self, entry: _Job) -> None:
         committed = entry.committed_steps()
-        floor = committed[-self.options.keep_steps:][0] if committed else -1
-        cap = _keep_per_rank(self.options.keep_steps)
+        keep = self.options.keep_steps
+        floor = committed[-keep:][0] if committed else -1
         for held in entry.ranks.values():
-            local = sorted(s for s, rs in held.steps.items() if rs.state is CopyState.LOCAL)
-            too_many = set(local[:-cap]) if self.grouped else set()
+            too_many = _beyond_cap(held, keep) if self.grouped else set()
             for step in [s for s in held.steps if s < floor or s in too_many]:
                 self._free(held, step)
 
@@ -718,7 +757,15 @@ def _describe_difference(a: layout_lib.Layout, b: layout_lib.Layout) -> str:
     return "same tensors, different shards"
 
 
-def _keep_per_rank(keep_steps: int) -> int:
-    """LOCAL copies a rank keeps at most even when the group commits nothing
-    (peers down): memory must not grow without bound."""
-    return keep_steps + 2
+def _beyond_cap(held: _Rank, keep_steps: int) -> set[int]:
+    """LOCAL steps past what a rank keeps while the group has not committed them.
+
+    Memory must not grow without bound when the group commits nothing (peers
+    down, or replication behind training). A rank keeps its newest
+    ``keep_steps + 2`` copies, and also its newest ``keep_steps`` replicated
+    ones: under load, replication takes a few chosen steps (replicator.py),
+    and those must survive until every rank's copy of them is replicated.
+    """
+    local = sorted(s for s, rs in held.steps.items() if rs.state is CopyState.LOCAL)
+    replicated = [s for s in local if held.steps[s].replicated]
+    return set(local[:-(keep_steps + 2)]) - set(replicated[-keep_steps:])

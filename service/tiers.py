@@ -106,6 +106,7 @@ class Tiers:
                                f"{_describe(holdings, world)}")
             step = steps[-1]
         layout_lib.check_step(step)
+        self._roll_back(job, step, holdings, durable)
         tried = []
         try:
             return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
@@ -142,6 +143,26 @@ class Tiers:
         raise NotFound(f"step {step} of rank {rank} of job {job!r} is held nowhere; restorable "
                        f"steps: {steps or 'none'}")
 
+    def _roll_back(self, job: str, step: int, holdings, durable) -> None:
+        """Restoring ``step`` resumes the job from it: later copies, here, at every peer
+        and in the durable tier, belong to an abandoned run. Dropped before anything
+        is installed, so a resumed run never mixes with them."""
+        if not any(h.step > step for h in holdings) and not any(s > step for s in durable):
+            return
+        log.info("job %s resumes from step %d: dropping later copies in the group", job, step)
+        self._store.rollback(job, step)
+        if self._durable is not None:
+            self._durable.discard_after(job, step)
+        if self._group is not None:
+            request = ppb.RollbackRequest(job=job, step=step)
+            for index in self._group.others():
+                try:
+                    self._group.call(index, "Rollback", request)
+                except grpc.RpcError as err:
+                    log.info("peer %d did not roll back: %s", index, err.code().name)
+            if self._replicator is not None:
+                self._replicator.forget_views(job)
+
     def _pull_from_peer(self, index: int, job: str, world: int, rank: int, step: int) -> None:
         options = self._group.options
         answer = self._group.call(index, "OpenRead", ppb.OpenReadRequest(job=job, rank=rank,
@@ -150,13 +171,10 @@ class Tiers:
         if layout.segment_bytes != answer.segment_bytes:
             raise DataLoss(f"peer {index} offered {answer.segment_bytes} bytes for a "
                            f"{layout.segment_bytes}-byte layout")
-        security = options.security
-
-        def fill(view):
-            data_channel.pull(answer.data_address, answer.ticket, view,
-                              security.client_ssl_context(),
-                              timeout=options.transfer_timeout_seconds)
-
+        fill = data_channel.puller(answer.data_address, answer.ticket,
+                                   options.security.client_ssl_context(),
+                                   options.transfer_timeout_seconds,
+                                   f"step {step} of rank {rank}")
         self._store.install(job, world, rank, step, layout, tuple(answer.checksums), fill)
 
     def _load_durable(self, job: str, world: int, rank: int, step: int) -> None:

@@ -5,6 +5,7 @@ from bubblesnap.service.group_view import (
     committed_steps,
     re_replication,
     restorable_steps,
+    roundest,
     successors,
 )
 
@@ -54,3 +55,11 @@ def test_re_replication_leaves_steps_below_the_retention_floor():
 def test_no_target_left_means_no_work():
     holdings = [Holding(0, 0, 1)]
     assert re_replication(0, 2, {0}, holdings, 2) == []
+
+
+def test_roundest_step_is_common_to_daemons_behind_by_different_amounts():
+    assert roundest([5]) == 5
+    assert roundest([9, 10, 11, 12, 13]) == 12
+    assert roundest([13, 14, 15]) == 14
+    assert roundest([7, 8, 9]) == 8 and roundest([5, 6, 7, 8]) == 8
+    assert roundest([0, 1, 2]) == 0

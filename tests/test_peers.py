@@ -20,11 +20,11 @@ from bubblesnap.protos import peer_pb2_grpc
 JOB = "ring"
 
 
-def state(rank: int, step: int) -> dict[str, np.ndarray]:
-    """Sizes differ per rank, values per rank and step: a mixed-up copy shows."""
+def state(rank: int, step: int, run: int = 0) -> dict[str, np.ndarray]:
+    """Sizes differ per rank, values per rank, step and run: a mixed-up copy shows."""
     n = 2048 * (rank + 1)
-    return {"w": (np.arange(n, dtype=np.float32) * (rank + 1) + step),
-            "m": np.full((rank + 1, 64), step * 10 + rank, dtype=np.int32)}
+    return {"w": (np.arange(n, dtype=np.float32) * (rank + 1) + step + 1000 * run),
+            "m": np.full((rank + 1, 64), step * 10 + rank + 1000 * run, dtype=np.int32)}
 
 
 def client(daemon, rank: int, world: int = 3) -> NumpyClient:
@@ -32,11 +32,11 @@ def client(daemon, rank: int, world: int = 3) -> NumpyClient:
                                                        restore_timeout_seconds=60))
 
 
-def snapshot_steps(ring, steps, world: int = 3) -> None:
+def snapshot_steps(ring, steps, world: int = 3, run: int = 0) -> None:
     clients = [client(ring.daemons[r], r, world) for r in range(world)]
     for step in steps:
         for rank, c in enumerate(clients):
-            result = c.snapshot(step, state(rank, step))
+            result = c.snapshot(step, state(rank, step, run))
             assert result.taken, result.reason
     for c in clients:
         c.close()
@@ -64,11 +64,11 @@ def committed(daemon, step: int) -> bool:
     return any(s.step == step and s.committed for s in job_status(daemon).steps)
 
 
-def assert_restores(daemon, rank: int, step: int, source: str) -> None:
+def assert_restores(daemon, rank: int, step: int, source: str, run: int = 0) -> None:
     c = client(daemon, rank)
     got_step, arrays = c.restore()
     assert (got_step, c.last_restore_source) == (step, source)
-    for name, expected in state(rank, step).items():
+    for name, expected in state(rank, step, run).items():
         assert arrays[name].tobytes() == expected.tobytes(), f"rank {rank} {name} differs"
     c.close()
 
@@ -112,20 +112,28 @@ def test_two_adjacent_hosts_lost_restore_from_the_durable_tier(start_ring, tmp_p
     durable = tmp_path / "durable"
     ring = start_ring(3, "--replicas", "1", "--durable-dir", str(durable),
                       "--durable-every-steps", "2")
-    snapshot_steps(ring, range(5))
+    snapshot_steps(ring, range(6))
     wait_for(lambda: 4 in job_status(ring.daemons[0]).durable_steps, "step 4 written durably")
+    wait_for(lambda: committed(ring.daemons[0], 5), "step 5 committed")
     held = {(r.rank, s.step) for s in job_status(ring.daemons[0]).steps for r in s.ranks}
     assert (1, 4) not in held, held
     ring.daemons[1].proc.kill()  # both at once
     ring.daemons[2].kill()
     ring.daemons[1].kill()
-    # Rank 1 lived on hosts 1 and 2; rank 2 on hosts 2 and 0.
+    # Rank 1 lived on hosts 1 and 2 only: step 5 is lost, step 4 is on disk.
     new1, new2 = ring.replace(1), ring.replace(2)
     assert_restores(new1, 1, 4, "durable")
     assert_restores(ring.daemons[0], 0, 4, "memory")
-    assert_restores(new2, 2, 4, "peer")
+    assert_restores(new2, 2, 4, "peer")  # host 0 held rank 2's replica
     # retention: --durable-keep 2 leaves steps 2 and 4
     assert sorted(os.listdir(durable / JOB)) == ["step_2", "step_4"]
+
+    # The job resumed from step 4: the old run's step 5 (still in host 0's memory)
+    # is gone, and the new run snapshots step 5 again, with its own values.
+    snapshot_steps(ring, [5], run=1)
+    wait_for(lambda: committed(ring.daemons[0], 5), "the new step 5 committed")
+    for rank in range(3):
+        assert_restores(ring.daemons[rank], rank, 5, "memory", run=1)
 
 
 def test_flipped_byte_in_a_replica_is_skipped_and_reported(start_ring):

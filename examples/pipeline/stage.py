@@ -28,10 +28,15 @@ class StageRunner:
         self.kept_states: dict[int, object] = {}
         self._keep = keep_states
 
-    def run(self, plan: list[str]) -> None:
-        """Runs one iteration per entry of ``plan`` (the snapshot mode of that iteration)."""
+    def run(self, plan: list[str], first_iteration: int = 0, after_iteration=None) -> None:
+        """Runs one iteration per entry of ``plan`` (the snapshot mode of that iteration).
+
+        Iterations are numbered from ``first_iteration`` (a run resumed after
+        step k starts at k + 1); ``after_iteration(iteration, state)`` is
+        called once each is done.
+        """
         active = None
-        for iteration, mode_name in enumerate(plan):
+        for iteration, mode_name in enumerate(plan, start=first_iteration):
             mode = self.modes[mode_name]
             if active is not None and mode is not active:
                 active.flush()  # finish the last mode's work before the next one starts timing
@@ -51,6 +56,8 @@ class StageRunner:
             if self._keep:
                 self.kept_states[iteration] = self.program.state
                 self.kept_states.pop(iteration - self._keep, None)
+            if after_iteration is not None:
+                after_iteration(iteration, self.program.state)
         if active is not None:
             active.flush()
 

@@ -1,0 +1,707 @@
+"""Restore bandwidth by tier: memory, a peer's memory, the durable tier, against TCP and Orbax.
+
+One state pytree (default ~256 MB: bfloat16 params with float32 Adam moments,
+12 leaves, rows sharded over 4 forced CPU devices, as in datapath.py) is
+snapshotted once, as rank 0 of a one-rank job, and restored through every
+tier. Each mode reports bytes/s (GB/s, 1e9 bytes/s):
+
+  raw_tcp          loopback TCP in this run: a sender thread os.sendfile()s a
+                   /dev/shm file of the segment's size over a new 127.0.0.1
+                   connection; this thread recv_into()s a buffer allocated and
+                   touched before. The physical limit of the peer data path.
+  peer_transfer    the peer data path alone: OpenRead on daemon A's Peer
+                   service (a one-time ticket), then data_channel.pull of the
+                   segment from A's data channel into a buffer touched before.
+  restore_local    SnapshotClient.restore on A, which holds the step in its own
+                   memory (checksum pass, mapping; zero-copy on the CPU backend).
+  restore_peer     SnapshotClient.restore on C, which does not hold the step:
+                   C gathers the group's holdings, pulls the segment from A over
+                   the data channel, verifies every checksum, hands it over.
+  restore_durable  SnapshotClient.restore on D, a lone daemon that sees only the
+                   durable tier: D reads A's Orbax checkpoint of the step,
+                   verifies it, cuts it into shards; the client reshards.
+  orbax_restore    StandardCheckpointer().restore of the same state, saved once
+                   by Orbax, into the same target shardings.
+
+raw_tcp and peer_transfer count the segment's bytes (the state's plus at most
+63 bytes of alignment per shard); the other modes count the state's bytes.
+Every restore ends in jax.block_until_ready, and the clock runs from the call
+to the arrays being ready (peer_transfer: from OpenRead to the last byte).
+
+Daemons (separate processes, default --nice, as a trainer's host would run
+them): a ring A, B, C (--peers, indices 0..2, --replicas 1); A also writes
+every step to the durable tier (--durable-dir DIR --durable-every-steps 1);
+D is alone with the same DIR. This process snapshots the step on A and waits
+until B holds its replica (2 copies) and DIR holds its Orbax checkpoint.
+After every restore on C or D, DeleteSnapshots drops that daemon's copy, so
+the next round pulls again (A and B keep 2 copies, so nothing is pushed back
+to C); the source every restore reports is checked each round. C and D
+forget the copy but not the job, so only the warm-up round restores on a
+daemon that had never seen it.
+
+Orbax's checkpoint and DIR are on /dev/shm (tmpfs) like the daemons'
+segments, so no mode reads a disk. The machines are shared and noisy: modes
+run interleaved, round after round (the first mode rotates each round),
+after one untimed warm-up round; medians with min-max are reported, and
+ratios of medians of the same run. Before each mode the process hands its
+free heap back to the OS (glibc malloc_trim), as datapath.py does. Every
+restore (and every pulled segment, every TCP transfer) is compared bit for
+bit with the original, outside the timed region.
+
+Targets: peer_transfer >= 0.5 x raw_tcp; restore_peer >= 5 x orbax_restore.
+
+The daemons log at WARNING to files; the report carries the first lines of
+each under "daemon_log" (a ring's daemons start one after another, so
+"peer N is unreachable" at start-up is expected). A daemon that leaks
+segments could fill /dev/shm and wake the OOM killer, so a watchdog thread
+stops every daemon as soon as one holds more than its memory budget in its
+shared-memory directory or /dev/shm has less than 2 GiB free, and setup
+gives up as soon as A logs a replication that a peer did not take. Whatever
+happens, every daemon gets SIGTERM and the work files are removed; on a
+failure --json prints {"error": ..., "daemon_log": ...} and the exit code is 1.
+
+Usage: python benchmarks/restore.py [--json] [--mb 256] [--rounds 5]
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import grpc
+import numpy as np
+
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos import daemon_pb2_grpc, peer_pb2_grpc
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.protos.checksum import checksum
+
+MODES = ("raw_tcp", "peer_transfer", "restore_local", "restore_peer", "restore_durable",
+         "orbax_restore")
+#: The source a restore must report in each restoring mode.
+EXPECTED_SOURCE = {"restore_local": "memory", "restore_peer": "peer",
+                   "restore_durable": "durable"}
+DEVICES = 4
+JOB = "bench-restore"
+STEP = 1
+# Leaf sizes as fractions of the parameter count; each parameter has two float32 moments.
+_FRACTIONS = (0.5, 0.3, 0.15, 0.05)
+_COLUMNS = 1024
+_READY_SECONDS = 120.0
+_WAIT_SECONDS = 300.0
+#: Below this much free /dev/shm the watchdog stops the daemons.
+_SHM_FLOOR = 2 << 30
+
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def make_state(size_bytes: int):
+    """bf16 params + f32 mu/nu (10 bytes per parameter), rows sharded over DEVICES."""
+    import jax
+    import ml_dtypes
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    rng = np.random.default_rng(0)
+    params = size_bytes / 10
+    state = {"params": {}, "mu": {}, "nu": {}}
+    for i, fraction in enumerate(_FRACTIONS):
+        rows = max(DEVICES, int(params * fraction / _COLUMNS) // DEVICES * DEVICES)
+        values = rng.standard_normal((rows, _COLUMNS), dtype=np.float32)
+        state["params"][f"w{i}"] = jax.device_put(values.astype(ml_dtypes.bfloat16), sharding)
+        state["mu"][f"w{i}"] = jax.device_put(values * 0.1, sharding)
+        state["nu"][f"w{i}"] = jax.device_put(values * values, sharding)
+    return state
+
+
+def _flat_bytes(array) -> np.ndarray:
+    return np.asarray(array).reshape(-1).view(np.uint8)
+
+
+def shard_bytes(state) -> dict[tuple[str, tuple], np.ndarray]:
+    """(tensor name as the client names it, ((start, stop), ...)) -> the shard's bytes."""
+    import jax
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = "/".join(str(k.key) for k in path)
+        for shard in leaf.addressable_shards:
+            index = tuple(s.indices(d)[:2] for s, d in zip(shard.index, leaf.shape, strict=True))
+            found.setdefault((name, index), _flat_bytes(shard.data))
+    return found
+
+
+def same_state(expected, got) -> bool:
+    """Same tree, shapes, dtypes, shardings, and every device's shard equal bit for bit."""
+    import jax
+    if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got):
+        return False
+    for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got),
+                    strict=True):
+        if a.shape != b.shape or a.dtype != b.dtype or a.sharding != b.sharding:
+            return False
+        theirs = {s.device: s for s in b.addressable_shards}
+        for shard in a.addressable_shards:
+            other = theirs.get(shard.device)
+            if other is None or other.index != shard.index or not np.array_equal(
+                    _flat_bytes(shard.data), _flat_bytes(other.data)):
+                return False
+    return True
+
+
+def free_port() -> int:
+    """A port free right now (peers must know each other's addresses before they start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaemonProcess:
+    """A ``bubblesnap daemon`` child process; its stderr goes to a log file."""
+
+    def __init__(self, name: str, flags, log_dir: str):
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"daemon-{name}.log")
+        self.ready: dict = {}
+        self.channel = self.stub = None
+        self.exit_code = None
+        with open(self.log_path, "w") as log_file:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
+                 "--metrics", "", "--log-level", "WARNING", *flags],
+                stdout=subprocess.PIPE, stderr=log_file, text=True)
+
+    def wait_ready(self) -> None:
+        readable, _, _ = select.select([self.proc.stdout], [], [], _READY_SECONDS)
+        line = self.proc.stdout.readline() if readable else ""
+        if not line:
+            raise RuntimeError(f"daemon {self.name} was not ready within {_READY_SECONDS:.0f} s "
+                               f"(exit code {self.proc.poll()}): {self.log_tail()}")
+        self.ready = json.loads(line)
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = daemon_pb2_grpc.DaemonStub(self.channel)
+
+    @property
+    def address(self) -> str:
+        return self.ready["address"]
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-lines:]).strip()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 30 s; records the exit code."""
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.exit_code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.exit_code = self.proc.wait()
+        self.proc.stdout.close()
+
+
+class Daemons:
+    """Starts daemons and stops every one of them in :meth:`stop_all`."""
+
+    def __init__(self, budget_bytes: int, log_dir: str):
+        self.budget = str(budget_bytes)
+        self.log_dir = log_dir
+        self.started: list[DaemonProcess] = []
+
+    def start(self, name: str, *flags: str) -> DaemonProcess:
+        daemon = DaemonProcess(name, ("--memory-budget", self.budget, *flags), self.log_dir)
+        self.started.append(daemon)  # before waiting: a daemon that hangs is stopped too
+        daemon.wait_ready()
+        return daemon
+
+    def stop_all(self) -> None:
+        for daemon in self.started:
+            try:
+                daemon.stop()
+            except Exception as err:  # keep stopping the others
+                log(f"stopping daemon {daemon.name} failed: {err!r}")
+
+    def logged(self, daemon: DaemonProcess, needle: str) -> list[str]:
+        """Lines of the daemon's log that contain ``needle``."""
+        try:
+            with open(daemon.log_path) as f:
+                return [line.rstrip() for line in f if needle in line]
+        except OSError:
+            return []
+
+    def overrun(self) -> str | None:
+        """Why the run must stop now to protect the machine, or None.
+
+        A daemon never holds more than its budget in its shared-memory
+        directory; more means it leaks segments (each one lost memory until
+        the daemon exits), which would end in the OOM killer.
+        """
+        limit = int(self.budget) + (64 << 20)
+        for daemon in self.started:
+            directory = daemon.ready.get("shm_dir")
+            if not directory:
+                continue
+            try:
+                held = sum(e.stat().st_size for e in os.scandir(directory) if e.is_file())
+            except OSError:
+                continue
+            if held > limit:
+                return (f"daemon {daemon.name} holds {held / 1e6:.0f} MB in {directory}, over its "
+                        f"{int(self.budget) / 1e6:.0f} MB memory budget: it leaks segments")
+        stat = os.statvfs("/dev/shm")
+        if stat.f_bavail * stat.f_frsize < _SHM_FLOOR:
+            return f"/dev/shm has less than {_SHM_FLOOR >> 30} GiB free"
+        return None
+
+    def problems(self) -> dict[str, list[str]]:
+        """WARNING/ERROR lines each daemon logged (at most 20), and unclean exits."""
+        found = {}
+        for daemon in self.started:
+            try:
+                with open(daemon.log_path) as f:
+                    lines = [line.rstrip() for line in f if line.strip()]
+            except OSError:
+                lines = []
+            if daemon.exit_code not in (0, None):
+                lines.append(f"exited with code {daemon.exit_code}")
+            if lines:
+                found[daemon.name] = lines[:20]
+        return found
+
+
+def wait_for(check, what: str, failed=lambda: None, timeout: float = _WAIT_SECONDS):
+    """Polls ``check`` until it is true; ``failed()`` returning a reason ends the wait early."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = check()
+        except grpc.RpcError:
+            found = None
+        if found:
+            return found
+        reason = failed()
+        if reason:
+            raise RuntimeError(f"while waiting for {what}: {reason}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+class Watchdog:
+    """Stops every daemon as soon as :meth:`Daemons.overrun` says the machine is at risk."""
+
+    def __init__(self, daemons: Daemons):
+        self.daemons = daemons
+        self.reason: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            reason = self.daemons.overrun()
+            if reason:
+                self.reason = reason
+                log(f"watchdog: {reason}; stopping the daemons")
+                for daemon in self.daemons.started:
+                    if daemon.proc.poll() is None:
+                        daemon.proc.send_signal(signal.SIGTERM)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class RawSender:
+    """A thread that os.sendfile()s one file to every connection it accepts."""
+
+    def __init__(self, path: str, nbytes: int):
+        self.path, self.nbytes = path, nbytes
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = self._sock.getsockname()
+        self.error: Exception | None = None
+        self._thread = threading.Thread(target=self._serve, name="raw-tcp-send", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            try:
+                with conn:
+                    fd = os.open(self.path, os.O_RDONLY)
+                    try:
+                        sent = 0
+                        while sent < self.nbytes:
+                            n = os.sendfile(conn.fileno(), fd, sent, self.nbytes - sent)
+                            if n == 0:
+                                raise ConnectionError(f"{self.path} ended after {sent} bytes")
+                            sent += n
+                    finally:
+                        os.close(fd)
+            except OSError as err:
+                self.error = err
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=5)
+
+
+class Bench:
+    """The state, the daemons, clients and checkpointer, and one timing function per mode."""
+
+    def __init__(self, state, daemons: Daemons, shm_dir: str):
+        import jax
+        self.state = state
+        self.target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        self.shards = shard_bytes(state)
+        self.state_bytes = sum(s.nbytes for s in self.shards.values())
+        self.matches = {mode: True for mode in MODES}
+        self.sources: dict[str, list[str]] = {mode: [] for mode in EXPECTED_SOURCE}
+        self.problems: list[str] = []
+        self._closers = []
+        try:
+            self._setup(daemons, shm_dir)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, daemons: Daemons, shm_dir: str) -> None:
+        import orbax.checkpoint as ocp
+
+        from bubblesnap.clients.jax import ClientOptions, SnapshotClient
+        state = self.state
+        durable_dir = os.path.join(shm_dir, "durable")
+        peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
+        ring = ("--peers", peers, "--replicas", "1")
+        log("starting daemons A, B, C (a ring, --replicas 1; A writes the durable tier) and D")
+        self.a = daemons.start("A", *ring, "--index", "0", "--durable-dir", durable_dir,
+                               "--durable-every-steps", "1")
+        self.b = daemons.start("B", *ring, "--index", "1")
+        self.c = daemons.start("C", *ring, "--index", "2")
+        self.d = daemons.start("D", "--durable-dir", durable_dir, "--durable-every-steps", "1")
+
+        def client(daemon):
+            made = SnapshotClient(JOB, options=ClientOptions(daemon=daemon.address,
+                                                             restore_timeout_seconds=120))
+            self._closers.append(made.close)
+            return made
+
+        self.trainer, self.peer_client, self.durable_client = client(self.a), client(self.c), \
+            client(self.d)
+        log(f"snapshotting step {STEP} of rank 0 on A")
+        result = self.trainer.snapshot(STEP, state, wait=True)
+        if result is None or not result.taken:
+            raise RuntimeError(f"the snapshot was not taken: {getattr(result, 'reason', '')}")
+        wait_for(lambda: self._copies(self.a) == 2, f"step {STEP} held twice (A and B)",
+                 failed=lambda: "; ".join(daemons.logged(self.a, "did not take")[:1]))
+        wait_for(lambda: self.b.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs,
+                 "B to hold the replica")
+        marker = os.path.join(durable_dir, JOB, f"step_{STEP}", "rank_0.json")
+        wait_for(lambda: os.path.exists(marker), f"A to write {marker}")
+        log("A and B hold the step, the durable tier has it")
+
+        self._peer_channel = grpc.insecure_channel(self.a.ready["peer_address"])
+        self._closers.append(self._peer_channel.close)
+        self.peer_stub = peer_pb2_grpc.PeerStub(self._peer_channel)
+        opened = self._open_read()
+        self.segment_bytes = opened.segment_bytes
+        self.pull_buffer = np.empty(self.segment_bytes, np.uint8)
+        self.pull_buffer.fill(0)
+        from bubblesnap.service import data_channel
+        self._pull = data_channel.pull
+        self._pull(opened.data_address, opened.ticket, self.pull_buffer)
+        if not self._segment_matches(opened):
+            raise RuntimeError("the segment pulled from A does not hold the state")
+
+        # The raw TCP file holds the segment's bytes, so both transfers move the same data.
+        self.raw_path = os.path.join(shm_dir, "raw-tcp-source")
+        self.pull_buffer.tofile(self.raw_path)
+        self.raw_source = np.fromfile(self.raw_path, np.uint8)
+        self.raw_buffer = np.empty(self.segment_bytes, np.uint8)
+        self.raw_buffer.fill(0)
+        self.sender = RawSender(self.raw_path, self.segment_bytes)
+        self._closers.append(self.sender.close)
+
+        self.checkpointer = ocp.StandardCheckpointer()
+        self._closers.append(self.checkpointer.close)
+        self.orbax_path = os.path.join(shm_dir, "orbax")
+        log(f"saving the state with Orbax to {self.orbax_path}")
+        self.checkpointer.save(self.orbax_path, state)
+        self.checkpointer.wait_until_finished()
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            try:
+                close()
+            except Exception as err:
+                log(f"closing failed: {err!r}")
+
+    def _copies(self, daemon) -> int:
+        job = daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs[0]
+        return max((r.copies for s in job.steps if s.step == STEP for r in s.ranks
+                    if r.rank == 0), default=0)
+
+    def _open_read(self):
+        return self.peer_stub.OpenRead(ppb.OpenReadRequest(job=JOB, rank=0, step=STEP),
+                                       timeout=30)
+
+    def _segment_matches(self, opened) -> bool:
+        """Every slot of the pulled segment matches its checksum and the original shard."""
+        from bubblesnap.service import layout as layout_lib
+        layout = layout_lib.build_layout(opened.tensors)
+        slots = layout.slots()
+        if len(slots) != len(self.shards) or len(opened.checksums) != len(slots):
+            return False
+        for (t, s, offset, nbytes), expected in zip(slots, opened.checksums, strict=True):
+            tensor = layout.tensors[t]
+            data = self.pull_buffer[offset:offset + nbytes]
+            original = self.shards.get((tensor.name, tensor.shards[s].index))
+            if checksum(data) != expected or original is None or \
+                    not np.array_equal(data, original):
+                return False
+        return True
+
+    def _check(self, mode: str, restored) -> None:
+        """Outside the clock: the source, the step and the bytes of a restore."""
+        if mode in EXPECTED_SOURCE:
+            self.sources[mode].append(restored.source)
+            if restored.source != EXPECTED_SOURCE[mode]:
+                self.problems.append(f"{mode}: restored from {restored.source!r}, expected "
+                                     f"{EXPECTED_SOURCE[mode]!r}")
+            if restored.step != STEP:
+                self.problems.append(f"{mode}: restored step {restored.step}, not {STEP}")
+                self.matches[mode] = False
+            restored = restored.state
+        if not same_state(self.state, restored):
+            self.matches[mode] = False
+            self.problems.append(f"{mode}: the restored state differs from the original")
+
+    def _delete_copy(self, daemon, mode: str) -> None:
+        try:
+            daemon.stub.DeleteSnapshots(pb.DeleteSnapshotsRequest(job=JOB, steps=[STEP]),
+                                        timeout=30)
+        except grpc.RpcError as err:
+            self.problems.append(f"{mode}: DeleteSnapshots on {daemon.name} failed: "
+                                 f"{err.code().name}: {err.details()}")
+
+    # -- the modes: each returns the seconds it timed -------------------------------------
+
+    def raw_tcp(self) -> float:
+        started = time.perf_counter()
+        with socket.create_connection(self.sender.address, timeout=60) as conn:
+            view, got = memoryview(self.raw_buffer), 0
+            while got < self.segment_bytes:
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    raise ConnectionError(f"raw TCP sender closed after {got} bytes "
+                                          f"({self.sender.error})")
+                got += n
+            del view
+        elapsed = time.perf_counter() - started
+        if not np.array_equal(self.raw_buffer, self.raw_source):
+            self.matches["raw_tcp"] = False
+            self.problems.append("raw_tcp: the received bytes differ from the file")
+        self.raw_buffer[:1] = 0  # the next round must write it again to match
+        return elapsed
+
+    def peer_transfer(self) -> float:
+        started = time.perf_counter()
+        opened = self._open_read()
+        self._pull(opened.data_address, opened.ticket, self.pull_buffer[:opened.segment_bytes])
+        elapsed = time.perf_counter() - started
+        if opened.segment_bytes != self.segment_bytes or not self._segment_matches(opened):
+            self.matches["peer_transfer"] = False
+            self.problems.append("peer_transfer: the pulled segment differs from the state")
+        self.pull_buffer[:1] = 0
+        return elapsed
+
+    def restore_local(self) -> float:
+        return self._restore("restore_local", self.trainer)
+
+    def restore_peer(self) -> float:
+        elapsed = self._restore("restore_peer", self.peer_client)
+        self._delete_copy(self.c, "restore_peer")
+        return elapsed
+
+    def restore_durable(self) -> float:
+        elapsed = self._restore("restore_durable", self.durable_client)
+        self._delete_copy(self.d, "restore_durable")
+        return elapsed
+
+    def _restore(self, mode: str, client) -> float:
+        import jax
+        started = time.perf_counter()
+        restored = client.restore(self.target)
+        jax.block_until_ready(restored.state)
+        elapsed = time.perf_counter() - started
+        self._check(mode, restored)
+        return elapsed
+
+    def orbax_restore(self) -> float:
+        import jax
+        started = time.perf_counter()
+        restored = self.checkpointer.restore(self.orbax_path, self.target)
+        jax.block_until_ready(restored)
+        elapsed = time.perf_counter() - started
+        self._check("orbax_restore", restored)
+        return elapsed
+
+
+def measure(bench: Bench, rounds: int) -> dict[str, list[float]]:
+    """Seconds per mode over ``rounds`` rounds, after one warm-up round."""
+    seconds = {mode: [] for mode in MODES}
+    for round_ in range(rounds + 1):
+        order = MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]
+        timings = {}
+        for mode in order:
+            if _MALLOC_TRIM is not None:
+                _MALLOC_TRIM(0)
+            timings[mode] = getattr(bench, mode)()
+        label = "warm-up" if round_ == 0 else f"round {round_}/{rounds}"
+        log(f"{label}: " + " ".join(f"{m}={t * 1e3:.0f}ms" for m, t in timings.items()))
+        if round_:
+            for mode, t in timings.items():
+                seconds[mode].append(t)
+    return seconds
+
+
+def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
+              daemon_problems: dict) -> dict:
+    modes, med = {}, {}
+    for mode, times in seconds.items():
+        nbytes = bench.segment_bytes if mode in ("raw_tcp", "peer_transfer") else \
+            bench.state_bytes
+        gbps = sorted(nbytes / t / 1e9 for t in times)
+        med[mode] = statistics.median(gbps)
+        modes[mode] = {"median_gbps": round(med[mode], 3), "min_gbps": round(gbps[0], 3),
+                       "max_gbps": round(gbps[-1], 3),
+                       "median_ms": round(statistics.median(times) * 1e3, 1)}
+    ratios = {
+        "peer_transfer_vs_raw_tcp": med["peer_transfer"] / med["raw_tcp"],
+        "restore_peer_vs_orbax": med["restore_peer"] / med["orbax_restore"],
+        "restore_peer_vs_peer_transfer": med["restore_peer"] / med["peer_transfer"],
+        "restore_local_vs_orbax": med["restore_local"] / med["orbax_restore"],
+        "restore_durable_vs_orbax": med["restore_durable"] / med["orbax_restore"],
+    }
+    return {
+        "benchmark": "restore", "state_bytes": bench.state_bytes,
+        "segment_bytes": bench.segment_bytes, "leaves": 3 * len(_FRACTIONS),
+        "devices": DEVICES, "rounds": rounds, "modes": modes,
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "meets_targets": {
+            "peer_transfer_ge_50pct_raw_tcp": ratios["peer_transfer_vs_raw_tcp"] >= 0.5,
+            "restore_peer_ge_5x_orbax_restore": ratios["restore_peer_vs_orbax"] >= 5,
+        },
+        "matches": bench.matches,
+        "sources": bench.sources,
+        "storage": "tmpfs (/dev/shm): daemon segments, raw TCP file, Orbax checkpoint, "
+                   "durable tier",
+        "problems": bench.problems,
+        "daemon_log": daemon_problems,
+    }
+
+
+def print_table(report: dict) -> None:
+    print(f"state: {report['state_bytes'] / 1e6:.0f} MB in {report['leaves']} leaves on "
+          f"{report['devices']} CPU devices, {report['rounds']} interleaved rounds")
+    print(f"{'mode':<17}{'median GB/s':>12}{'min':>9}{'max':>9}{'median ms':>11}  matches")
+    for mode, row in report["modes"].items():
+        print(f"{mode:<17}{row['median_gbps']:>12.2f}{row['min_gbps']:>9.2f}"
+              f"{row['max_gbps']:>9.2f}{row['median_ms']:>11.1f}  {report['matches'][mode]}")
+    for name, value in report["ratios"].items():
+        print(f"{name:<32}{value:>8.2f}")
+    for name, met in report["meets_targets"].items():
+        print(f"{name:<36}{'yes' if met else 'NO'}")
+    for mode, sources in report["sources"].items():
+        print(f"{mode} sources: {', '.join(sorted(set(sources)))}")
+    for problem in report["problems"]:
+        print(f"problem: {problem}")
+    for name, lines in report["daemon_log"].items():
+        print(f"daemon {name} logged:")
+        for line in lines:
+            print(f"  {line}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--mb", type=float, default=256, help="state size in MB (default 256)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
+                               f"platform_device_count={DEVICES}").strip()
+    # SIGTERM ends the run through the finally blocks, which stop every daemon.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    state = make_state(int(args.mb * 1e6))
+    shm_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="bubblesnap-bench-restore-")
+    log_dir = tempfile.mkdtemp(prefix="bubblesnap-bench-restore-logs-")
+    state_bytes = sum(s.nbytes for s in shard_bytes(state).values())
+    log(f"state: {state_bytes / 1e6:.0f} MB; work files in {shm_dir}")
+    daemons = Daemons(4 * state_bytes + (64 << 20), log_dir)
+    watchdog = Watchdog(daemons)
+    bench = seconds = error = None
+    try:
+        bench = Bench(state, daemons, shm_dir)
+        seconds = measure(bench, args.rounds)
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+        if watchdog.reason:
+            error = f"watchdog: {watchdog.reason} (then {error})"
+        traceback.print_exc()
+    finally:
+        watchdog.close()
+        if bench is not None:
+            bench.close()
+        daemons.stop_all()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        daemon_problems = daemons.problems()
+        shutil.rmtree(log_dir, ignore_errors=True)
+        for name, lines in daemon_problems.items():
+            log(f"daemon {name} logged:\n  " + "\n  ".join(lines))
+    if error is not None:
+        log(f"the benchmark failed: {error}")
+        if args.json:
+            print(json.dumps({"benchmark": "restore", "error": error,
+                              "problems": bench.problems if bench else [],
+                              "daemon_log": daemon_problems}))
+        return 1
+    report = summarize(seconds, bench, args.rounds, daemon_problems)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Host failure and recovery: 3 hosts, each a daemon and one pipeline stage.
+
+Three daemons (separate processes on loopback ports, a ring with --replicas
+copies of every committed snapshot on the next hosts and a durable tier)
+serve a 3-stage GPT pipeline, one stage process per host, snapshotting in
+the bubbles every iteration. Once a step is committed for the job, host 1
+(its daemon and its stage) is killed with SIGKILL; the surviving stages are
+stopped as a job scheduler would stop them. A replacement daemon (new port,
+empty memory) takes host 1's place in the ring, and three fresh stage
+processes restore the step the whole job can restore: hosts 0 and 2 from
+their own memory, host 1 from a neighbour's. Training then goes on.
+
+With --kill-adjacent 2, hosts 1 and 2 die together: with --replicas 1 both
+copies of stage 1 are gone, and it comes back from the durable tier.
+
+    python examples/failover.py
+    python examples/failover.py --kill-adjacent 2 --replicas 1
+
+The last line of output is JSON: restored_step, source (of host 1's stage),
+recovery_seconds (from the kill until every stage holds its restored
+state, replacement daemon start and process start included),
+state_matches_snapshot (every stage's restored state equals, bit for bit,
+the state it had at that step before the failure).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STAGES = 3
+JOB = "failover"
+
+
+def log(message: str) -> None:
+    print(f"[failover] {message}", file=sys.stderr, flush=True)
+
+
+# -- one stage process ----------------------------------------------------------------------
+
+def stage_main(args) -> int:
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[args.stage % len(cores)]})
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                               "false --xla_force_host_platform_device_count=1")
+    import jax
+    import numpy as np
+
+    from bubblesnap.protos.checksum import checksum
+    from pipeline.model import GPTConfig, StageProgram
+    from pipeline.schedules import SCHEDULES
+    from pipeline.snapshot_modes import DaemonSnapshots
+    from pipeline.stage import StageRunner
+    from pipeline.transport import SocketLinks
+
+    def digest(state) -> list[int]:
+        return [checksum(np.ascontiguousarray(np.asarray(leaf))) for leaf in jax.tree.leaves(state)]
+
+    program = StageProgram(GPTConfig(d_model=args.d_model, layers_per_stage=(2,)), STAGES,
+                           args.stage, jax.devices())
+    snapshots = DaemonSnapshots(args.daemon, JOB, args.stage, STAGES, eager=False)
+    digests = os.path.join(args.workdir, f"digests{args.stage}.jsonl")
+    first = 0
+    if args.resume:
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), program.state)
+        restored = snapshots.client.restore(abstract)
+        program.state = restored.state
+        jax.block_until_ready(program.state)
+        with open(digests) as f:
+            before = {row["iteration"]: row["digest"] for row in map(json.loads, f)}
+        report = {"stage": args.stage, "step": restored.step, "source": restored.source,
+                  "restore_seconds": restored.seconds, "restored_at": time.time(),
+                  "matches": before.get(restored.step) == digest(program.state)}
+        with open(os.path.join(args.workdir, f"restored{args.stage}.json"), "w") as f:
+            json.dump(report, f)
+        first = restored.step + 1
+
+    def record(iteration, state):
+        with open(digests, "a") as f:
+            f.write(json.dumps({"iteration": iteration, "digest": digest(state)}) + "\n")
+
+    links = SocketLinks(args.rendezvous, STAGES, args.stage)
+    inbox, send = links.endpoint(args.stage)
+    runner = StageRunner(program, SCHEDULES["1f1b"](STAGES, 4, args.stage), args.stage, STAGES,
+                         inbox, send, {"bubblesnap": snapshots})
+    try:
+        runner.run(["bubblesnap"] * max(0, args.steps - first), first_iteration=first,
+                   after_iteration=record)
+    except (ConnectionError, TimeoutError) as err:
+        print(f"[stage {args.stage}] a neighbour stage is gone ({err}); stopping", file=sys.stderr)
+        return 3
+    finally:
+        snapshots.close()
+        links.close()
+    return 0
+
+
+# -- the hosts ------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Host:
+    """One simulated host: a daemon and, while training, one stage process."""
+
+    def __init__(self, index: int, peers: list[str], args):
+        self.index = index
+        self.stage = None
+        self.daemon = subprocess.Popen(
+            [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
+             "--metrics", "", "--peers", ",".join(peers), "--index", str(index),
+             "--replicas", str(args.replicas), "--max-interval", "1",
+             "--durable-dir", args.durable_dir, "--durable-every-steps", str(args.durable_every),
+             "--memory-budget", "2GiB", "--log-level", "WARNING"],
+            stdout=subprocess.PIPE, text=True)
+        line = self.daemon.stdout.readline()
+        if not line:
+            raise SystemExit(f"daemon {index} did not start; run `bubblesnap daemon` to see why")
+        self.address = json.loads(line)["address"]
+
+    def start_stage(self, args, rendezvous: str, resume: bool) -> None:
+        self.stage = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--role", "stage",
+             "--stage", str(self.index), "--daemon", self.address, "--workdir", args.workdir,
+             "--rendezvous", rendezvous, "--steps", str(args.steps), "--d-model",
+             str(args.d_model), *(["--resume"] if resume else [])])
+
+    def kill(self) -> None:
+        for proc in (self.stage, self.daemon):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+
+    def stop(self) -> None:
+        if self.stage is not None and self.stage.poll() is None:
+            self.stage.kill()
+            self.stage.wait()
+        if self.daemon.poll() is None:
+            self.daemon.send_signal(signal.SIGTERM)
+            self.daemon.wait(timeout=30)
+
+
+def job_status(address: str):
+    import grpc
+
+    from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
+    with grpc.insecure_channel(address) as channel:
+        try:
+            jobs = daemon_pb2_grpc.DaemonStub(channel).Status(
+                daemon_pb2.StatusRequest(job=JOB), timeout=5).jobs
+        except grpc.RpcError:
+            return None
+    return jobs[0] if jobs else None
+
+
+def wait_until_safe(hosts: list[Host], args) -> int:
+    """Waits until a step is committed (and, when hosts will die together, written durably)."""
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        if any(h.stage.poll() not in (None, 0) for h in hosts):
+            raise SystemExit("a stage process failed before the kill")
+        status = job_status(hosts[0].address)
+        if status is not None and status.latest_committed_step >= args.kill_after and (
+                args.kill_adjacent == 1 or status.durable_steps):
+            return status.latest_committed_step
+        time.sleep(0.2)
+    raise SystemExit(f"no step committed after {args.timeout:.0f} s")
+
+
+def run(args) -> dict:
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(STAGES)]
+    hosts = [Host(i, peers, args) for i in range(STAGES)]
+    try:
+        log(f"3 daemons in a ring ({', '.join(h.address for h in hosts)}), --replicas "
+            f"{args.replicas}, durable every {args.durable_every} steps in {args.durable_dir}")
+        rendezvous = tempfile.mkdtemp(dir=args.workdir)
+        for host in hosts:
+            host.start_stage(args, rendezvous, resume=False)
+        committed = wait_until_safe(hosts, args)
+        if any(h.stage.poll() is not None for h in hosts):
+            raise SystemExit("training finished before the kill: raise --steps")
+        doomed = list(range(1, 1 + args.kill_adjacent))
+        killed_at = time.time()
+        for i in doomed:
+            hosts[i].kill()
+        log(f"step {committed} committed; killed host(s) {doomed} (daemon and stage) with SIGKILL")
+        for host in hosts:  # the scheduler stops the rest of the job
+            if host.stage.poll() is None:
+                host.stage.kill()
+                host.stage.wait()
+        for i in doomed:
+            peers[i] = f"127.0.0.1:{free_port()}"
+            hosts[i] = Host(i, peers, args)
+            log(f"replacement daemon for host {i} on {peers[i]} (empty memory)")
+        rendezvous = tempfile.mkdtemp(dir=args.workdir)
+        for host in hosts:
+            host.start_stage(args, rendezvous, resume=True)
+        codes = [h.stage.wait(timeout=args.timeout) for h in hosts]
+        if any(codes):
+            raise SystemExit(f"resumed stages exited with {codes}")
+    finally:
+        for host in hosts:
+            host.stop()
+    restored = []
+    for s in range(STAGES):
+        with open(os.path.join(args.workdir, f"restored{s}.json")) as f:
+            restored.append(json.load(f))
+    for r in restored:
+        log(f"stage {r['stage']}: step {r['step']} from {r['source']} in "
+            f"{r['restore_seconds'] * 1e3:.0f} ms, matches the snapshot: {r['matches']}")
+    steps = {r["step"] for r in restored}
+    return {"restored_step": restored[1]["step"] if len(steps) == 1 else sorted(steps),
+            "source": restored[1]["source"],
+            "recovery_seconds": max(r["restored_at"] for r in restored) - killed_at,
+            "state_matches_snapshot": all(r["matches"] for r in restored) and len(steps) == 1,
+            "killed_hosts": doomed, "replicas": args.replicas,
+            "committed_at_kill": committed, "trained_to_step": args.steps - 1,
+            "stages": [{k: r[k] for k in ("stage", "step", "source", "restore_seconds",
+                                          "matches")} for r in restored]}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kill-adjacent", type=int, choices=[1, 2], default=1,
+                   help="hosts killed together, from host 1 on (default 1)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="copies of every snapshot on the next hosts (default 1)")
+    p.add_argument("--kill-after", type=int, default=8,
+                   help="kill once this step is committed for the job (default 8)")
+    p.add_argument("--steps", type=int, default=80,
+                   help="iterations the job trains in all, before and after the failure")
+    p.add_argument("--durable-every", type=int, default=4,
+                   help="write every N-th step to the durable tier (default 4)")
+    p.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
+    p.add_argument("--timeout", type=float, default=300.0, help="give up after (seconds)")
+    p.add_argument("--role", choices=["main", "stage"], default="main", help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--daemon", help=argparse.SUPPRESS)
+    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--rendezvous", help=argparse.SUPPRESS)
+    p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.role == "main" and args.kill_after >= args.steps - 2:
+        p.error("--kill-after must leave room to train on: below --steps - 2")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.role == "stage":
+        return stage_main(args)
+    args.workdir = tempfile.mkdtemp(prefix="bubblesnap-failover-")
+    args.durable_dir = os.path.join(args.workdir, "durable")
+    try:
+        report = run(args)
+    finally:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    print(json.dumps(report), flush=True)
+    return 0 if report["state_matches_snapshot"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
