@@ -8,10 +8,13 @@ tier. Each mode reports bytes/s (GB/s, 1e9 bytes/s):
   raw_tcp          loopback TCP in this run: a sender thread os.sendfile()s a
                    /dev/shm file of the segment's size over a new 127.0.0.1
                    connection; this thread recv_into()s a buffer allocated and
-                   touched before. The physical limit of the peer data path.
+                   touched before. The physical limit of one stream.
+  raw_tcp_parallel the same over data_channel.PULL_STREAMS connections at once,
+                   each carrying an equal range (as the peer path does).
   peer_transfer    the peer data path alone: OpenRead on daemon A's Peer
-                   service (a one-time ticket), then data_channel.pull of the
-                   segment from A's data channel into a buffer touched before.
+                   service (a one-time ticket), then the daemon's own puller:
+                   ranged pulls over parallel connections into a buffer
+                   touched before, each slot hashed as its bytes land.
   restore_local    SnapshotClient.restore on A, which holds the step in its own
                    memory (checksum pass, mapping; zero-copy on the CPU backend).
   restore_peer     SnapshotClient.restore on C, which does not hold the step:
@@ -23,7 +26,7 @@ tier. Each mode reports bytes/s (GB/s, 1e9 bytes/s):
   orbax_restore    StandardCheckpointer().restore of the same state, saved once
                    by Orbax, into the same target shardings.
 
-raw_tcp and peer_transfer count the segment's bytes (the state's plus at most
+raw_tcp, raw_tcp_parallel and peer_transfer count the segment's bytes (the state's plus at most
 63 bytes of alignment per shard); the other modes count the state's bytes.
 Every restore ends in jax.block_until_ready, and the clock runs from the call
 to the arrays being ready (peer_transfer: from OpenRead to the last byte).
@@ -48,7 +51,8 @@ free heap back to the OS (glibc malloc_trim), as datapath.py does. Every
 restore (and every pulled segment, every TCP transfer) is compared bit for
 bit with the original, outside the timed region.
 
-Targets: peer_transfer >= 0.5 x raw_tcp; restore_peer >= 5 x orbax_restore.
+Targets: peer_transfer >= 0.5 x raw TCP (the faster of raw_tcp and
+raw_tcp_parallel); restore_peer >= 5 x orbax_restore.
 
 The daemons log at WARNING to files; the report carries the first lines of
 each under "daemon_log" (a ring's daemons start one after another, so
@@ -65,6 +69,7 @@ Usage: python benchmarks/restore.py [--json] [--mb 256] [--rounds 5]
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import select
@@ -72,6 +77,7 @@ import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -86,9 +92,11 @@ from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc, peer_pb2_grpc
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos.checksum import checksum
+from bubblesnap.service import data_channel
+from bubblesnap.service.layout import build_layout
 
-MODES = ("raw_tcp", "peer_transfer", "restore_local", "restore_peer", "restore_durable",
-         "orbax_restore")
+MODES = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local", "restore_peer",
+         "restore_durable", "orbax_restore")
 #: The source a restore must report in each restoring mode.
 EXPECTED_SOURCE = {"restore_local": "memory", "restore_peer": "peer",
                    "restore_durable": "durable"}
@@ -332,6 +340,16 @@ class Watchdog:
         self._thread.join(timeout=5)
 
 
+def _recv_exact(conn, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("raw TCP receiver closed before sending its range")
+        data += chunk
+    return data
+
+
 class RawSender:
     """A thread that os.sendfile()s one file to every connection it accepts."""
 
@@ -349,20 +367,25 @@ class RawSender:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            try:
-                with conn:
-                    fd = os.open(self.path, os.O_RDONLY)
-                    try:
-                        sent = 0
-                        while sent < self.nbytes:
-                            n = os.sendfile(conn.fileno(), fd, sent, self.nbytes - sent)
-                            if n == 0:
-                                raise ConnectionError(f"{self.path} ended after {sent} bytes")
-                            sent += n
-                    finally:
-                        os.close(fd)
-            except OSError as err:
-                self.error = err
+            threading.Thread(target=self._send, args=(conn,), daemon=True).start()
+
+    def _send(self, conn) -> None:
+        """Sends the [start, stop) range the connection asks for (16 bytes, two u64)."""
+        try:
+            with conn:
+                start, stop = struct.unpack("!QQ", _recv_exact(conn, 16))
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    sent = start
+                    while sent < stop:
+                        n = os.sendfile(conn.fileno(), fd, sent, stop - sent)
+                        if n == 0:
+                            raise ConnectionError(f"{self.path} ended after {sent} bytes")
+                        sent += n
+                finally:
+                    os.close(fd)
+        except OSError as err:
+            self.error = err
 
     def close(self) -> None:
         try:
@@ -435,9 +458,7 @@ class Bench:
         self.segment_bytes = opened.segment_bytes
         self.pull_buffer = np.empty(self.segment_bytes, np.uint8)
         self.pull_buffer.fill(0)
-        from bubblesnap.service import data_channel
-        self._pull = data_channel.pull
-        self._pull(opened.data_address, opened.ticket, self.pull_buffer)
+        self._pull(opened)
         if not self._segment_matches(opened):
             raise RuntimeError("the segment pulled from A does not hold the state")
 
@@ -515,16 +536,34 @@ class Bench:
     # -- the modes: each returns the seconds it timed -------------------------------------
 
     def raw_tcp(self) -> float:
+        return self._raw_tcp(1)
+
+    def raw_tcp_parallel(self) -> float:
+        return self._raw_tcp(data_channel.PULL_STREAMS)
+
+    def _raw_tcp(self, streams: int) -> float:
+        bounds = [self.segment_bytes * i // streams for i in range(streams + 1)]
+
+        def receive(start: int, stop: int) -> None:
+            with socket.create_connection(self.sender.address, timeout=60) as conn:
+                conn.sendall(struct.pack("!QQ", start, stop))
+                view, got = memoryview(self.raw_buffer), start
+                while got < stop:
+                    n = conn.recv_into(view[got:stop])
+                    if n == 0:
+                        raise ConnectionError(f"raw TCP sender closed after {got} bytes "
+                                              f"({self.sender.error})")
+                    got += n
+                del view
+
         started = time.perf_counter()
-        with socket.create_connection(self.sender.address, timeout=60) as conn:
-            view, got = memoryview(self.raw_buffer), 0
-            while got < self.segment_bytes:
-                n = conn.recv_into(view[got:])
-                if n == 0:
-                    raise ConnectionError(f"raw TCP sender closed after {got} bytes "
-                                          f"({self.sender.error})")
-                got += n
-            del view
+        threads = [threading.Thread(target=receive, args=(a, b))
+                   for a, b in itertools.pairwise(bounds[1:])]
+        for t in threads:
+            t.start()
+        receive(bounds[0], bounds[1])
+        for t in threads:
+            t.join()
         elapsed = time.perf_counter() - started
         if not np.array_equal(self.raw_buffer, self.raw_source):
             self.matches["raw_tcp"] = False
@@ -532,10 +571,18 @@ class Bench:
         self.raw_buffer[:1] = 0  # the next round must write it again to match
         return elapsed
 
+    def _pull(self, opened) -> None:
+        """The daemon's own peer data path: parallel ranged pulls, slots hashed as they land."""
+        slots = [(o, n) for _, _, o, n in build_layout(opened.tensors).slots()]
+        fill = data_channel.puller(opened.data_address, opened.ticket, None, 60, "the segment")
+        digests = fill(self.pull_buffer[:opened.segment_bytes], slots)
+        if tuple(digests) != tuple(opened.checksums):
+            self.problems.append("peer_transfer: checksums of the pulled slots differ")
+
     def peer_transfer(self) -> float:
         started = time.perf_counter()
         opened = self._open_read()
-        self._pull(opened.data_address, opened.ticket, self.pull_buffer[:opened.segment_bytes])
+        self._pull(opened)
         elapsed = time.perf_counter() - started
         if opened.segment_bytes != self.segment_bytes or not self._segment_matches(opened):
             self.matches["peer_transfer"] = False
@@ -597,7 +644,8 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
               daemon_problems: dict) -> dict:
     modes, med = {}, {}
     for mode, times in seconds.items():
-        nbytes = bench.segment_bytes if mode in ("raw_tcp", "peer_transfer") else \
+        nbytes = bench.segment_bytes if mode in ("raw_tcp", "raw_tcp_parallel",
+                                                 "peer_transfer") else \
             bench.state_bytes
         gbps = sorted(nbytes / t / 1e9 for t in times)
         med[mode] = statistics.median(gbps)
@@ -605,7 +653,9 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
                        "max_gbps": round(gbps[-1], 3),
                        "median_ms": round(statistics.median(times) * 1e3, 1)}
     ratios = {
-        "peer_transfer_vs_raw_tcp": med["peer_transfer"] / med["raw_tcp"],
+        # against the faster of one stream and as many streams as the peer path uses
+        "peer_transfer_vs_raw_tcp": med["peer_transfer"] / max(med["raw_tcp"],
+                                                               med["raw_tcp_parallel"]),
         "restore_peer_vs_orbax": med["restore_peer"] / med["orbax_restore"],
         "restore_peer_vs_peer_transfer": med["restore_peer"] / med["peer_transfer"],
         "restore_local_vs_orbax": med["restore_local"] / med["orbax_restore"],

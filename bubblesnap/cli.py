@@ -219,17 +219,28 @@ def format_status(status) -> str:
         if job.plan.version:
             lines.append(f"  bubble plan: a snapshot every {job.plan.interval} step(s), "
                          f"predicted overhead {100 * job.plan.predicted_overhead:.2f}%")
+        if job.replicas:
+            lines.append(f"  peers: {1 + job.replicas} copies wanted per step and rank")
+        if job.durable_steps:
+            lines.append(f"  durable tier holds steps {list(job.durable_steps)}")
         lines.append(f"  {'step':>8}  {'committed':<9}  {'rank':>4}  {'state':<8}  "
-                     f"{'shards':>6}  {'bytes':>10}  {'bubble ms offered/used/spilled':>30}")
+                     f"{'copies':>6}  {'shards':>6}  {'bytes':>10}  "
+                     f"{'bubble ms offered/used/spilled':>30}")
         for step in job.steps:
             for rank in step.ranks:
                 u = rank.usage
                 usage = (f"{1e3 * u.offered_seconds:.1f}/{1e3 * u.used_seconds:.1f}/"
                          f"{1e3 * u.spilled_seconds:.1f}" if u.bubbles or u.spilled_bytes
                          else "-")
+                state = daemon_pb2.CopyState.Name(rank.state) + ("*" if rank.replica else "")
                 lines.append(f"  {step.step:>8}  {'yes' if step.committed else 'no':<9}  "
-                             f"{rank.rank:>4}  {daemon_pb2.CopyState.Name(rank.state):<8}  "
+                             f"{rank.rank:>4}  {state:<8}  {rank.copies or '-':>6}  "
                              f"{len(rank.shards):>6}  {_human(rank.nbytes):>10}  {usage:>30}")
+        if any(r.replica for st in job.steps for r in st.ranks):
+            lines.append("  (* a replica held for a peer's rank)")
+        for c in job.corrupt_copies:
+            lines.append(f"  corrupt copy skipped: step {c.step} rank {c.rank} from {c.source}: "
+                         f"{c.detail}")
     return "\n".join(lines)
 
 

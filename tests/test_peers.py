@@ -6,6 +6,8 @@ host); hosts die by SIGKILL.
 
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import grpc
@@ -125,8 +127,10 @@ def test_two_adjacent_hosts_lost_restore_from_the_durable_tier(start_ring, tmp_p
     assert_restores(new1, 1, 4, "durable")
     assert_restores(ring.daemons[0], 0, 4, "memory")
     assert_restores(new2, 2, 4, "peer")  # host 0 held rank 2's replica
-    # retention: --durable-keep 2 leaves steps 2 and 4
-    assert sorted(os.listdir(durable / JOB)) == ["step_2", "step_4"]
+    # retention: --durable-keep 2 (per rank; the hosts of ranks 1 and 2 may have
+    # died before removing their old steps)
+    rank0 = [d for d in os.listdir(durable / JOB) if (durable / JOB / d / "rank_0.json").exists()]
+    assert "step_4" in rank0 and len(rank0) <= 2, rank0
 
     # The job resumed from step 4: the old run's step 5 (still in host 0's memory)
     # is gone, and the new run snapshots step 5 again, with its own values.
@@ -159,6 +163,9 @@ def test_flipped_byte_in_a_replica_is_skipped_and_reported(start_ring):
     corrupt = job_status(replacement).corrupt_copies
     assert corrupt and corrupt[0].rank == 1 and corrupt[0].step == 1
     assert ring.peers[0] in corrupt[0].source and "checksum" in corrupt[0].detail
+    table = subprocess.run([sys.executable, "-m", "bubblesnap", "status", "--daemon",
+                            replacement.address], capture_output=True, text=True, check=True)
+    assert "corrupt copy skipped: step 1 rank 1 from peer" in table.stdout
 
 
 def test_peer_calls_without_the_token_are_unauthenticated(start_ring, tmp_path):
