@@ -40,7 +40,6 @@ Usage: python benchmarks/datapath.py [--json] [--size-mb 256] [--repeats 5] [--d
 """
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -52,15 +51,13 @@ import tempfile
 import time
 
 import numpy as np
+from interleaved import measure
 
 MODES = ("memcpy_warm", "memcpy_fresh", "stage_stall", "stage_commit", "restore_local",
          "orbax_save", "orbax_restore")
 # Leaf sizes as fractions of the parameter count; each parameter has two float32 moments.
 _FRACTIONS = (0.5, 0.3, 0.15, 0.05)
 _COLUMNS = 1024
-
-
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
 
 
 def log(message: str) -> None:
@@ -219,25 +216,6 @@ class Bench:
         return True
 
 
-def measure(bench: Bench, repeats: int) -> dict[str, list[float]]:
-    """Seconds per mode over ``repeats`` rounds, after one warm-up round."""
-    seconds = {mode: [] for mode in MODES}
-    for round_ in range(repeats + 1):
-        # Round 0 runs in MODES order, so orbax_save has written a checkpoint to restore.
-        order = MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]
-        timings = {}
-        for mode in order:
-            if _MALLOC_TRIM is not None:
-                _MALLOC_TRIM(0)
-            timings[mode] = getattr(bench, mode)()
-        label = "warm-up" if round_ == 0 else f"round {round_}/{repeats}"
-        log(f"{label}: " + " ".join(f"{m}={t * 1e3:.0f}ms" for m, t in timings.items()))
-        if round_:
-            for mode, t in timings.items():
-                seconds[mode].append(t)
-    return seconds
-
-
 def summarize(seconds: dict[str, list[float]], state_bytes: int, repeats: int,
               matches: bool, devices: int) -> dict:
     modes, med = {}, {}
@@ -301,7 +279,8 @@ def main() -> int:
     bench = None
     try:
         bench = Bench(state, address, orbax_dir)
-        seconds = measure(bench, args.repeats)
+        # the warm-up round runs in MODES order: orbax_save writes what orbax_restore reads
+        seconds = measure(bench, MODES, args.repeats, log)
         report = summarize(seconds, state_bytes, args.repeats, bench.restore_matches(),
                            args.devices)
     finally:

@@ -68,7 +68,6 @@ Usage: python benchmarks/restore.py [--json] [--mb 256] [--rounds 5]
 """
 
 import argparse
-import ctypes
 import itertools
 import json
 import os
@@ -87,6 +86,7 @@ import traceback
 
 import grpc
 import numpy as np
+from interleaved import measure
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc, peer_pb2_grpc
@@ -110,9 +110,6 @@ _READY_SECONDS = 120.0
 _WAIT_SECONDS = 300.0
 #: Below this much free /dev/shm the watchdog stops the daemons.
 _SHM_FLOOR = 2 << 30
-
-_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
-
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -622,24 +619,6 @@ class Bench:
         return elapsed
 
 
-def measure(bench: Bench, rounds: int) -> dict[str, list[float]]:
-    """Seconds per mode over ``rounds`` rounds, after one warm-up round."""
-    seconds = {mode: [] for mode in MODES}
-    for round_ in range(rounds + 1):
-        order = MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]
-        timings = {}
-        for mode in order:
-            if _MALLOC_TRIM is not None:
-                _MALLOC_TRIM(0)
-            timings[mode] = getattr(bench, mode)()
-        label = "warm-up" if round_ == 0 else f"round {round_}/{rounds}"
-        log(f"{label}: " + " ".join(f"{m}={t * 1e3:.0f}ms" for m, t in timings.items()))
-        if round_:
-            for mode, t in timings.items():
-                seconds[mode].append(t)
-    return seconds
-
-
 def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
               daemon_problems: dict) -> dict:
     modes, med = {}, {}
@@ -722,7 +701,7 @@ def main() -> int:
     bench = seconds = error = None
     try:
         bench = Bench(state, daemons, shm_dir)
-        seconds = measure(bench, args.rounds)
+        seconds = measure(bench, MODES, args.rounds, log)
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
         if watchdog.reason:
