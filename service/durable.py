@@ -48,7 +48,8 @@ class DurableOptions:
       every_seconds: also write the next committed step once this long has
         passed since the last write. 0: off. Hosts decide independently, so a
         step chosen this way may be whole only once every host wrote it.
-      keep: steps kept per rank; older ones are deleted. Default 2.
+      keep: whole steps (written by every rank) kept; a rank's older steps are
+        deleted. Default 2.
     """
 
     directory: str = ""
@@ -257,13 +258,22 @@ class DurableTier:
         self.written_bytes += nbytes
         log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s", step, rank,
                  job, nbytes / 1e6, time.perf_counter() - started, path)
-        self._retire(job, rank)
+        self._retire(job, rank, pinned.world_size)
 
-    def _retire(self, job: str, rank: int) -> None:
+    def _retire(self, job: str, rank: int, world_size: int) -> None:
+        """Deletes this rank's steps older than the ``keep`` newest steps every rank wrote.
+
+        Counting only this rank's steps would be wrong: hosts that fall behind
+        write different steps, and the step all ranks share could go.
+        """
+        whole = self.steps(job, world_size)
+        if not whole:
+            return
+        floor = whole[-self.options.keep:][0]
         written = sorted(
             step for step in _step_numbers(os.path.join(self.options.directory, job))
             if os.path.exists(rank_path(self.options.directory, job, step, rank) + ".json"))
-        for step in written[:-self.options.keep]:
+        for step in [s for s in written if s < floor]:
             path = rank_path(self.options.directory, job, step, rank)
             os.unlink(path + ".json")
             shutil.rmtree(path, ignore_errors=True)
