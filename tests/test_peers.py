@@ -127,10 +127,9 @@ def test_two_adjacent_hosts_lost_restore_from_the_durable_tier(start_ring, tmp_p
     assert_restores(new1, 1, 4, "durable")
     assert_restores(ring.daemons[0], 0, 4, "memory")
     assert_restores(new2, 2, 4, "peer")  # host 0 held rank 2's replica
-    # retention: --durable-keep 2 (per rank; the hosts of ranks 1 and 2 may have
-    # died before removing their old steps)
-    rank0 = [d for d in os.listdir(durable / JOB) if (durable / JOB / d / "rank_0.json").exists()]
-    assert "step_4" in rank0 and len(rank0) <= 2, rank0
+    # --durable-keep 2 keeps the two newest steps every rank wrote (test_durable.py
+    # checks that older ones go)
+    assert {"step_2", "step_4"} <= set(os.listdir(durable / JOB))
 
     # The job resumed from step 4: the old run's step 5 (still in host 0's memory)
     # is gone, and the new run snapshots step 5 again, with its own values.
