@@ -36,20 +36,18 @@ class HoldingsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class HeldCopy(_message.Message):
-    __slots__ = ("job", "rank", "step", "role", "world_size", "nbytes")
+    __slots__ = ("job", "rank", "step", "role", "world_size")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     role: CopyRole
     world_size: int
-    nbytes: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[_Union[CopyRole, str]] = ..., world_size: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[_Union[CopyRole, str]] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class HoldingsResponse(_message.Message):
     __slots__ = ("index", "copies")
@@ -60,7 +58,7 @@ class HoldingsResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[HeldCopy, _Mapping]]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("job", "world_size", "rank", "step", "tensors", "checksums", "data_address", "ticket", "from_index")
+    __slots__ = ("job", "world_size", "rank", "step", "tensors", "checksums", "data_address", "ticket")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -69,7 +67,6 @@ class ReplicateRequest(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
-    FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     rank: int
@@ -78,8 +75,7 @@ class ReplicateRequest(_message.Message):
     checksums: _containers.RepeatedScalarFieldContainer[int]
     data_address: str
     ticket: bytes
-    from_index: int
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., data_address: _Optional[str] = ..., ticket: _Optional[bytes] = ..., from_index: _Optional[int] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., data_address: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
     __slots__ = ()

@@ -133,11 +133,13 @@ class Daemon:
                 f"{self.group.address(self.group.index).rsplit(':', 1)[0]}:0"
             self.data = DataServer(data_listen, security.server_ssl_context())
             self.replicator = Replicator(self.store, self.group, self.data)
-            self._peer_server.add_generic_rpc_handlers((generic_handler(
-                PEER_SERVICE, PeerServicer(self.store, self.group, self.data, self.metrics)),))
         self.durable = DurableTier(options.durable, self.store) \
             if options.durable.enabled else None
         self.tiers = Tiers(self.store, self.group, self.replicator, self.durable)
+        if self.group is not None:
+            self._peer_server.add_generic_rpc_handlers((generic_handler(
+                PEER_SERVICE, PeerServicer(self.store, self.group, self.data, self.metrics,
+                                           self.tiers)),))
         self._server.add_generic_rpc_handlers((generic_handler(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
             DaemonServicer(self.store, self.plans, self.metrics, self.tiers)),))
@@ -168,6 +170,14 @@ class Daemon:
 
     def start(self) -> None:
         self._server.start()
+        security = self.options.peers.security
+        listen = self.options.peers.listen or (self.group.address(self.group.index)
+                                               if self.group else "")
+        if self.group is not None and not security.token and not security.require_client_cert \
+                and not listen.startswith(("127.", "localhost", "[::1]")):
+            log.warning("the peer port %s takes calls from anyone who can reach it: no "
+                        "--peer-token-file and no --peer-tls-client-auth. Any host could read "
+                        "or drop snapshots; see the README's 'Securing peer traffic'", listen)
         if self.group is not None:
             self._peer_server.start()
             self.group.announce()

@@ -22,7 +22,7 @@ import threading
 import time
 
 from bubblesnap.protos.checksum import SlotHasher
-from bubblesnap.service.errors import Aborted
+from bubblesnap.service.errors import Aborted, InvalidArgument
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -40,13 +40,28 @@ TICKET_SECONDS = 120.0
 _RECV_CHUNK = 8 << 20
 
 
+#: Connections served at once; more wait in the listen backlog.
+_MAX_CONNECTIONS = 64
+
+
 @dataclasses.dataclass
 class _Offer:
     path: str
     nbytes: int
     deadline: float
     done: object
-    served: int = 0
+    served: set = dataclasses.field(default_factory=set)  # distinct (start, stop) sent
+    active: int = 0  # connections sending now: the offer does not expire under them
+
+    def complete(self) -> bool:
+        return sum(stop - start for start, stop in self.served) >= self.nbytes
+
+
+def check_address(address: str) -> None:
+    """A data address is host:port; InvalidArgument otherwise (it comes from a peer)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"data address {address!r} is not host:port")
 
 
 class DataServer:
@@ -64,17 +79,27 @@ class DataServer:
         self._ssl = ssl_context
         self._offers: dict[bytes, _Offer] = {}
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         self._closed = False
         threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
 
     def offer(self, path: str, nbytes: int, done) -> bytes:
-        """A ticket for reading ``nbytes`` of the file at ``path``; ``done()`` runs once
-        all bytes were sent, or the ticket expired."""
+        """A ticket for reading ``nbytes`` of the file at ``path``; ``done()`` runs once:
+        when every byte was sent, the ticket was cancelled, or it expired unused
+        for ``TICKET_SECONDS``."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
             self._offers[ticket] = _Offer(path, nbytes, time.monotonic() + TICKET_SECONDS, done)
-        self._expire()
         return ticket
+
+    def cancel(self, ticket: bytes) -> None:
+        """The reader will not come (its call failed): end the offer now."""
+        with self._lock:
+            offer = self._offers.get(ticket)
+            if offer is None or offer.active:
+                return  # done already, or a connection still sends: it ends the offer
+            del self._offers[ticket]
+        offer.done()
 
     def close(self) -> None:
         self._closed = True
@@ -87,44 +112,71 @@ class DataServer:
     def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
-            stale = [t for t, offer in self._offers.items() if offer.deadline < now]
+            stale = [t for t, offer in self._offers.items()
+                     if offer.deadline < now and not offer.active]
             dropped = [self._offers.pop(t) for t in stale]
         for offer in dropped:
             offer.done()
 
     def _accept(self) -> None:
+        self._sock.settimeout(1.0)  # wakes up to expire unused tickets
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
+            except TimeoutError:
+                self._expire()
+                continue
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="data-send",
-                             daemon=True).start()
+            self._expire()
+            if not self._slots.acquire(timeout=30):
+                log.warning("data channel: %d connections busy; one refused", _MAX_CONNECTIONS)
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="data-send",
+                                 daemon=True).start()
+            except RuntimeError as err:  # no thread to be had
+                self._slots.release()
+                conn.close()
+                log.warning("data channel: connection refused: %s", err)
 
     def _serve(self, conn: socket.socket) -> None:
+        offer = None
         try:
             conn.settimeout(30)
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(conn, server_side=True)
-            header = _recv_exact(conn, _HEADER.size)
-            ticket, start, stop = _HEADER.unpack(header)
+            ticket, start, stop = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
             with self._lock:
                 offer = self._offers.get(ticket)
-            if offer is None or not 0 <= start < stop <= offer.nbytes:
+                if offer is not None and 0 <= start < stop <= offer.nbytes:
+                    offer.active += 1
+                else:
+                    offer = None
+            if offer is None:
                 log.warning("data channel: a connection presented an unknown ticket or a bad "
                             "range; closed")
                 return
             _send_file(conn, offer.path, start, stop - start)
             with self._lock:
-                offer.served += stop - start
-                finished = offer.served >= offer.nbytes and \
-                    self._offers.pop(ticket, None) is not None
-            if finished:
-                offer.done()
+                offer.served.add((start, stop))
         except (OSError, ConnectionError) as err:
             log.warning("data channel: sending failed: %s", err)
         finally:
             conn.close()
+            self._slots.release()
+            if offer is not None:
+                self._finish_connection(ticket, offer)
+
+    def _finish_connection(self, ticket: bytes, offer: _Offer) -> None:
+        with self._lock:
+            offer.active -= 1
+            offer.deadline = time.monotonic() + TICKET_SECONDS  # in use: not stale yet
+            finished = offer.active == 0 and offer.complete() and \
+                self._offers.pop(ticket, None) is not None
+        if finished:
+            offer.done()
 
 
 def pull(address: str, ticket: bytes, view, ranges, ssl_context: ssl.SSLContext | None = None,
@@ -136,6 +188,7 @@ def pull(address: str, ticket: bytes, view, ranges, ssl_context: ssl.SSLContext 
     order within the range (to hash them while they are hot).
     """
     errors: list[BaseException] = []
+    ranges = [(i, a, b) for i, (a, b) in enumerate(ranges) if a < b]  # zero-size slots
 
     def one(i: int, start: int, stop: int) -> None:
         try:
@@ -144,12 +197,11 @@ def pull(address: str, ticket: bytes, view, ranges, ssl_context: ssl.SSLContext 
         except BaseException as err:  # reported by the caller's thread
             errors.append(err)
 
-    threads = [threading.Thread(target=one, args=(i, a, b), name="data-recv")
-               for i, (a, b) in enumerate(ranges[1:], start=1)]
+    threads = [threading.Thread(target=one, args=r, name="data-recv") for r in ranges[1:]]
     for t in threads:
         t.start()
     if ranges:
-        one(0, *ranges[0])
+        one(*ranges[0])
     for t in threads:
         t.join()
     if errors:
@@ -194,8 +246,9 @@ def puller(address: str, ticket: bytes, ssl_context, timeout: float, what: str,
     names the copy in errors."""
 
     def fill(view, slots):
+        check_address(address)
         groups = split(slots, len(view), streams)
-        bounds = [g[0][0] if g else 0 for g in groups[1:]]
+        bounds = [g[0][0] for g in groups[1:]]
         ranges = list(zip([0, *bounds], [*bounds, len(view)], strict=True))
         hashers = [SlotHasher(g) for g in groups]
         try:

@@ -94,7 +94,6 @@ class DurableTier:
         self._lock = threading.Lock()
         self._last_write: dict[tuple[str, int], float] = {}
         self._thread = threading.Thread(target=self._run, name="durable", daemon=True)
-        self.written_bytes = 0
         os.makedirs(options.directory, exist_ok=True)
         _orbax()  # JAX and Orbax take seconds to import: at startup, not in the first write
         logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
@@ -131,6 +130,13 @@ class DurableTier:
             step for step in _step_numbers(os.path.join(self.options.directory, job))
             if all(os.path.exists(rank_path(self.options.directory, job, step, r) + ".json")
                    for r in range(world_size)))
+
+    def forget_after(self, job: str, step: int) -> None:
+        """Drops queued writes of ``job``'s steps after ``step`` (an abandoned run's)."""
+        with self._lock:
+            for key in [k for k in self._waiting if k[0] == job]:
+                for later in [s for s in self._waiting[key] if s > step]:
+                    self._store.unpin(self._waiting[key].pop(later))
 
     def discard_after(self, job: str, step: int) -> int:
         """Deletes written steps of ``job`` newer than ``step`` (an abandoned run's)."""
@@ -180,10 +186,14 @@ class DurableTier:
         path = rank_path(self.options.directory, job, step, rank)
         meta = self._meta(path)
         expected = {t["name"]: t for t in meta["tensors"]}
-        if sorted(expected) != sorted(t.name for t in layout.tensors):
+        registered = {t.name: (t.dtype, list(t.global_shape)) for t in layout.tensors}
+        written = {name: (t["dtype"], list(t["shape"])) for name, t in expected.items()}
+        if written != registered:
+            differ = sorted(n for n in set(written) | set(registered)
+                            if written.get(n) != registered.get(n))
             raise FailedPrecondition(
-                f"{path} holds tensors {sorted(expected)[:4]}..., not the registered "
-                f"{sorted(t.name for t in layout.tensors)[:4]}...")
+                f"{path} does not hold the registered state: tensors {differ[:4]} differ in "
+                "name, dtype or shape")
         try:
             tree = _orbax().StandardCheckpointer().restore(os.path.abspath(path))
         except Exception as err:  # Orbax raises many types for damaged files
@@ -232,12 +242,14 @@ class DurableTier:
         job, rank, step = pinned.job, pinned.rank, pinned.step
         path = rank_path(self.options.directory, job, step, rank)
         try:
-            if os.path.exists(path + ".json"):
-                return
+            if _written_slots(path) == list(pinned.checksums):
+                return  # this very copy is on disk already
             arrays = _assemble(pinned)
         finally:
             self._store.unpin(pinned)
-        if os.path.exists(path):  # an unfinished write of a killed daemon
+        if os.path.exists(path + ".json"):  # another run's step of the same number
+            os.unlink(path + ".json")
+        if os.path.exists(path):  # that, or an unfinished write of a killed daemon
             shutil.rmtree(path)
         started = time.perf_counter()
         checkpointer = _orbax().StandardCheckpointer()
@@ -245,7 +257,7 @@ class DurableTier:
         checkpointer.wait_until_finished()
         checkpointer.close()
         meta = {"format": _FORMAT, "job": job, "rank": rank, "step": step,
-                "world_size": pinned.world_size,
+                "world_size": pinned.world_size, "slot_checksums": list(pinned.checksums),
                 "tensors": [{"name": name, "dtype": str(a.dtype), "shape": list(a.shape),
                              "checksum": checksum(a)} for name, a in arrays.items()]}
         tmp = path + ".json.tmp"
@@ -255,7 +267,6 @@ class DurableTier:
             os.fsync(f.fileno())
         os.replace(tmp, path + ".json")
         nbytes = sum(a.nbytes for a in arrays.values())
-        self.written_bytes += nbytes
         log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s", step, rank,
                  job, nbytes / 1e6, time.perf_counter() - started, path)
         self._retire(job, rank, pinned.world_size)
@@ -283,11 +294,28 @@ class DurableTier:
                 pass
 
 
+def _written_slots(path: str) -> list[int] | None:
+    try:
+        with open(path + ".json") as f:
+            return json.load(f).get("slot_checksums")
+    except (OSError, ValueError):
+        return None
+
+
 def _assemble(pinned) -> dict[str, np.ndarray]:
-    """The rank's tensors as whole numpy arrays, from the shards in its segment."""
+    """The rank's tensors as whole numpy arrays, from the shards in its segment.
+
+    Each shard is verified first: the commit trusted the client's checksums,
+    and a copy damaged in memory must not become a checkpoint with a fresh,
+    matching checksum.
+    """
     dtypes = {}
     arrays = {}
-    for t_index, s_index, offset, nbytes in pinned.slots:
+    for i, (t_index, s_index, offset, nbytes) in enumerate(pinned.slots):
+        if checksum(pinned.segment.view[offset:offset + nbytes]) != pinned.checksums[i]:
+            raise DataLoss(f"step {pinned.step} of rank {pinned.rank}: a shard of "
+                           f"{pinned.layout.tensors[t_index].name!r} no longer matches its "
+                           "checksum in memory; not written")
         tensor = pinned.layout.tensors[t_index]
         if tensor.name not in arrays:
             dtypes[tensor.name] = _numpy_dtype(tensor.dtype)
@@ -306,12 +334,19 @@ def _numpy_dtype(name: str) -> np.dtype:
 
 
 def _nest(arrays: dict[str, np.ndarray]) -> dict:
+    """Tensor names split at "/" as nested dicts (what a Flax/optax state looks like)."""
     tree: dict = {}
     for name, array in arrays.items():
         node = tree
         *parents, leaf = name.split("/")
         for part in parents:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise FailedPrecondition(f"tensor {name!r} nests under another tensor's name; "
+                                         "the durable tier cannot write this state")
+        if leaf in node or not leaf:
+            raise FailedPrecondition(f"tensor name {name!r} cannot be a path of a nested "
+                                     "checkpoint (empty part or used twice)")
         node[leaf] = array
     return tree
 

@@ -35,3 +35,7 @@ class DataLoss(DaemonError):
 
 class Aborted(DaemonError):
     """A transfer between daemons broke off; trying again may work."""
+
+
+class Unavailable(DaemonError):
+    """The copies that exist could not be reached now (peers down or busy)."""

@@ -79,7 +79,8 @@ def re_replication(index: int, ring_size: int, live, holdings, copies_wanted: in
 
 
 def roundest(steps) -> int:
-    """The step with the most trailing zero bits (the newest among those).
+    """The step with the most trailing zero bits (the newest among those; step 0
+    counts as the roundest of all).
 
     Daemons that must skip steps (replication behind training) keep the
     roundest one: one daemon's choice is then among every other's, so the

@@ -14,11 +14,12 @@ log = logging.getLogger("bubblesnap.daemon")
 class PeerServicer:
     """Implements ``bubblesnap.v1.Peer`` over the store, the group and the data channel."""
 
-    def __init__(self, store, group, data_server, metrics):
+    def __init__(self, store, group, data_server, metrics, tiers):
         self._store = store
         self._group = group
         self._data = data_server
         self._metrics = metrics
+        self._tiers = tiers
 
     @rpc_errors
     def Join(self, request, context):
@@ -34,11 +35,12 @@ class PeerServicer:
         return ppb.HoldingsResponse(index=self._group.index, copies=[
             ppb.HeldCopy(job=h.job, rank=h.rank, step=h.step,
                          role=ppb.REPLICA if h.replica else ppb.PRIMARY,
-                         world_size=h.world_size, nbytes=h.nbytes)
+                         world_size=h.world_size)
             for h in self._store.holdings(request.job)])
 
     @rpc_errors
     def Replicate(self, request, context):
+        data_channel.check_address(request.data_address)
         layout = layout_lib.build_layout(request.tensors)
         options = self._group.options
         fill = data_channel.puller(request.data_address, request.ticket,
@@ -51,6 +53,7 @@ class PeerServicer:
 
     @rpc_errors
     def OpenRead(self, request, context):
+        layout_lib.check_step(request.step)
         pinned = self._store.pin(request.job, request.rank, request.step)
         ticket = self._data.offer(pinned.segment.path, pinned.segment.nbytes,
                                   lambda: self._store.unpin(pinned))
@@ -63,5 +66,5 @@ class PeerServicer:
     @rpc_errors
     def Rollback(self, request, context):
         layout_lib.check_step(request.step)
-        return ppb.RollbackResponse(dropped_copies=self._store.rollback(request.job,
-                                                                        request.step))
+        return ppb.RollbackResponse(dropped_copies=self._tiers.roll_back_here(request.job,
+                                                                              request.step))

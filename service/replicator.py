@@ -37,9 +37,9 @@ class Replicator:
         self._queue: queue.Queue = queue.Queue()  # wake-ups; the work is in _waiting
         self._waiting: dict[tuple[str, int], set[int]] = {}
         self._views: dict[str, list[group_view.Holding]] = {}
+        self._probed: dict[int, float] = {}  # when a peer believed dead was last asked
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.pushed_bytes = 0
         self._thread = threading.Thread(target=self._run, name="replicator", daemon=True)
 
     def start(self) -> None:
@@ -62,12 +62,13 @@ class Replicator:
             view = self._views.get(job, [])
         return {key: len(where) for key, where in group_view.holders(view).items()}
 
-    def forget_views(self, job: str) -> None:
-        """Drops what is known of ``job``'s copies (after a rollback changed them)."""
+    def forget_after(self, job: str, step: int) -> None:
+        """``job`` was rolled back to ``step``: later steps waiting here are dropped, and
+        what is known of the group's copies is gathered afresh."""
         with self._lock:
             self._views.pop(job, None)
-            self._waiting = {key: steps for key, steps in self._waiting.items()
-                             if key[0] != job}
+            for key in [k for k in self._waiting if k[0] == job]:
+                self._waiting[key] = {s for s in self._waiting[key] if s <= step}
         self._group.forget_holdings(job)
 
     def view(self, job: str) -> list[group_view.Holding]:
@@ -92,9 +93,11 @@ class Replicator:
             try:
                 for job_, rank, step in self._take_waiting():
                     self._replicate_new(job_, rank, step)
-                if job or time.monotonic() >= next_refresh:
-                    self._refresh(job or None)
+                if time.monotonic() >= next_refresh:  # every job, re-replication too
+                    self._refresh(None)
                     next_refresh = time.monotonic() + self._group.options.refresh_seconds
+                elif job:  # just what this job's new commits changed
+                    self._refresh(job)
             except Exception:  # a bug must not end replication for good
                 log.exception("replication round failed")
 
@@ -117,10 +120,14 @@ class Replicator:
             if acked == self._group.options.replicas:
                 return
             if target not in self._group.live() and not self._probe(target, job):
-                continue
+                continue  # asked at most once a refresh: a dead host may take seconds to fail
             acked += self._push(job, rank, step, target)
 
     def _probe(self, target: int, job: str) -> bool:
+        now = time.monotonic()
+        if now - self._probed.get(target, float("-inf")) < self._group.options.refresh_seconds:
+            return False
+        self._probed[target] = now
         try:
             self._group.call(target, "Holdings", ppb.HoldingsRequest(job=job))
             return True
@@ -160,14 +167,14 @@ class Replicator:
         request = ppb.ReplicateRequest(
             job=job, world_size=pinned.world_size, rank=rank, step=step,
             tensors=tensor_specs(pinned.layout), checksums=pinned.checksums,
-            data_address=self._data.address, ticket=ticket, from_index=self._group.index)
+            data_address=self._data.address, ticket=ticket)
         try:
             self._group.call(target, "Replicate", request,
                              timeout=self._group.options.transfer_timeout_seconds)
         except grpc.RpcError as err:
+            self._data.cancel(ticket)  # never redeemed, or broken off: unpin now
             log.warning("peer %d did not take step %d of rank %d of %s: %s: %s", target, step,
                         rank, job, err.code().name, err.details())
             return False
-        self.pushed_bytes += pinned.segment.nbytes
         self._store.mark_replicated(job, rank, step)
         return True

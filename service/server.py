@@ -21,6 +21,7 @@ _CODES = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
     errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 _STATES = {CopyState.STAGING: pb.STAGING, CopyState.LOCAL: pb.LOCAL}
 

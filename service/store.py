@@ -33,7 +33,8 @@ class StoreOptions:
         included. Default 4 GiB.
       keep_steps: committed steps kept per job; older ones are freed once a
         newer step commits. Default 2, so the step before the newest survives
-        while the newest is restored.
+        while the newest is restored. With peers, a rank also keeps at most
+        ``keep_steps + 2`` uncommitted copies (see ``_beyond_cap``).
       checksum_threads: threads that hash shards in parallel. Default 2.
       verify_on_commit: re-hash a commit's bytes even when the client sent
         checksums. Off by default: the client hashes the bytes it wrote into
@@ -74,7 +75,8 @@ class _RankStep:
     pins: int = 0          # readers outside the lock (replication, durable writes)
     released: bool = False  # freed while pinned: the last unpin disposes of the segment
     replicated: bool = False  # a peer acknowledged a copy (or this is that copy)
-    just_verified: bool = False  # installed and verified; not served since
+    just_verified: bool = False  # installed for a restore and verified; not served since
+    arriving: bool = False  # being installed from a peer or the durable tier
 
 
 @dataclasses.dataclass
@@ -185,7 +187,6 @@ class HeldCopy:
     step: int
     replica: bool
     world_size: int
-    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +223,7 @@ class SnapshotStore:
         self.shm_dir = shm_dir
         self._pool = SegmentPool(shm_dir)
         self._jobs: dict[str, _Job] = {}
+        self._lingering: list[_RankStep] = []  # freed, but a pinned reader still has it
         self._lock = threading.Lock()
         self._hashers = ThreadPoolExecutor(max(1, options.checksum_threads),
                                            thread_name_prefix="checksum")
@@ -371,7 +373,7 @@ class SnapshotStore:
         long as the client maps it.
 
         ``chosen_by_group``: the step was chosen from every peer's holdings
-        (restore.py); it only has to be held LOCAL here. NotFound otherwise.
+        (tiers.py); it only has to be held LOCAL here. NotFound otherwise.
         """
         with self._lock:
             entry, held = self._rank(job, rank)
@@ -418,8 +420,7 @@ class SnapshotStore:
         if job:
             layout_lib.check_job_name(job)
         with self._lock:
-            return [HeldCopy(name, rank, step, held.replica, entry.world_size,
-                             held.layout.nbytes)
+            return [HeldCopy(name, rank, step, held.replica, entry.world_size)
                     for name, entry in sorted(self._jobs.items()) if not job or name == job
                     for rank, held in sorted(entry.ranks.items())
                     for step, rank_step in sorted(held.steps.items())
@@ -455,7 +456,7 @@ class SnapshotStore:
             self._unpin(pinned._held)
 
     def install(self, job: str, world_size: int, rank: int, step: int, layout, checksums,
-                fill) -> int:
+                fill, for_restore: bool = False) -> int:
         """Stores a copy that arrives from elsewhere (a peer, the durable tier).
 
         ``fill(view, slots)`` writes the segment's bytes, outside the lock,
@@ -463,8 +464,10 @@ class SnapshotStore:
         computed on the way (else the store hashes them). They are compared
         with ``checksums`` before the copy counts.
         A rank no trainer registered here is held as a replica until one
-        does. Returns the bytes stored; DataLoss (and nothing kept) when a
-        checksum fails.
+        does. An existing copy with other checksums (an abandoned run's) is
+        replaced. ``for_restore``: the copy is served right away, without a
+        second hash. Returns the bytes stored; DataLoss (and nothing kept)
+        when a checksum fails.
         """
         layout_lib.check_job_name(job)
         layout_lib.check_world(rank, world_size)
@@ -491,12 +494,14 @@ class SnapshotStore:
                     self._free(held, old)
                 held = entry.ranks[rank] = _Rank(layout, slots, replica=True)
             existing = held.steps.get(step)
-            if existing is not None and existing.state is CopyState.LOCAL:
+            if existing is not None and existing.state is CopyState.LOCAL and \
+                    existing.checksums == tuple(checksums):
                 return 0
             if existing is not None:
                 self._free(held, step)
             segment = self._acquire(job, rank, step, layout.segment_bytes)
-            rank_step = held.steps[step] = _RankStep(segment, CopyState.STAGING, pins=1)
+            rank_step = held.steps[step] = _RankStep(segment, CopyState.STAGING, pins=1,
+                                                     arriving=True)
         try:
             computed = fill(segment.view, [(o, n) for _, _, o, n in slots]) \
                 or self._hash(segment, slots)
@@ -519,15 +524,17 @@ class SnapshotStore:
             rank_step.checksums = tuple(checksums)
             rank_step.state = CopyState.LOCAL
             rank_step.replicated = True
-            rank_step.just_verified = True
+            rank_step.arriving = False
+            rank_step.just_verified = for_restore
             self._retain(entry)
             return layout.nbytes
 
     def rollback(self, job: str, step: int) -> int:
         """Drops every copy of ``job`` newer than ``step`` (the job resumes from it).
 
-        Returns the copies dropped. Unfinished (STAGING) copies are kept: a
-        resumed trainer may already be writing its next step.
+        Returns the copies dropped. A trainer's unfinished (STAGING) copies
+        are kept: a resumed trainer may already be writing its next step;
+        copies still arriving from a peer are dropped (the old run's).
         """
         layout_lib.check_job_name(job)
         with self._lock:
@@ -537,7 +544,7 @@ class SnapshotStore:
             dropped = 0
             for held in entry.ranks.values():
                 for later in [s for s, rs in held.steps.items()
-                              if s > step and rs.state is CopyState.LOCAL]:
+                              if s > step and (rs.state is CopyState.LOCAL or rs.arriving)]:
                     self._free(held, later)
                     dropped += 1
             if entry.group_committed is not None:
@@ -628,8 +635,9 @@ class SnapshotStore:
         return entry, held
 
     def _used_bytes(self) -> int:
-        return sum(rs.segment.nbytes for e in self._jobs.values()
+        held = sum(rs.segment.nbytes for e in self._jobs.values()
                    for r in e.ranks.values() for rs in r.steps.values())
+        return held + sum(rs.segment.nbytes for rs in self._lingering)
 
     def _acquire(self, job: str, rank: int, step: int, nbytes: int) -> Segment:
         budget = self.options.memory_budget_bytes
@@ -654,12 +662,14 @@ class SnapshotStore:
         rank_step = held.steps.pop(step)
         if rank_step.pins:
             rank_step.released = True  # the last unpin disposes of it
+            self._lingering.append(rank_step)  # still memory: counted in the budget
             return
         self._dispose(rank_step.segment, rank_step.state is CopyState.STAGING)
 
     def _unpin(self, rank_step: _RankStep) -> None:
         rank_step.pins -= 1
         if rank_step.released and rank_step.pins == 0:
+            self._lingering.remove(rank_step)
             self._dispose(rank_step.segment, rank_step.state is CopyState.STAGING)
 
     def _dispose(self, segment: Segment, staging: bool) -> None:
@@ -675,7 +685,8 @@ class SnapshotStore:
         keep = self.options.keep_steps
         floor = committed[-keep:][0] if committed else -1
         for held in entry.ranks.values():
-            too_many = _beyond_cap(held, keep) if self.grouped else set()
+            too_many = _beyond_cap(held, keep) - set(committed[-keep:]) if self.grouped \
+                else set()
             for step in [s for s in held.steps if s < floor or s in too_many]:
                 self._free(held, step)
 
@@ -764,7 +775,9 @@ def _beyond_cap(held: _Rank, keep_steps: int) -> set[int]:
     down, or replication behind training). A rank keeps its newest
     ``keep_steps + 2`` copies, and also its newest ``keep_steps`` replicated
     ones: under load, replication takes a few chosen steps (replicator.py),
-    and those must survive until every rank's copy of them is replicated.
+    which stand a chance to be committed once the other ranks' copies of
+    them are replicated too. (The group's kept committed steps are never
+    freed by this cap: see ``_retain``.)
     """
     local = sorted(s for s, rs in held.steps.items() if rs.state is CopyState.LOCAL)
     replicated = [s for s in local if held.steps[s].replicated]

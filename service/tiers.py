@@ -21,7 +21,7 @@ import grpc
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service import data_channel, group_view
 from bubblesnap.service import layout as layout_lib
-from bubblesnap.service.errors import DaemonError, DataLoss, NotFound
+from bubblesnap.service.errors import DaemonError, DataLoss, NotFound, Unavailable
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -106,14 +106,18 @@ class Tiers:
                                f"{_describe(holdings, world)}")
             step = steps[-1]
         layout_lib.check_step(step)
+        if step not in steps:  # before any rollback: a wrong step number must cost nothing
+            raise NotFound(f"step {step} of job {job!r} cannot be restored for every rank; "
+                           f"restorable steps: {steps[-20:] or 'none'}")
         self._roll_back(job, step, holdings, durable)
-        tried = []
+        tried, corrupt = [], False
         try:
             return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
                             "memory", "")
         except DataLoss as err:
             self._record(job, rank, step, "memory", str(err))
             tried.append(f"memory: {err}")
+            corrupt = True
         except NotFound:
             pass
         for index in sorted(group_view.holders(holdings).get((rank, step), ())):
@@ -127,6 +131,7 @@ class Tiers:
             except DataLoss as err:
                 self._record(job, rank, step, f"peer {address}", str(err))
                 tried.append(f"peer {address}: {err}")
+                corrupt = True
             except (DaemonError, grpc.RpcError, OSError) as err:
                 tried.append(f"peer {address}: {_reason(err)}")
         if step in durable:
@@ -137,9 +142,13 @@ class Tiers:
             except DataLoss as err:
                 self._record(job, rank, step, "durable", str(err))
                 tried.append(f"durable: {err}")
-        if tried:
+                corrupt = True
+        if corrupt:
             raise DataLoss(f"no intact copy of step {step} of rank {rank} of job {job!r}; "
                            f"tried: {'; '.join(tried)}")
+        if tried:
+            raise Unavailable(f"the copies of step {step} of rank {rank} of job {job!r} could "
+                              f"not be fetched now; tried: {'; '.join(tried)}. Try again")
         raise NotFound(f"step {step} of rank {rank} of job {job!r} is held nowhere; restorable "
                        f"steps: {steps or 'none'}")
 
@@ -150,7 +159,7 @@ class Tiers:
         if not any(h.step > step for h in holdings) and not any(s > step for s in durable):
             return
         log.info("job %s resumes from step %d: dropping later copies in the group", job, step)
-        self._store.rollback(job, step)
+        self.roll_back_here(job, step)
         if self._durable is not None:
             self._durable.discard_after(job, step)
         if self._group is not None:
@@ -159,9 +168,17 @@ class Tiers:
                 try:
                     self._group.call(index, "Rollback", request)
                 except grpc.RpcError as err:
-                    log.info("peer %d did not roll back: %s", index, err.code().name)
-            if self._replicator is not None:
-                self._replicator.forget_views(job)
+                    log.warning("peer %d did not roll back %s to step %d: %s; a copy of a "
+                                "later step it holds may be from the abandoned run", index, job,
+                                step, err.code().name)
+
+    def roll_back_here(self, job: str, step: int) -> int:
+        """Drops this daemon's copies of ``job`` after ``step``, and queued work on them."""
+        if self._replicator is not None:
+            self._replicator.forget_after(job, step)
+        if self._durable is not None:
+            self._durable.forget_after(job, step)
+        return self._store.rollback(job, step)
 
     def _pull_from_peer(self, index: int, job: str, world: int, rank: int, step: int) -> None:
         options = self._group.options
@@ -175,7 +192,8 @@ class Tiers:
                                    options.security.client_ssl_context(),
                                    options.transfer_timeout_seconds,
                                    f"step {step} of rank {rank}")
-        self._store.install(job, world, rank, step, layout, tuple(answer.checksums), fill)
+        self._store.install(job, world, rank, step, layout, tuple(answer.checksums), fill,
+                            for_restore=True)
 
     def _load_durable(self, job: str, world: int, rank: int, step: int) -> None:
         try:
@@ -183,7 +201,7 @@ class Tiers:
         except NotFound:  # not registered here yet: whole tensors, the client reshards
             layout = self._durable.whole_layout(job, rank, step)
         fill, checksums = self._durable.load(job, rank, step, layout)
-        self._store.install(job, world, rank, step, layout, checksums, fill)
+        self._store.install(job, world, rank, step, layout, checksums, fill, for_restore=True)
 
     def _holdings(self, job: str) -> list[group_view.Holding]:
         if self._replicator is not None:
@@ -219,7 +237,12 @@ def _reason(err) -> str:
 
 
 def _describe(holdings, world: int) -> str:
-    found = group_view.holders(holdings)
-    per_rank = {r: sorted(s for (rr, s) in found if rr == r) for r in range(world)}
-    return f"steps held per rank: {per_rank}"
+    """Which ranks hold nothing, and what the others hold; bounded for huge jobs."""
+    per_rank: dict[int, list[int]] = {}
+    for rank, step in group_view.holders(holdings):
+        per_rank.setdefault(rank, []).append(step)
+    empty = [r for r in range(min(world, 1 << 16)) if r not in per_rank]
+    held = {r: sorted(per_rank[r])[-4:] for r in sorted(per_rank)[:8]}
+    return (f"{len(empty)} of {world} ranks hold no copy (e.g. {empty[:10]}); newest steps "
+            f"held: {held}{' ...' if len(per_rank) > 8 else ''}")
 

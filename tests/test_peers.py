@@ -190,6 +190,7 @@ def test_peer_calls_without_the_token_are_unauthenticated(start_ring, tmp_path):
 def test_bad_peer_input_gets_precise_codes(start_ring):
     ring = start_ring(2, "--replicas", "1")
     snapshot_steps(ring, range(1), world=2)
+    wait_for(lambda: committed(ring.daemons[0], 0), "step 0 committed")
     stub = peer_pb2_grpc.PeerStub(grpc.insecure_channel(ring.peers[0]))
     cases = [
         ("OpenRead", ppb.OpenReadRequest(job=JOB, rank=0, step=99), grpc.StatusCode.NOT_FOUND),
@@ -199,8 +200,27 @@ def test_bad_peer_input_gets_precise_codes(start_ring):
         ("Replicate", ppb.ReplicateRequest(job=JOB, world_size=2, rank=1, step=5),
          grpc.StatusCode.INVALID_ARGUMENT),
     ]
+    cases += [
+        ("OpenRead", ppb.OpenReadRequest(job=JOB, rank=0, step=-5),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("Replicate", ppb.ReplicateRequest(job=JOB, world_size=2, rank=1, step=5,
+                                           data_address="no-port", tensors=[_spec()]),
+         grpc.StatusCode.INVALID_ARGUMENT),
+    ]
     for method, request, code in cases:
         with pytest.raises(grpc.RpcError) as info:
             getattr(stub, method)(request, timeout=10)
         assert info.value.code() == code, (method, info.value.details())
     wait_for(lambda: committed(ring.daemons[0], 0), "step 0 still committed")
+    # Restoring a step nobody holds is refused before anything is rolled back.
+    with pytest.raises(grpc.RpcError) as info:
+        ring.daemons[1].stub.Restore(pb.RestoreRequest(job=JOB, rank=1, step=7), timeout=30)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "restorable steps: [0]" in info.value.details()
+    for rank in range(2):
+        assert_restores(ring.daemons[rank], rank, 0, "memory")
+
+
+def _spec():
+    return pb.TensorSpec(name="w", dtype="float32", global_shape=[4], shards=[
+        pb.ShardSpec(index=[pb.Slice(start=0, stop=4)], nbytes=16)])
