@@ -18,7 +18,8 @@ copies of stage 1 are gone, and it comes back from the durable tier.
 
 The last line of output is JSON: restored_step, source (of host 1's stage),
 recovery_seconds (from the kill until every stage holds its restored
-state, replacement daemon start and process start included),
+state, replacement daemon start and process start included; the restore
+calls alone are restore_seconds),
 state_matches_snapshot (every stage's restored state equals, bit for bit,
 the state it had at that step before the failure).
 """
@@ -203,6 +204,7 @@ def run(args) -> dict:
             peers[i] = f"127.0.0.1:{free_port()}"
             hosts[i] = Host(i, peers, args)
             log(f"replacement daemon for host {i} on {peers[i]} (empty memory)")
+        replaced_at = time.time()
         rendezvous = tempfile.mkdtemp(dir=args.workdir)
         for host in hosts:
             host.start_stage(args, rendezvous, resume=True)
@@ -223,6 +225,9 @@ def run(args) -> dict:
     return {"restored_step": restored[1]["step"] if len(steps) == 1 else sorted(steps),
             "source": restored[1]["source"],
             "recovery_seconds": max(r["restored_at"] for r in restored) - killed_at,
+            # where that time went: replacement daemons up, then trainers up and restored
+            "replacement_daemons_seconds": replaced_at - killed_at,
+            "restore_seconds": max(r["restore_seconds"] for r in restored),
             "state_matches_snapshot": all(r["matches"] for r in restored) and len(steps) == 1,
             "killed_hosts": doomed, "replicas": args.replicas,
             "committed_at_kill": committed, "trained_to_step": args.steps - 1,
