@@ -119,15 +119,17 @@ def _peer_options(args):
         raise SystemExit("give --peers or --peers-file, not both")
     addresses = [a.strip() for a in args.peers.split(",") if a.strip()]
     if args.peers_file:
-        with open(args.peers_file) as f:
-            addresses = [line.split("#", 1)[0].strip() for line in f]
-        addresses = [a for a in addresses if a]
+        lines = _read_text(args.peers_file, "--peers-file").splitlines()
+        addresses = [a for a in (line.split("#", 1)[0].strip() for line in lines) if a]
     token = os.environ.get("BUBBLESNAP_PEER_TOKEN", "")
     if args.peer_token_file:
-        with open(args.peer_token_file) as f:
-            token = f.read().strip()
+        token = _read_text(args.peer_token_file, "--peer-token-file").strip()
         if not token:
             raise SystemExit(f"--peer-token-file {args.peer_token_file} is empty")
+    for path, flag in ((args.peer_tls_cert, "--peer-tls-cert"),
+                       (args.peer_tls_key, "--peer-tls-key"), (args.peer_tls_ca, "--peer-tls-ca")):
+        if path:
+            _read_text(path, flag)
     try:
         security = PeerSecurity(token, args.peer_tls_cert, args.peer_tls_key, args.peer_tls_ca,
                                 args.peer_tls_client_auth)
@@ -136,6 +138,14 @@ def _peer_options(args):
                            security=security)
     except ValueError as err:
         raise SystemExit(str(err)) from err
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as err:
+        raise SystemExit(f"{flag} {path}: {err.strerror}") from err
 
 
 def _durable_options(args):
