@@ -4,7 +4,7 @@
 :class:`NumpyClient` does the same for plain numpy arrays.
 """
 
-from bubblesnap.clients._session import ClientOptions, RestoreError, SnapshotResult
+from bubblesnap.clients._session import ClientOptions, LogError, RestoreError, SnapshotResult
 from bubblesnap.clients.numpy_client import NumpyClient
 
-__all__ = ["ClientOptions", "NumpyClient", "RestoreError", "SnapshotResult"]
+__all__ = ["ClientOptions", "LogError", "NumpyClient", "RestoreError", "SnapshotResult"]

@@ -66,6 +66,10 @@ class SnapshotResult:
     stall_seconds: float = 0.0
 
 
+class LogError(RuntimeError):
+    """A training-log record could not be stored or read."""
+
+
 class RestoreError(RuntimeError):
     """A restore could not be done; the message says why and what is held."""
 
@@ -283,6 +287,29 @@ class Session:
     def bubble_stream(self) -> BubbleStream:
         """A Bubbles stream on this session's channel."""
         return BubbleStream(self._stub, self.options.backoff_seconds)
+
+    # -- training log ---------------------------------------------------------
+
+    def log(self, step: int, payload: bytes) -> int:
+        """Appends one record; returns how many daemons hold it. Raises LogError."""
+        request = pb.AppendLogRequest(job=self.job, rank=self.rank,
+                                      records=[pb.LogRecord(step=step, payload=payload)])
+        try:
+            return self.call("AppendLog", request).copies
+        except grpc.RpcError as err:
+            raise LogError(f"step {step} was not logged: daemon {self.options.daemon}: "
+                           f"{err.code().name}: {err.details()}") from None
+
+    def read_log(self, after_step: int) -> tuple[list[tuple[int, bytes]], str]:
+        """(step, payload) records after ``after_step`` without gaps, and their source."""
+        try:
+            answer = self._stub.ReadLog(pb.ReadLogRequest(job=self.job, rank=self.rank,
+                                                          after_step=after_step),
+                                        timeout=self.options.restore_timeout_seconds)
+        except grpc.RpcError as err:
+            raise LogError(f"daemon {self.options.daemon}: {err.code().name}: "
+                           f"{err.details()}") from None
+        return [(r.step, r.payload) for r in answer.records], answer.source
 
     def status(self) -> pb.JobStatus:
         response = self.call("Status", pb.StatusRequest(job=self.job))

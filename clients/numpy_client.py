@@ -49,6 +49,14 @@ class NumpyClient:
             t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape)).copy()
             for i, t in enumerate(raw.tensors)}
 
+    def log(self, step: int, payload: bytes) -> int:
+        """Records what redoing ``step`` needs; see SnapshotClient.log."""
+        return self._session.log(step, payload)
+
+    def read_log(self, after_step: int) -> list[tuple[int, bytes]]:
+        """Logged records after ``after_step``; see SnapshotClient.read_log."""
+        return self._session.read_log(after_step)[0]
+
     def status(self) -> pb.JobStatus:
         return self._session.status()
 

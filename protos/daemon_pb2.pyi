@@ -453,3 +453,47 @@ class DeleteSnapshotsResponse(_message.Message):
     DELETED_STEPS_FIELD_NUMBER: _ClassVar[int]
     deleted_steps: int
     def __init__(self, deleted_steps: _Optional[int] = ...) -> None: ...
+
+class LogRecord(_message.Message):
+    __slots__ = ("step", "payload")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    payload: bytes
+    def __init__(self, step: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class AppendLogRequest(_message.Message):
+    __slots__ = ("job", "rank", "records")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    records: _containers.RepeatedCompositeFieldContainer[LogRecord]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., records: _Optional[_Iterable[_Union[LogRecord, _Mapping]]] = ...) -> None: ...
+
+class AppendLogResponse(_message.Message):
+    __slots__ = ("last_step", "copies")
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    last_step: int
+    copies: int
+    def __init__(self, last_step: _Optional[int] = ..., copies: _Optional[int] = ...) -> None: ...
+
+class ReadLogRequest(_message.Message):
+    __slots__ = ("job", "rank", "after_step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    after_step: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
+
+class ReadLogResponse(_message.Message):
+    __slots__ = ("records", "source")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[LogRecord]
+    source: str
+    def __init__(self, records: _Optional[_Iterable[_Union[LogRecord, _Mapping]]] = ..., source: _Optional[str] = ...) -> None: ...

@@ -79,6 +79,16 @@ class DaemonStub:
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.DeleteSnapshotsRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.DeleteSnapshotsResponse.FromString,
                 _registered_method=True)
+        self.AppendLog = channel.unary_unary(
+                '/bubblesnap.v1.Daemon/AppendLog',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogResponse.FromString,
+                _registered_method=True)
+        self.ReadLog = channel.unary_unary(
+                '/bubblesnap.v1.Daemon/ReadLog',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogResponse.FromString,
+                _registered_method=True)
 
 
 class DaemonServicer:
@@ -152,6 +162,23 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppendLog(self, request, context):
+        """The training log: per step, what redoing that step exactly needs (batch
+        identity, RNG keys, ...), as opaque bytes. Held beside the snapshots and
+        replicated to the same peers, so it survives trainer and host failures.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadLog(self, request, context):
+        """The records after a step, from this daemon or, when it lacks them, its
+        peers: what a restored trainer replays to reach the failure point.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +226,16 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.DeleteSnapshots,
                     request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.DeleteSnapshotsRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.DeleteSnapshotsResponse.SerializeToString,
+            ),
+            'AppendLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendLog,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogResponse.SerializeToString,
+            ),
+            'ReadLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadLog,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -444,6 +481,60 @@ class Daemon:
             '/bubblesnap.v1.Daemon/DeleteSnapshots',
             bubblesnap_dot_protos_dot_daemon__pb2.DeleteSnapshotsRequest.SerializeToString,
             bubblesnap_dot_protos_dot_daemon__pb2.DeleteSnapshotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Daemon/AppendLog',
+            bubblesnap_dot_protos_dot_daemon__pb2.AppendLogRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.AppendLogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Daemon/ReadLog',
+            bubblesnap_dot_protos_dot_daemon__pb2.ReadLogRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.ReadLogResponse.FromString,
             options,
             channel_credentials,
             insecure,

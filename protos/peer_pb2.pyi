@@ -120,3 +120,17 @@ class RollbackResponse(_message.Message):
     DROPPED_COPIES_FIELD_NUMBER: _ClassVar[int]
     dropped_copies: int
     def __init__(self, dropped_copies: _Optional[int] = ...) -> None: ...
+
+class LogReplicaRequest(_message.Message):
+    __slots__ = ("job", "rank", "records")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    records: _containers.RepeatedCompositeFieldContainer[_daemon_pb2.LogRecord]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., records: _Optional[_Iterable[_Union[_daemon_pb2.LogRecord, _Mapping]]] = ...) -> None: ...
+
+class LogReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

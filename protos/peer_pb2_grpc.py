@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from bubblesnap.protos import daemon_pb2 as bubblesnap_dot_protos_dot_daemon__pb2
 from bubblesnap.protos import peer_pb2 as bubblesnap_dot_protos_dot_peer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -59,6 +60,16 @@ class PeerStub:
                 request_serializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.FromString,
                 _registered_method=True)
+        self.AppendLogReplica = channel.unary_unary(
+                '/bubblesnap.v1.Peer/AppendLogReplica',
+                request_serializer=bubblesnap_dot_protos_dot_peer__pb2.LogReplicaRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.LogReplicaResponse.FromString,
+                _registered_method=True)
+        self.ReadLogReplica = channel.unary_unary(
+                '/bubblesnap.v1.Peer/ReadLogReplica',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -102,6 +113,20 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppendLogReplica(self, request, context):
+        """Training-log records of a rank held for its home daemon.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadLogReplica(self, request, context):
+        """A rank's training-log records after a step, as this daemon holds them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +154,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.SerializeToString,
+            ),
+            'AppendLogReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendLogReplica,
+                    request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.LogReplicaRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_peer__pb2.LogReplicaResponse.SerializeToString,
+            ),
+            'ReadLogReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadLogReplica,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +301,60 @@ class Peer:
             '/bubblesnap.v1.Peer/Rollback',
             bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.SerializeToString,
             bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendLogReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Peer/AppendLogReplica',
+            bubblesnap_dot_protos_dot_peer__pb2.LogReplicaRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_peer__pb2.LogReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLogReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Peer/ReadLogReplica',
+            bubblesnap_dot_protos_dot_daemon__pb2.ReadLogRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.ReadLogResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,7 @@ from bubblesnap.service.segments import shm_free_bytes
 from bubblesnap.service.server import DaemonServicer
 from bubblesnap.service.store import SnapshotStore, StoreOptions
 from bubblesnap.service.tiers import Tiers
+from bubblesnap.service.training_log import LogOptions, TrainingLogs
 from bubblesnap.service.wire import generic_handler
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -57,6 +58,7 @@ class DaemonOptions:
       grace_seconds: how long SIGTERM lets in-flight RPCs finish. Default 5 s.
       peers: the ring of daemons this one replicates to. Default: alone.
       durable: the durable tier (Orbax checkpoints). Default: off.
+      logs: limits of the training logs.
     """
 
     listen: str = "127.0.0.1:7070"
@@ -68,6 +70,7 @@ class DaemonOptions:
     grace_seconds: float = 5.0
     peers: PeerOptions = PeerOptions()
     durable: DurableOptions = DurableOptions()
+    logs: LogOptions = LogOptions()
 
 
 def _fit_budget_to_shm(options: DaemonOptions) -> StoreOptions:
@@ -135,14 +138,15 @@ class Daemon:
             self.replicator = Replicator(self.store, self.group, self.data)
         self.durable = DurableTier(options.durable, self.store) \
             if options.durable.enabled else None
-        self.tiers = Tiers(self.store, self.group, self.replicator, self.durable)
+        self.logs = TrainingLogs(options.logs)
+        self.tiers = Tiers(self.store, self.logs, self.group, self.replicator, self.durable)
         if self.group is not None:
             self._peer_server.add_generic_rpc_handlers((generic_handler(
-                PEER_SERVICE, PeerServicer(self.store, self.group, self.data, self.metrics,
-                                           self.tiers)),))
+                PEER_SERVICE, PeerServicer(self.store, self.logs, self.group, self.data,
+                                           self.metrics, self.tiers)),))
         self._server.add_generic_rpc_handlers((generic_handler(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
-            DaemonServicer(self.store, self.plans, self.metrics, self.tiers)),))
+            DaemonServicer(self.store, self.plans, self.metrics, self.tiers, self.logs)),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(

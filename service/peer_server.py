@@ -2,6 +2,7 @@
 
 import logging
 
+from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service import data_channel, errors
 from bubblesnap.service import layout as layout_lib
@@ -14,8 +15,9 @@ log = logging.getLogger("bubblesnap.daemon")
 class PeerServicer:
     """Implements ``bubblesnap.v1.Peer`` over the store, the group and the data channel."""
 
-    def __init__(self, store, group, data_server, metrics, tiers):
+    def __init__(self, store, logs, group, data_server, metrics, tiers):
         self._store = store
+        self._logs = logs
         self._group = group
         self._data = data_server
         self._metrics = metrics
@@ -68,3 +70,15 @@ class PeerServicer:
         layout_lib.check_step(request.step)
         return ppb.RollbackResponse(dropped_copies=self._tiers.roll_back_here(request.job,
                                                                               request.step))
+
+    @rpc_errors
+    def AppendLogReplica(self, request, context):
+        self._logs.append(request.job, request.rank,
+                          [(r.step, r.payload) for r in request.records])
+        return ppb.LogReplicaResponse()
+
+    @rpc_errors
+    def ReadLogReplica(self, request, context):
+        return pb.ReadLogResponse(records=[
+            pb.LogRecord(step=step, payload=payload)
+            for step, payload in self._logs.read(request.job, request.rank, request.after_step)])

@@ -10,6 +10,7 @@ import grpc
 
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
+from bubblesnap.service import group_view
 from bubblesnap.service.group_view import Holding
 from bubblesnap.service.peer_security import PeerSecurity
 
@@ -132,6 +133,10 @@ class PeerGroup:
             raise
         self._mark(index, alive=True)
         return answer
+
+    def successors_answering(self, count: int) -> list[int]:
+        """The next ``count`` daemons in ring order that are not known to be dead."""
+        return group_view.successors(self.index, self.size, self.not_dead(), count)
 
     def announce(self) -> None:
         """Tells every peer where this daemon is (a replacement host has a new address)."""

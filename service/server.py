@@ -52,11 +52,12 @@ def _staging(staging):
 class DaemonServicer:
     """Implements ``bubblesnap.v1.Daemon`` over a :class:`SnapshotStore`."""
 
-    def __init__(self, store, plans, metrics, tiers):
+    def __init__(self, store, plans, metrics, tiers, logs):
         self._store = store
         self._plans = plans
         self._metrics = metrics
         self._tiers = tiers
+        self._logs = logs
 
     @rpc_errors
     def Register(self, request, context):
@@ -125,7 +126,20 @@ class DaemonServicer:
         deleted = self._store.delete(request.job, tuple(request.steps))
         if not request.steps:
             self._plans.forget(request.job)
+            self._logs.forget(request.job)
         return pb.DeleteSnapshotsResponse(deleted_steps=deleted)
+
+    @rpc_errors
+    def AppendLog(self, request, context):
+        last, copies = self._tiers.append_log(request.job, request.rank,
+                                              [(r.step, r.payload) for r in request.records])
+        return pb.AppendLogResponse(last_step=last, copies=copies)
+
+    @rpc_errors
+    def ReadLog(self, request, context):
+        records, source = self._tiers.read_log(request.job, request.rank, request.after_step)
+        return pb.ReadLogResponse(records=[pb.LogRecord(step=s, payload=p) for s, p in records],
+                                  source=source)
 
     def Bubbles(self, events, context):
         for event in events:

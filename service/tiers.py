@@ -18,8 +18,9 @@ import time
 
 import grpc
 
+from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
-from bubblesnap.service import data_channel, group_view
+from bubblesnap.service import data_channel, group_view, training_log
 from bubblesnap.service import layout as layout_lib
 from bubblesnap.service.errors import DaemonError, DataLoss, NotFound, Unavailable
 
@@ -48,8 +49,9 @@ class CorruptCopy:
 class Tiers:
     """The tiers beyond the store: replication to peers, the durable tier, restore order."""
 
-    def __init__(self, store, group=None, replicator=None, durable=None):
+    def __init__(self, store, logs, group=None, replicator=None, durable=None):
         self._store = store
+        self._logs = logs
         self._group = group
         self._replicator = replicator
         self._durable = durable
@@ -70,6 +72,41 @@ class Tiers:
             self._replicator.committed(job, rank, step)
         if self._durable is not None:
             self._durable.committed(job, rank, step)
+
+    def append_log(self, job: str, rank: int, records) -> tuple[int, int]:
+        """Logs records here and at the next ``--replicas`` peers before answering, so
+        they survive this host. Returns (newest step held, daemons holding them)."""
+        last = self._logs.append(job, rank, records)
+        copies = 1
+        if self._group is not None:
+            request = ppb.LogReplicaRequest(job=job, rank=rank, records=[
+                pb.LogRecord(step=s, payload=p) for s, p in records])
+            for target in self._group.successors_answering(self._group.options.replicas):
+                try:
+                    self._group.call(target, "AppendLogReplica", request)
+                    copies += 1
+                except grpc.RpcError as err:
+                    log.warning("peer %d did not take log records of rank %d of %s: %s",
+                                target, rank, job, err.code().name)
+        return last, copies
+
+    def read_log(self, job: str, rank: int, after_step: int) -> tuple[list, str]:
+        """The rank's records after ``after_step``, without gaps: this daemon's, or the
+        longer run of records a peer holds (a replacement host starts empty)."""
+        found, source = self._logs.read(job, rank, after_step), "memory"
+        if self._group is None:
+            return found, source
+        request = pb.ReadLogRequest(job=job, rank=rank, after_step=after_step)
+        for index in self._group.others():
+            try:
+                answer = self._group.call(index, "ReadLogReplica", request)
+            except grpc.RpcError:
+                continue
+            theirs = training_log.contiguous({r.step: r.payload for r in answer.records},
+                                             after_step)
+            if len(theirs) > len(found):
+                found, source = theirs, f"peer {self._group.address(index)}"
+        return found, source
 
     def copies(self, job: str) -> dict[tuple[int, int], int]:
         """(rank, step) -> copies in the group's memory (1 for a lone daemon's own)."""

@@ -2,12 +2,13 @@
 
 Public names: :class:`SnapshotClient`, :class:`Restored`, the pipeline
 bubble hooks :class:`BubbleSnapshotter` and its options, plus the shared
-:class:`ClientOptions`, :class:`SnapshotResult` and :class:`RestoreError`.
+:class:`ClientOptions`, :class:`SnapshotResult`, :class:`RestoreError` and
+:class:`LogError`.
 """
 
-from bubblesnap.clients._session import ClientOptions, RestoreError, SnapshotResult
+from bubblesnap.clients._session import ClientOptions, LogError, RestoreError, SnapshotResult
 from bubblesnap.clients.jax.bubbles import BubbleSnapshotOptions, BubbleSnapshotter
 from bubblesnap.clients.jax.client import Restored, SnapshotClient
 
-__all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "ClientOptions", "RestoreError",
-           "Restored", "SnapshotClient", "SnapshotResult"]
+__all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "ClientOptions", "LogError",
+           "RestoreError", "Restored", "SnapshotClient", "SnapshotResult"]

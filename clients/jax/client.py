@@ -102,6 +102,22 @@ class SnapshotClient:
         state = jax.tree_util.tree_unflatten(treedef, arrays)
         return Restored(raw.step, state, time.perf_counter() - started, raw.source)
 
+    def log(self, step: int, payload: bytes) -> int:
+        """Records what redoing ``step`` needs (batch identity, RNG key, data-loader
+        position; a few bytes, at most 64 KiB), before the step's snapshot exists.
+
+        Blocks until the local daemon and its ``--replicas`` peers hold it (a
+        round trip on the host, ~1 ms); returns how many daemons do. Raises
+        :class:`LogError` when the daemon refuses it or cannot be reached:
+        a step that is not logged cannot be replayed.
+        """
+        return self._session.log(step, payload)
+
+    def read_log(self, after_step: int) -> list[tuple[int, bytes]]:
+        """The logged ``(step, payload)`` records after ``after_step`` (the restored
+        step), in order and without gaps: the steps to replay after a restore."""
+        return self._session.read_log(after_step)[0]
+
     def status(self):
         """This job's status as the daemon reports it (a ``JobStatus`` message)."""
         return self._session.status()
