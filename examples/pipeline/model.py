@@ -10,6 +10,7 @@ stage only keeps its microbatches' inputs between F and B.
 """
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -93,8 +94,12 @@ class StageProgram:
         sample = jnp.zeros(shape, jnp.int32) if self.first else jnp.zeros(
             (*shape, config.d_model), jnp.float32)
         params = self.module.init(jax.random.key(stage), sample)
-        params = jax.tree.map(lambda x: jax.device_put(x, _kernel_sharding(self.mesh, x)), params)
-        self.state = {"params": params, "opt_state": jax.jit(self.optimizer.init)(params)}
+        place = functools.partial(jax.tree.map,
+                                  lambda x: jax.device_put(x, _kernel_sharding(self.mesh, x)))
+        params = place(params)
+        # optax's init makes its counters uncommitted on the default device: place the
+        # whole state on this stage's devices, so a restored state lands where it was.
+        self.state = {"params": params, "opt_state": place(jax.jit(self.optimizer.init)(params))}
         self._forward = jax.jit(self._forward_impl)
         self._backward = jax.jit(self._backward_impl)
         self._update = jax.jit(self._update_impl)

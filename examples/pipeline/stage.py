@@ -18,7 +18,7 @@ class StageRunner:
     """Runs iterations of one stage; ``modes`` maps a mode name to its snapshot object."""
 
     def __init__(self, program: model_lib.StageProgram, schedule, stage: int, stages: int,
-                 inbox, send, modes: dict, keep_states: int = 0):
+                 inbox, send, modes: dict, keep_states: int = 0, batch=None):
         self.program, self.schedule = program, schedule
         self.stage, self.stages = stage, stages
         self.inbox, self.send = inbox, send
@@ -27,6 +27,8 @@ class StageRunner:
         self.iterations: list[dict] = []
         self.kept_states: dict[int, object] = {}
         self._keep = keep_states
+        # (iteration, microbatch) -> (tokens, targets); default: a pure function of both
+        self._batch = batch or (lambda it, mb: model_lib.batch(program.config, it, mb))
 
     def run(self, plan: list[str], first_iteration: int = 0, after_iteration=None) -> None:
         """Runs one iteration per entry of ``plan`` (the snapshot mode of that iteration).
@@ -65,7 +67,7 @@ class StageRunner:
         program, first, last = self.program, self.stage == 0, self.stage == self.stages - 1
         inputs, grads, losses = {}, None, []
         for position, (op, mb) in enumerate(self.schedule):
-            tokens, targets = model_lib.batch(program.config, iteration, mb)
+            tokens, targets = self._batch(iteration, mb)
             if op == "F":
                 x = program.place(tokens) if first else self._receive(mode, position, ("act", mb))
                 started = time.perf_counter()
