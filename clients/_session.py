@@ -129,6 +129,7 @@ class Session:
         self._registered = False
         self._quiet_until = 0.0
         self._in_flight: list = []  # (step, future, started) of commits not yet collected
+        self._log_pending = None  # (step, future) of the last training-log record sent
 
     # -- calls with deadlines -------------------------------------------------
 
@@ -290,12 +291,22 @@ class Session:
 
     # -- training log ---------------------------------------------------------
 
-    def log(self, step: int, payload: bytes) -> int:
-        """Appends one record; returns how many daemons hold it. Raises LogError."""
+    def log(self, step: int, payload: bytes) -> None:
+        """Sends one record without waiting; :meth:`wait_log` collects the answer."""
+        self.wait_log()
         request = pb.AppendLogRequest(job=self.job, rank=self.rank,
                                       records=[pb.LogRecord(step=step, payload=payload)])
+        self._log_pending = (step, self._stub.AppendLog.future(
+            request, timeout=self.options.rpc_timeout_seconds))
+
+    def wait_log(self) -> int:
+        """Waits for the record sent last; returns how many daemons hold it (0: none
+        pending). Raises LogError if it was not stored."""
+        if self._log_pending is None:
+            return 0
+        (step, future), self._log_pending = self._log_pending, None
         try:
-            return self.call("AppendLog", request).copies
+            return future.result().copies
         except grpc.RpcError as err:
             raise LogError(f"step {step} was not logged: daemon {self.options.daemon}: "
                            f"{err.code().name}: {err.details()}") from None

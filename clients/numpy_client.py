@@ -49,9 +49,13 @@ class NumpyClient:
             t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape)).copy()
             for i, t in enumerate(raw.tensors)}
 
-    def log(self, step: int, payload: bytes) -> int:
+    def log(self, step: int, payload: bytes) -> None:
         """Records what redoing ``step`` needs; see SnapshotClient.log."""
-        return self._session.log(step, payload)
+        self._session.log(step, payload)
+
+    def wait_log(self) -> int:
+        """Waits for the last record; see SnapshotClient.wait_log."""
+        return self._session.wait_log()
 
     def read_log(self, after_step: int) -> list[tuple[int, bytes]]:
         """Logged records after ``after_step``; see SnapshotClient.read_log."""

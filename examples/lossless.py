@@ -166,12 +166,17 @@ def train_main(args) -> int:
         def __getattr__(self, name):
             return getattr(self.mode, name)
 
+        # The stages share one data order: stage 0 logs it, all replay from it.
         def begin_iteration(self, iteration: int) -> None:
-            if snapshotting:
-                modes[self.stage].client.log(iteration, loader.record(iteration))
-            else:
-                loader.record(iteration)
+            record = loader.record(iteration)
+            if snapshotting and self.stage == 0:  # held by the daemons while the step runs
+                modes[0].client.log(iteration, record)
             self.mode.begin_iteration(iteration)
+
+        def end_iteration(self, iteration: int, state) -> None:
+            if snapshotting and self.stage == 0:  # the step is done once its record is held
+                modes[0].client.wait_log()
+            self.mode.end_iteration(iteration, state)
 
         def bubble(self, position, receive, arrived=None):
             if args.fail_point == "bubble" and self.stage == 0 and \

@@ -134,9 +134,12 @@ class PeerGroup:
         self._mark(index, alive=True)
         return answer
 
-    def successors_answering(self, count: int) -> list[int]:
-        """The next ``count`` daemons in ring order that are not known to be dead."""
-        return group_view.successors(self.index, self.size, self.not_dead(), count)
+    def ring_order_live_first(self) -> list[int]:
+        """The other daemons in ring order, those that answered last time first (a
+        peer missed while it started is still tried, after them)."""
+        ring = group_view.successors(self.index, self.size, set(range(self.size)), self.size)
+        live = self.live()
+        return [i for i in ring if i in live] + [i for i in ring if i not in live]
 
     def announce(self) -> None:
         """Tells every peer where this daemon is (a replacement host has a new address)."""

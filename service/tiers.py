@@ -81,7 +81,9 @@ class Tiers:
         if self._group is not None:
             request = ppb.LogReplicaRequest(job=job, rank=rank, records=[
                 pb.LogRecord(step=s, payload=p) for s, p in records])
-            for target in self._group.successors_answering(self._group.options.replicas):
+            for target in self._group.ring_order_live_first():
+                if copies > self._group.options.replicas:
+                    break
                 try:
                     self._group.call(target, "AppendLogReplica", request)
                     copies += 1
@@ -91,22 +93,29 @@ class Tiers:
         return last, copies
 
     def read_log(self, job: str, rank: int, after_step: int) -> tuple[list, str]:
-        """The rank's records after ``after_step``, without gaps: this daemon's, or the
-        longer run of records a peer holds (a replacement host starts empty)."""
-        found, source = self._logs.read(job, rank, after_step), "memory"
+        """The rank's records after ``after_step``, without gaps, gathered from this
+        daemon and every peer (a replacement host starts empty; records may have
+        gone to different peers while one was down). A step held in several
+        places is the same record: this daemon's copy wins."""
+        local = self._logs.read(job, rank, after_step)
         if self._group is None:
-            return found, source
+            return local, "memory"
+        merged = {}
+        sources = {}
         request = pb.ReadLogRequest(job=job, rank=rank, after_step=after_step)
-        for index in self._group.others():
+        for index in reversed(self._group.others()):
             try:
                 answer = self._group.call(index, "ReadLogReplica", request)
             except grpc.RpcError:
                 continue
-            theirs = training_log.contiguous({r.step: r.payload for r in answer.records},
-                                             after_step)
-            if len(theirs) > len(found):
-                found, source = theirs, f"peer {self._group.address(index)}"
-        return found, source
+            for r in answer.records:
+                merged[r.step] = r.payload
+                sources[r.step] = f"peer {self._group.address(index)}"
+        for step, payload in local:
+            merged[step], sources[step] = payload, "memory"
+        found = training_log.contiguous(merged, after_step)
+        used = sorted({sources[step] for step, _ in found}) or ["memory"]
+        return found, ", ".join(used)
 
     def copies(self, job: str) -> dict[tuple[int, int], int]:
         """(rank, step) -> copies in the group's memory (1 for a lone daemon's own)."""

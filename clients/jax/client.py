@@ -102,16 +102,21 @@ class SnapshotClient:
         state = jax.tree_util.tree_unflatten(treedef, arrays)
         return Restored(raw.step, state, time.perf_counter() - started, raw.source)
 
-    def log(self, step: int, payload: bytes) -> int:
+    def log(self, step: int, payload: bytes) -> None:
         """Records what redoing ``step`` needs (batch identity, RNG key, data-loader
-        position; a few bytes, at most 64 KiB), before the step's snapshot exists.
+        position; a few bytes, at most 64 KiB). Call it as the step begins.
 
-        Blocks until the local daemon and its ``--replicas`` peers hold it (a
-        round trip on the host, ~1 ms); returns how many daemons do. Raises
-        :class:`LogError` when the daemon refuses it or cannot be reached:
-        a step that is not logged cannot be replayed.
+        Returns at once; the local daemon stores the record and hands it to
+        its ``--replicas`` peers while the step computes. Call
+        :meth:`wait_log` when the step ends: a step counts as done only once
+        its record is held, since a step that is not logged cannot be replayed.
         """
-        return self._session.log(step, payload)
+        self._session.log(step, payload)
+
+    def wait_log(self) -> int:
+        """Waits for the last record; returns how many daemons hold it. Raises
+        :class:`LogError` when the daemon refused it or could not be reached."""
+        return self._session.wait_log()
 
     def read_log(self, after_step: int) -> list[tuple[int, bytes]]:
         """The logged ``(step, payload)`` records after ``after_step`` (the restored

@@ -1,0 +1,182 @@
+"""Cost of the training log: bytes per step and step time against no logging.
+
+The 3-stage GPT pipeline of examples/lossless.py (one process, one thread
+and one forced CPU device per stage, 1F1B, 4 microbatches) trains with the
+same shuffling data loader in two modes, interleaved in segments of one run
+(the order rotates every round):
+
+  none          no log
+  training_log  stage 0 sends the step's record (batch sample indices and the
+                loader's RNG state, JSON; the stages share one data order) as
+                the step begins, and waits at the step's end until the local
+                daemon and its --replicas 1 peer hold it
+
+Reported per mode: the median step time (slowest stage) with min-max, the
+overhead against none, and the record's bytes per step. Boundary
+logging (the tensors crossing stages, for stage-local replay) is not built
+yet; the bytes it would log per step are reported from the activation and
+gradient sizes, so the two can be compared.
+
+Usage: python benchmarks/logging.py [--json] [--rounds 4] [--segment 8]
+"""
+
+import os
+import sys
+
+# This file's name shadows the standard library's logging module for every
+# import below (Python puts the script's folder first on the path): drop it.
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+STAGES = 3
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={STAGES}")
+
+
+def log(message: str) -> None:
+    print(f"[logging] {message}", file=sys.stderr, flush=True)
+
+
+def start_daemons():
+    import socket
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs, address = [], ""
+    for index in range(2):
+        proc = subprocess.Popen([sys.executable, "-m", "bubblesnap", "daemon", "--listen",
+                                 "127.0.0.1:0", "--metrics", "", "--peers", peers, "--index",
+                                 str(index), "--replicas", "1", "--log-level", "ERROR"],
+                                stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        if not line:
+            raise SystemExit("a daemon did not start")
+        procs.append(proc)
+        address = address or json.loads(line)["address"]
+    return procs, address
+
+
+def run(args, daemon: str) -> dict:
+    import jax
+    import numpy as np
+    from lossless import MICROBATCHES, DataLoader
+
+    from bubblesnap.clients.jax import ClientOptions, SnapshotClient
+    from pipeline.model import GPTConfig, StageProgram
+    from pipeline.schedules import SCHEDULES
+    from pipeline.snapshot_modes import NoSnapshots
+    from pipeline.stage import StageRunner
+    from pipeline.transport import ThreadLinks
+
+    config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
+    loader = DataLoader(config)
+    clients = [SnapshotClient("logging-bench", s, STAGES, ClientOptions(daemon=daemon))
+               for s in range(STAGES)]
+    record_bytes = []
+
+    class Mode(NoSnapshots):
+        def __init__(self, stage: int, logged: bool):
+            super().__init__()
+            self.stage, self.logged = stage, logged
+
+        def begin_iteration(self, iteration: int) -> None:
+            record = loader.record(iteration)
+            if self.logged and self.stage == 0:  # one data order for all stages
+                clients[0].log(iteration, record)
+                record_bytes.append(len(record))
+
+        def end_iteration(self, iteration: int, state) -> None:
+            if self.logged and self.stage == 0:
+                clients[0].wait_log()
+
+    modes = ("none", "training_log")
+    plan, measured = ["none"] * args.warmup, [False] * args.warmup
+    for round_ in range(args.rounds):
+        for k in range(len(modes)):
+            plan += [modes[(round_ + k) % len(modes)]] * (2 + args.segment)
+            measured += [False] * 2 + [True] * args.segment
+    links = ThreadLinks(STAGES)
+    devices = jax.devices()
+    runners = []
+    for s in range(STAGES):
+        inbox, send = links.endpoint(s)
+        runners.append(StageRunner(
+            StageProgram(config, STAGES, s, [devices[s]]),
+            SCHEDULES["1f1b"](STAGES, MICROBATCHES, s), s, STAGES, inbox, send,
+            {m: Mode(s, m == "training_log") for m in modes}, batch=loader.batch))
+    threads = [threading.Thread(target=r.run, args=(plan,)) for r in runners]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log(f"{len(plan)} iterations in {time.perf_counter() - started:.1f} s")
+    for c in clients:
+        c.close()
+    per_mode: dict[str, list[float]] = {m: [] for m in modes}
+    for i, (mode, counted) in enumerate(zip(plan, measured, strict=True)):
+        if counted:
+            per_mode[mode].append(max(r.iterations[i]["seconds"] for r in runners))
+    base = statistics.median(per_mode["none"])
+    report = {"modes": {}}
+    for mode, times in per_mode.items():
+        med = statistics.median(times)
+        report["modes"][mode] = {"median_step_ms": round(med * 1e3, 2),
+                                 "min_step_ms": round(min(times) * 1e3, 2),
+                                 "max_step_ms": round(max(times) * 1e3, 2),
+                                 "measured_steps": len(times),
+                                 "overhead_pct": round(100 * (med - base) / base, 2)}
+    activation = config.microbatch_size * config.seq_len * config.d_model * 4  # float32
+    report["training_log_bytes_per_step"] = statistics.median(record_bytes)
+    report["boundary_log_bytes_per_step"] = {
+        "per_boundary": 2 * MICROBATCHES * activation,  # activations forward, gradients back
+        "all_boundaries": 2 * MICROBATCHES * activation * (STAGES - 1),
+        "built": False}
+    report["state_bytes_per_stage"] = [int(sum(np.asarray(x).nbytes for x in
+                                               jax.tree.leaves(r.program.state)))
+                                       for r in runners]
+    report["config"] = {"stages": STAGES, "microbatches": MICROBATCHES, "d_model": args.d_model,
+                        "rounds": args.rounds, "segment": args.segment}
+    return report
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print one JSON object last")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--segment", type=int, default=8, help="measured steps per segment")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    args = p.parse_args()
+    procs, daemon = start_daemons()
+    try:
+        report = run(args, daemon)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+    for mode, row in report["modes"].items():
+        log(f"{mode:>13}: median step {row['median_step_ms']:.2f} ms "
+            f"({row['min_step_ms']:.2f}-{row['max_step_ms']:.2f}), "
+            f"overhead {row['overhead_pct']:+.2f}%")
+    log(f"training log: {report['training_log_bytes_per_step']:.0f} bytes per step "
+        f"; boundary tensors would be {report['boundary_log_bytes_per_step']} ")
+    if args.json:
+        print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
