@@ -1,7 +1,9 @@
 """The JAX client: snapshot pytrees of jax.Arrays into the local daemon and restore them.
 
 Public names: :class:`SnapshotClient`, :class:`Restored`, the pipeline
-bubble hooks :class:`BubbleSnapshotter` and its options, plus the shared
+bubble hooks :class:`BubbleSnapshotter` and its options, the one-step undo
+of optimizer updates for data-parallel survivors (:func:`undo_sgd_momentum`,
+:func:`undo_adamw`, :func:`check_undo`), plus the shared
 :class:`ClientOptions`, :class:`SnapshotResult`, :class:`RestoreError` and
 :class:`LogError`.
 """
@@ -9,6 +11,13 @@ bubble hooks :class:`BubbleSnapshotter` and its options, plus the shared
 from bubblesnap.clients._session import ClientOptions, LogError, RestoreError, SnapshotResult
 from bubblesnap.clients.jax.bubbles import BubbleSnapshotOptions, BubbleSnapshotter
 from bubblesnap.clients.jax.client import Restored, SnapshotClient
+from bubblesnap.clients.jax.inverse_updates import (
+    UndoCheck,
+    check_undo,
+    undo_adamw,
+    undo_sgd_momentum,
+)
 
 __all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "ClientOptions", "LogError",
-           "RestoreError", "Restored", "SnapshotClient", "SnapshotResult"]
+           "RestoreError", "Restored", "SnapshotClient", "SnapshotResult", "UndoCheck",
+           "check_undo", "undo_adamw", "undo_sgd_momentum"]

@@ -1,0 +1,70 @@
+"""Undoing one SGD-momentum or AdamW update recovers the previous state closely."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bubblesnap.clients.jax.inverse_updates import (
+    check_undo,
+    relative_error,
+    undo_adamw,
+    undo_sgd_momentum,
+)
+
+
+def tree(seed: int, scale: float = 1.0):
+    rng = np.random.default_rng(seed)
+    return {"dense": {"kernel": jnp.asarray(rng.normal(size=(64, 32)) * scale, jnp.float32),
+                      "bias": jnp.asarray(rng.normal(size=(32,)) * scale, jnp.float32)},
+            "embed": jnp.asarray(rng.normal(size=(128, 16)) * scale, jnp.float32)}
+
+
+def run(optimizer, steps: int):
+    """States after steps-1 and steps updates, and the last gradient."""
+    params = tree(0)
+    state = optimizer.init(params)
+    for k in range(steps):
+        grads = tree(100 + k, 0.1)
+        before = (params, state)
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return before, (params, state), grads
+
+
+def max_rel(a, b) -> float:
+    """Worst tensor's max error over its largest magnitude."""
+    return max(err / scale for err, scale in (
+        relative_error(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
+                                              strict=True)))
+
+
+@pytest.mark.parametrize("steps", [1, 5, 50])
+def test_sgd_momentum_undo(steps):
+    opt = optax.sgd(0.05, momentum=0.9)
+    (p0, s0), (p1, s1), g = run(opt, steps)
+    p, s = undo_sgd_momentum(p1, s1, g, 0.05, 0.9)
+    assert max_rel(p, p0) < 1e-6
+    assert max_rel(s[0].trace, s0[0].trace) < 1e-5
+    assert check_undo(opt, p, s, g, p1, s1).within_bound
+
+
+@pytest.mark.parametrize("steps", [1, 5, 50])
+def test_adamw_undo(steps):
+    opt = optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
+    (p0, s0), (p1, s1), g = run(opt, steps)
+    p, s = undo_adamw(p1, s1, g, 1e-3, 0.9, 0.999, 1e-8, 1e-4)
+    assert int(s[0].count) == int(s0[0].count)
+    assert max_rel(p, p0) < 1e-6
+    assert max_rel(s[0].mu, s0[0].mu) < 1e-5
+    check = check_undo(opt, p, s, g, p1, s1)
+    assert check.within_bound, check
+
+
+def test_a_wrong_gradient_is_caught_by_the_check():
+    opt = optax.adamw(1e-3, weight_decay=1e-4)
+    _, (p1, s1), g = run(opt, 5)
+    wrong = jax.tree.map(lambda x: x * 1.5, g)
+    p, s = undo_adamw(p1, s1, wrong, 1e-3, 0.9, 0.999, 1e-8, 1e-4)
+    assert not check_undo(opt, p, s, wrong, p1, s1).within_bound
