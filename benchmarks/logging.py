@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -43,28 +42,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 
 def log(message: str) -> None:
     print(f"[logging] {message}", file=sys.stderr, flush=True)
-
-
-def start_daemons():
-    import socket
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
-    procs, address = [], ""
-    for index in range(2):
-        proc = subprocess.Popen([sys.executable, "-m", "bubblesnap", "daemon", "--listen",
-                                 "127.0.0.1:0", "--metrics", "", "--peers", peers, "--index",
-                                 str(index), "--replicas", "1", "--log-level", "ERROR"],
-                                stdout=subprocess.PIPE, text=True)
-        line = proc.stdout.readline()
-        if not line:
-            raise SystemExit("a daemon did not start")
-        procs.append(proc)
-        address = address or json.loads(line)["address"]
-    return procs, address
 
 
 def run(args, daemon: str) -> dict:
@@ -160,6 +137,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     args = p.parse_args()
+    from lossless import start_daemons  # the ring examples/lossless.py runs on
     procs, daemon = start_daemons()
     try:
         report = run(args, daemon)
