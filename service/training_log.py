@@ -69,6 +69,8 @@ class TrainingLogs:
         """The records of steps after ``after_step``, up to the first missing step."""
         layout_lib.check_job_name(job)
         layout_lib.check_rank(rank)
+        if after_step < -1:
+            raise InvalidArgument(f"after_step {after_step}: -1 reads the log from step 0")
         with self._lock:
             return contiguous(self._logs.get((job, rank), {}), after_step)
 
