@@ -9,6 +9,7 @@ stops asking for a while instead of paying the deadline every step.
 
 import dataclasses
 import logging
+import threading
 import time
 
 import grpc
@@ -122,14 +123,17 @@ class Session:
         self.job, self.rank, self.world_size = job, rank, world_size
         self.options = options
         self._replica_group = tuple(replica_group)
-        self._channel = grpc.insecure_channel(options.daemon)
+        # Answers carrying layouts or log pages may pass gRPC's default 4 MiB.
+        self._channel = grpc.insecure_channel(
+            options.daemon, options=[("grpc.max_receive_message_length", 64 << 20)])
         self._stub = daemon_pb2_grpc.DaemonStub(self._channel)
         self._maps = SegmentMaps()
         self._tensors: tuple = ()
         self._registered = False
         self._quiet_until = 0.0
         self._in_flight: list = []  # (step, future, started) of commits not yet collected
-        self._log_pending = None  # (step, future) of the last training-log record sent
+        self._log_pending: list = []  # (step, future) of training-log records not awaited
+        self._log_lock = threading.Lock()
 
     # -- calls with deadlines -------------------------------------------------
 
@@ -292,35 +296,45 @@ class Session:
     # -- training log ---------------------------------------------------------
 
     def log(self, step: int, payload: bytes) -> None:
-        """Sends one record without waiting; :meth:`wait_log` collects the answer."""
-        self.wait_log()
+        """Sends one record; :meth:`wait_log` collects the answers. Thread-safe."""
         request = pb.AppendLogRequest(job=self.job, rank=self.rank,
                                       records=[pb.LogRecord(step=step, payload=payload)])
-        self._log_pending = (step, self._stub.AppendLog.future(
-            request, timeout=self.options.rpc_timeout_seconds))
+        future = self._stub.AppendLog.future(request, timeout=self.options.rpc_timeout_seconds)
+        with self._log_lock:
+            self._log_pending.append((step, future))
 
     def wait_log(self) -> int:
-        """Waits for the record sent last; returns how many daemons hold it (0: none
-        pending). Raises LogError if it was not stored."""
-        if self._log_pending is None:
-            return 0
-        (step, future), self._log_pending = self._log_pending, None
-        try:
-            return future.result().copies
-        except grpc.RpcError as err:
-            raise LogError(f"step {step} was not logged: daemon {self.options.daemon}: "
-                           f"{err.code().name}: {err.details()}") from None
+        """Waits for every record sent so far; returns the fewest daemons holding one of
+        them (0: none pending). Raises LogError if one was not stored."""
+        with self._log_lock:
+            pending, self._log_pending = self._log_pending, []
+        copies, failed = [], []
+        for step, future in pending:
+            try:
+                copies.append(future.result().copies)
+            except grpc.RpcError as err:
+                failed.append(f"step {step}: {err.code().name}: {err.details()}")
+        if failed:
+            raise LogError(f"not logged by daemon {self.options.daemon}: {'; '.join(failed)}")
+        return min(copies, default=0)
 
     def read_log(self, after_step: int) -> tuple[list[tuple[int, bytes]], str]:
-        """(step, payload) records after ``after_step`` without gaps, and their source."""
-        try:
-            answer = self._stub.ReadLog(pb.ReadLogRequest(job=self.job, rank=self.rank,
-                                                          after_step=after_step),
-                                        timeout=self.options.restore_timeout_seconds)
-        except grpc.RpcError as err:
-            raise LogError(f"daemon {self.options.daemon}: {err.code().name}: "
-                           f"{err.details()}") from None
-        return [(r.step, r.payload) for r in answer.records], answer.source
+        """(step, payload) records after ``after_step`` without gaps, and their sources
+        (the daemon answers a page at a time)."""
+        records, sources = [], set()
+        while True:
+            try:
+                answer = self._stub.ReadLog(pb.ReadLogRequest(job=self.job, rank=self.rank,
+                                                              after_step=after_step),
+                                            timeout=self.options.restore_timeout_seconds)
+            except grpc.RpcError as err:
+                raise LogError(f"daemon {self.options.daemon}: {err.code().name}: "
+                               f"{err.details()}") from None
+            if not answer.records:
+                return records, ", ".join(sorted(sources)) or "memory"
+            records += [(r.step, r.payload) for r in answer.records]
+            sources.add(answer.source)
+            after_step = records[-1][0]
 
     def status(self) -> pb.JobStatus:
         response = self.call("Status", pb.StatusRequest(job=self.job))

@@ -64,6 +64,7 @@ class DataLoader:
         self._per_step = MICROBATCHES * config.microbatch_size
         self._mb = config.microbatch_size
         self._drawn: dict[int, list[int]] = {}
+        self._state_after: dict[int, dict] = {}  # the loader's state after drawing a step
         self._lock = threading.Lock()
 
     def record(self, step: int) -> bytes:
@@ -72,15 +73,17 @@ class DataLoader:
             if step not in self._drawn:
                 self._drawn[step] = self._rng.choice(len(self._tokens), self._per_step,
                                                      replace=False).tolist()
+                self._state_after[step] = self._rng.bit_generator.state
             return json.dumps({"step": step, "indices": self._drawn[step],
-                               "loader_state": self._rng.bit_generator.state}).encode()
+                               "loader_state": self._state_after[step]}).encode()
 
     def replay(self, records) -> None:
-        """Takes the logged steps' indices and the loader state after the last one."""
+        """Takes the logged steps' indices, and the loader's state after the last one."""
         with self._lock:
             for step, payload in records:
                 row = json.loads(payload)
                 self._drawn[step] = row["indices"]
+                self._state_after[step] = row["loader_state"]
                 self._rng.bit_generator.state = row["loader_state"]
 
     def batch(self, step: int, microbatch: int):
@@ -113,6 +116,7 @@ def train_main(args) -> int:
     modes = [DaemonSnapshots(args.daemon, JOB, s, STAGES, eager=False) if snapshotting
              else NoSnapshots() for s in range(STAGES)]
     progress = os.path.join(args.workdir, f"{args.run}.progress")
+    failing = args.run == "failing"
 
     first, replayed = 0, []
     if args.run.startswith("resume"):
@@ -128,8 +132,11 @@ def train_main(args) -> int:
             raise SystemExit(f"stages restored different steps: {restored}")
         first = restored[0] + 1
         if not args.without_log:
-            replayed = modes[0].client.read_log(restored[0])
-            loader.replay(replayed)
+            # From the restored step's own record: it holds the loader's state after
+            # that step, even when no later step was logged.
+            logged = modes[0].client.read_log(restored[0] - 1)
+            loader.replay(logged)
+            replayed = [(step, record) for step, record in logged if step > restored[0]]
         with open(os.path.join(args.workdir, f"{args.run}.json"), "w") as f:
             json.dump({"restored_step": restored[0],
                        "replayable": [step for step, _ in replayed]}, f)
@@ -144,7 +151,8 @@ def train_main(args) -> int:
             if args.die_after_replaying is not None and replayed and \
                     iteration == replayed[0][0] + args.die_after_replaying - 1:
                 die(f"SIGKILL after replaying {args.die_after_replaying} step(s)")
-            if args.fail_point == "after-commit" and iteration >= args.fail_at and stage == 0:
+            if failing and args.fail_point == "after-commit" and iteration >= args.fail_at \
+                    and stage == 0:
                 # the first acknowledged commit of the step before (fetched in this
                 # iteration's bubbles, acknowledged a moment later)
                 acked = modes[0].snap.commits_acknowledged
@@ -179,15 +187,10 @@ def train_main(args) -> int:
             self.mode.end_iteration(iteration, state)
 
         def bubble(self, position, receive, arrived=None):
-            if args.fail_point == "bubble" and self.stage == 0 and \
-                    self._iteration == args.fail_at:
-                polls = [0]
-
-                def arrived_then_die():
-                    polls[0] += 1
-                    if polls[0] == 3:  # three 1 MiB blocks into the fetch
-                        die(f"SIGKILL inside a bubble of step {args.fail_at}, mid-fetch")
-                    return arrived()
+            if failing and args.fail_point == "bubble" and self.stage == 0 and \
+                    self._iteration >= args.fail_at:
+                def arrived_then_die():  # polled between the fetch's 1 MiB blocks
+                    die(f"SIGKILL inside a bubble of step {self._iteration}, mid-fetch")
                 return self.mode.bubble(position, receive, arrived_then_die)
             return self.mode.bubble(position, receive, arrived)
 

@@ -81,4 +81,5 @@ class PeerServicer:
     def ReadLogReplica(self, request, context):
         return pb.ReadLogResponse(records=[
             pb.LogRecord(step=step, payload=payload)
-            for step, payload in self._logs.read(request.job, request.rank, request.after_step)])
+            for step, payload in self._logs.held_after(request.job, request.rank,
+                                                       request.after_step)])

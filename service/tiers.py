@@ -97,25 +97,35 @@ class Tiers:
         daemon and every peer (a replacement host starts empty; records may have
         gone to different peers while one was down). A step held in several
         places is the same record: this daemon's copy wins."""
-        local = self._logs.read(job, rank, after_step)
         if self._group is None:
-            return local, "memory"
-        merged = {}
-        sources = {}
-        request = pb.ReadLogRequest(job=job, rank=rank, after_step=after_step)
+            return self._logs.read(job, rank, after_step), "memory"
+        merged, sources = {}, {}
         for index in reversed(self._group.others()):
             try:
-                answer = self._group.call(index, "ReadLogReplica", request)
-            except grpc.RpcError:
-                continue
-            for r in answer.records:
-                merged[r.step] = r.payload
-                sources[r.step] = f"peer {self._group.address(index)}"
-        for step, payload in local:
+                for step, payload in self._peer_records(index, job, rank, after_step):
+                    merged[step] = payload
+                    sources[step] = f"peer {self._group.address(index)}"
+            except grpc.RpcError as err:
+                log.warning("peer %d did not answer for the log of rank %d of %s: %s; the "
+                            "records it holds are missing from this read", index, rank, job,
+                            err.code().name)
+        for step, payload in self._logs.held_after(job, rank, after_step, max_bytes=1 << 62):
             merged[step], sources[step] = payload, "memory"
         found = training_log.contiguous(merged, after_step)
+        found = training_log.prefix(found, training_log.READ_BYTES)
         used = sorted({sources[step] for step, _ in found}) or ["memory"]
         return found, ", ".join(used)
+
+    def _peer_records(self, index: int, job: str, rank: int, after_step: int):
+        """Every record a peer holds after ``after_step``, asked for a page at a time."""
+        while True:
+            answer = self._group.call(index, "ReadLogReplica", pb.ReadLogRequest(
+                job=job, rank=rank, after_step=after_step))
+            if not answer.records:
+                return
+            for r in answer.records:
+                yield r.step, r.payload
+            after_step = answer.records[-1].step
 
     def copies(self, job: str) -> dict[tuple[int, int], int]:
         """(rank, step) -> copies in the group's memory (1 for a lone daemon's own)."""

@@ -2,13 +2,14 @@
 
 A record says what redoing its step exactly needs (the batch's identity, RNG
 keys, a data-loader position); the daemon never reads it. Records live in
-the daemon's memory beside the snapshots and are pushed to the same peers
-(replicator.py), so after a crash the trainer restores a snapshot and
+the daemon's memory beside the snapshots and are handed to the same peers
+before a record is acknowledged (tiers.py), so after a crash the trainer restores a snapshot and
 replays the logged steps after it up to the failure point (TranLogs).
 Memory is bounded per rank: the oldest records go first.
 """
 
 import dataclasses
+import heapq
 import threading
 
 from bubblesnap.service import layout as layout_lib
@@ -23,11 +24,16 @@ class LogOptions:
       max_record_bytes: largest record accepted. Default 64 KiB: a record
         names data, it does not carry it.
       max_rank_bytes: records kept per rank; the oldest are dropped beyond
-        it. Default 64 MiB (a million steps of 64-byte records).
+        it (each record is charged its payload plus 64 bytes). Default 64 MiB.
     """
 
     max_record_bytes: int = 64 << 10
     max_rank_bytes: int = 64 << 20
+
+
+#: Bytes of records one ReadLog answer carries at most; readers ask again after
+#: the last step they got (gRPC messages are capped).
+READ_BYTES = 8 << 20
 
 
 class TrainingLogs:
@@ -37,6 +43,7 @@ class TrainingLogs:
         self.options = options
         self._logs: dict[tuple[str, int], dict[int, bytes]] = {}
         self._bytes: dict[tuple[str, int], int] = {}
+        self._order: dict[tuple[str, int], list[int]] = {}  # a heap of steps, oldest first
         self._lock = threading.Lock()
 
     def append(self, job: str, rank: int, records) -> int:
@@ -54,35 +61,63 @@ class TrainingLogs:
         key = (job, rank)
         with self._lock:
             log = self._logs.setdefault(key, {})
+            order = self._order.setdefault(key, [])
             size = self._bytes.get(key, 0)
             for step, payload in records:
-                size += len(payload) - len(log.get(step, b""))
+                if step in log:
+                    size -= _cost(log[step])
                 log[step] = bytes(payload)
-            for step in sorted(log):
-                if size <= self.options.max_rank_bytes:
-                    break
-                size -= len(log.pop(step))
+                size += _cost(payload)
+                heapq.heappush(order, step)
+            while size > self.options.max_rank_bytes and order:
+                oldest = heapq.heappop(order)
+                if oldest in log:  # a step logged twice sits in the heap twice
+                    size -= _cost(log.pop(oldest))
             self._bytes[key] = size
             return max(log, default=-1)
 
-    def read(self, job: str, rank: int, after_step: int) -> list[tuple[int, bytes]]:
-        """The records of steps after ``after_step``, up to the first missing step."""
+    def read(self, job: str, rank: int, after_step: int,
+             max_bytes: int = READ_BYTES) -> list[tuple[int, bytes]]:
+        """The records of steps after ``after_step``, up to the first missing step, at
+        most about ``max_bytes`` of them (read again after the last one for more)."""
+        return prefix(contiguous(self._copy(job, rank, after_step), after_step), max_bytes)
+
+    def held_after(self, job: str, rank: int, after_step: int,
+                   max_bytes: int = READ_BYTES) -> list[tuple[int, bytes]]:
+        """Every record of a step after ``after_step``, gaps and all, oldest first (what a
+        peer answers: the reader merges several peers' records before it looks for gaps)."""
+        held = self._copy(job, rank, after_step)
+        return prefix(sorted(held.items()), max_bytes)
+
+    def forget(self, job: str) -> None:
+        with self._lock:
+            for key in [k for k in self._logs if k[0] == job]:
+                del self._logs[key], self._bytes[key], self._order[key]
+
+    def _copy(self, job: str, rank: int, after_step: int) -> dict[int, bytes]:
         layout_lib.check_job_name(job)
         layout_lib.check_rank(rank)
         if after_step < -1:
             raise InvalidArgument(f"after_step {after_step}: -1 reads the log from step 0")
         with self._lock:
-            return contiguous(self._logs.get((job, rank), {}), after_step)
+            return {s: p for s, p in self._logs.get((job, rank), {}).items() if s > after_step}
 
-    def forget(self, job: str) -> None:
-        with self._lock:
-            for key in [k for k in self._logs if k[0] == job]:
-                del self._logs[key]
-                del self._bytes[key]
 
-    def bytes_held(self) -> int:
-        with self._lock:
-            return sum(self._bytes.values())
+def _cost(payload: bytes) -> int:
+    """Bytes a record is charged: its payload and a fixed share for the bookkeeping, so
+    empty records are bounded too."""
+    return len(payload) + 64
+
+
+def prefix(records, max_bytes: int) -> list[tuple[int, bytes]]:
+    """The first records that fit ``max_bytes`` (at least one)."""
+    found, total = [], 0
+    for step, payload in records:
+        total += _cost(payload)
+        if found and total > max_bytes:
+            break
+        found.append((step, payload))
+    return found
 
 
 def contiguous(records: dict[int, bytes], after_step: int) -> list[tuple[int, bytes]]:

@@ -58,3 +58,25 @@ def test_log_survives_the_loss_of_its_host(start_ring):
     records, source = fresh._session.read_log(step)
     assert records == [(s, record(1, s)) for s in range(2, 5)]
     assert source.startswith("peer ") and ring.peers[1] not in source
+
+
+def test_a_long_log_is_read_back_whole_in_pages(daemon):
+    c = NumpyClient("paged", options=ClientOptions(daemon=daemon.address))
+    payloads = [bytes([s % 251]) * (60 << 10) for s in range(200)]  # 12 MB, > any one answer
+    for step, payload in enumerate(payloads):
+        c.log(step, payload)
+    assert c.wait_log() == 1
+    assert c.read_log(-1) == list(enumerate(payloads))
+
+
+def test_peers_answer_every_record_and_the_reader_finds_the_gaps():
+    from bubblesnap.service.training_log import LogOptions, TrainingLogs, contiguous
+    one, two = TrainingLogs(), TrainingLogs()
+    one.append("j", 0, [(s, b"a") for s in (1, 2, 3, 6, 7)])  # down while 4 and 5 were logged
+    two.append("j", 0, [(4, b"a"), (5, b"a")])
+    held = dict(one.held_after("j", 0, 0)) | dict(two.held_after("j", 0, 0))
+    assert [s for s, _ in contiguous(held, 0)] == [1, 2, 3, 4, 5, 6, 7]
+    assert [s for s, _ in one.read("j", 0, 0)] == [1, 2, 3]
+    small = TrainingLogs(LogOptions(max_rank_bytes=64 * 10))
+    small.append("j", 0, [(s, b"") for s in range(100)])  # empty records cost bookkeeping too
+    assert [s for s, _ in small.held_after("j", 0, -1)] == list(range(90, 100))

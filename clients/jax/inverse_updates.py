@@ -9,8 +9,11 @@ computes its previous state instead of loading a snapshot.
 Inversion is exact in real numbers and close in floating point: each
 function returns the recovered state and ``check_undo`` re-applies the
 update to it and measures how far that lands from the state it started
-from. When the error passes a bound (or the optimizer has no inverse here),
-fall back to the snapshot and the training log.
+from: the rounding error of the undo. When it passes a bound (or the
+optimizer has no inverse here), fall back to the snapshot and the training
+log. The check cannot tell a wrong gradient: undoing with any gradient and
+redoing with the same one lands back where it started, so the gradient must
+be the one the update used (the all-reduced gradient every replica holds).
 
 The functions work on optax's own states: ``optax.sgd(lr, momentum)``
 (``(TraceState, EmptyState)``) and ``optax.adamw(...)`` / ``optax.adam``
