@@ -135,11 +135,13 @@ class PeerGroup:
         return answer
 
     def ring_order_live_first(self) -> list[int]:
-        """The other daemons in ring order, those that answered last time first (a
-        peer missed while it started is still tried, after them)."""
+        """The other daemons in ring order, those that answered last time first; then
+        those that missed a call but are not dead yet (a peer starting up). Dead
+        ones are left out: a blackholed host would cost a deadline per call."""
         ring = group_view.successors(self.index, self.size, set(range(self.size)), self.size)
-        live = self.live()
-        return [i for i in ring if i in live] + [i for i in ring if i not in live]
+        live, not_dead = self.live(), self.not_dead()
+        return [i for i in ring if i in live] + [i for i in ring
+                                                 if i not in live and i in not_dead]
 
     def announce(self) -> None:
         """Tells every peer where this daemon is (a replacement host has a new address)."""
