@@ -176,6 +176,13 @@ class DurableTier:
         except (OSError, ValueError) as err:
             raise DataLoss(f"{path}.json is unreadable: {err}") from err
 
+    def _written_slots(self, path: str) -> list[int] | None:
+        """Slot checksums of the copy written at ``path``; None if none is readable."""
+        try:
+            return self._meta(path).get("slot_checksums")
+        except DaemonError:
+            return None
+
     def load(self, job: str, rank: int, step: int, layout):
         """Reads a written rank and cuts it into ``layout``'s shards.
 
@@ -242,7 +249,7 @@ class DurableTier:
         job, rank, step = pinned.job, pinned.rank, pinned.step
         path = rank_path(self.options.directory, job, step, rank)
         try:
-            if _written_slots(path) == list(pinned.checksums):
+            if self._written_slots(path) == list(pinned.checksums):
                 return  # this very copy is on disk already
             arrays = _assemble(pinned)
         finally:
@@ -292,14 +299,6 @@ class DurableTier:
                 os.rmdir(os.path.dirname(path))  # the last rank out removes the step
             except OSError:
                 pass
-
-
-def _written_slots(path: str) -> list[int] | None:
-    try:
-        with open(path + ".json") as f:
-            return json.load(f).get("slot_checksums")
-    except (OSError, ValueError):
-        return None
 
 
 def _assemble(pinned) -> dict[str, np.ndarray]:

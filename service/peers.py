@@ -134,11 +134,15 @@ class PeerGroup:
         self._mark(index, alive=True)
         return answer
 
+    def ring(self) -> list[int]:
+        """Every other daemon, in ring order from this one."""
+        return group_view.successors(self.index, self.size, set(range(self.size)), self.size)
+
     def ring_order_live_first(self) -> list[int]:
         """The other daemons in ring order, those that answered last time first; then
         those that missed a call but are not dead yet (a peer starting up). Dead
         ones are left out: a blackholed host would cost a deadline per call."""
-        ring = group_view.successors(self.index, self.size, set(range(self.size)), self.size)
+        ring = self.ring()
         live, not_dead = self.live(), self.not_dead()
         return [i for i in ring if i in live] + [i for i in ring
                                                  if i not in live and i in not_dead]

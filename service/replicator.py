@@ -88,7 +88,10 @@ class Replicator:
                 job = self._queue.get(timeout=timeout)
             except queue.Empty:
                 job = ""
-            if job is None:
+            jobs = {job}
+            while not self._queue.empty():  # several commits, one round of peer calls
+                jobs.add(self._queue.get_nowait())
+            if None in jobs:
                 return
             try:
                 for job_, rank, step in self._take_waiting():
@@ -96,8 +99,9 @@ class Replicator:
                 if time.monotonic() >= next_refresh:  # every job, re-replication too
                     self._refresh(None)
                     next_refresh = time.monotonic() + self._group.options.refresh_seconds
-                elif job:  # just what this job's new commits changed
-                    self._refresh(job)
+                else:  # just what these jobs' new commits changed
+                    for job_ in sorted(jobs - {""}):
+                        self._refresh(job_)
             except Exception:  # a bug must not end replication for good
                 log.exception("replication round failed")
 
@@ -112,11 +116,8 @@ class Replicator:
         # The next k daemons that answer, in ring order. One believed dead is
         # asked first with a short call: daemons start one after another, and a
         # peer missed at startup must not lose its place in the ring.
-        everyone = set(range(self._group.size))
-        ring = group_view.successors(self._group.index, self._group.size, everyone,
-                                     self._group.size)
         acked = 0
-        for target in ring:
+        for target in self._group.ring():
             if acked == self._group.options.replicas:
                 return
             if target not in self._group.live() and not self._probe(target, job):

@@ -109,7 +109,7 @@ class Tiers:
                 log.warning("peer %d did not answer for the log of rank %d of %s: %s; the "
                             "records it holds are missing from this read", index, rank, job,
                             err.code().name)
-        for step, payload in self._logs.held_after(job, rank, after_step, max_bytes=1 << 62):
+        for step, payload in self._logs.held_after(job, rank, after_step, max_bytes=None):
             merged[step], sources[step] = payload, "memory"
         found = training_log.contiguous(merged, after_step)
         found = training_log.prefix(found, training_log.READ_BYTES)

@@ -83,9 +83,10 @@ class TrainingLogs:
         return prefix(contiguous(self._copy(job, rank, after_step), after_step), max_bytes)
 
     def held_after(self, job: str, rank: int, after_step: int,
-                   max_bytes: int = READ_BYTES) -> list[tuple[int, bytes]]:
+                   max_bytes: int | None = READ_BYTES) -> list[tuple[int, bytes]]:
         """Every record of a step after ``after_step``, gaps and all, oldest first (what a
-        peer answers: the reader merges several peers' records before it looks for gaps)."""
+        peer answers: the reader merges several peers' records before it looks for gaps);
+        ``max_bytes=None``: all of them."""
         held = self._copy(job, rank, after_step)
         return prefix(sorted(held.items()), max_bytes)
 
@@ -109,8 +110,10 @@ def _cost(payload: bytes) -> int:
     return len(payload) + 64
 
 
-def prefix(records, max_bytes: int) -> list[tuple[int, bytes]]:
-    """The first records that fit ``max_bytes`` (at least one)."""
+def prefix(records, max_bytes: int | None) -> list[tuple[int, bytes]]:
+    """The first records that fit ``max_bytes`` (at least one); None: all."""
+    if max_bytes is None:
+        return list(records)
     found, total = [], 0
     for step, payload in records:
         total += _cost(payload)
