@@ -91,6 +91,7 @@ class DurableTier:
         self._queue: queue.Queue = queue.Queue()  # wake-ups; the work is in _waiting
         # (job, rank) -> step -> its copy, pinned so retention cannot free it first
         self._waiting: dict[tuple[str, int], dict[int, object]] = {}
+        self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._last_write: dict[tuple[str, int], float] = {}
         self._thread = threading.Thread(target=self._run, name="durable", daemon=True)
@@ -102,13 +103,18 @@ class DurableTier:
         self._thread.start()
 
     def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=60)
+        """Finishes the write in progress, drops the ones still waiting."""
+        self._stopping.set()
         with self._lock:
             waiting, self._waiting = self._waiting, {}
         for copies in waiting.values():
             for pinned in copies.values():
                 self._store.unpin(pinned)
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            log.warning("durable: a write is still running at shutdown; its directory stays "
+                        "unfinished (no .json) and is ignored")
 
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here; write it if the policy says so."""
@@ -237,8 +243,10 @@ class DurableTier:
             for (job, rank), copies in sorted(waiting.items()):
                 chosen = group_view.roundest(copies)
                 for step, pinned in copies.items():
-                    if step != chosen:
+                    if step != chosen or self._stopping.is_set():
                         self._store.unpin(pinned)
+                if self._stopping.is_set():
+                    continue
                 try:
                     self._write(copies[chosen])
                 except Exception:

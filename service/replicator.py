@@ -88,10 +88,7 @@ class Replicator:
                 job = self._queue.get(timeout=timeout)
             except queue.Empty:
                 job = ""
-            jobs = {job}
-            while not self._queue.empty():  # several commits, one round of peer calls
-                jobs.add(self._queue.get_nowait())
-            if None in jobs:
+            if job is None:
                 return
             try:
                 for job_, rank, step in self._take_waiting():
@@ -99,9 +96,8 @@ class Replicator:
                 if time.monotonic() >= next_refresh:  # every job, re-replication too
                     self._refresh(None)
                     next_refresh = time.monotonic() + self._group.options.refresh_seconds
-                else:  # just what these jobs' new commits changed
-                    for job_ in sorted(jobs - {""}):
-                        self._refresh(job_)
+                elif job:  # just what this job's new commits changed
+                    self._refresh(job)
             except Exception:  # a bug must not end replication for good
                 log.exception("replication round failed")
 
