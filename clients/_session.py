@@ -295,9 +295,10 @@ class Session:
 
     # -- training log ---------------------------------------------------------
 
-    def log(self, step: int, payload: bytes) -> None:
-        """Sends one record; :meth:`wait_log` collects the answers. Thread-safe."""
-        request = pb.AppendLogRequest(job=self.job, rank=self.rank,
+    def log(self, step: int, payload: bytes, stream: str = "") -> None:
+        """Sends one record to the training log ("") or a boundary ``stream``;
+        :meth:`wait_log` collects the answers. Thread-safe."""
+        request = pb.AppendLogRequest(job=self.job, rank=self.rank, stream=stream,
                                       records=[pb.LogRecord(step=step, payload=payload)])
         future = self._stub.AppendLog.future(request, timeout=self.options.rpc_timeout_seconds)
         with self._log_lock:
@@ -318,14 +319,15 @@ class Session:
             raise LogError(f"not logged by daemon {self.options.daemon}: {'; '.join(failed)}")
         return min(copies, default=0)
 
-    def read_log(self, after_step: int) -> tuple[list[tuple[int, bytes]], str]:
+    def read_log(self, after_step: int, stream: str = "") -> tuple[list[tuple[int, bytes]], str]:
         """(step, payload) records after ``after_step`` without gaps, and their sources
         (the daemon answers a page at a time)."""
         records, sources = [], set()
         while True:
             try:
                 answer = self._stub.ReadLog(pb.ReadLogRequest(job=self.job, rank=self.rank,
-                                                              after_step=after_step),
+                                                              after_step=after_step,
+                                                              stream=stream),
                                             timeout=self.options.restore_timeout_seconds)
             except grpc.RpcError as err:
                 raise LogError(f"daemon {self.options.daemon}: {err.code().name}: "

@@ -49,17 +49,17 @@ class NumpyClient:
             t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape)).copy()
             for i, t in enumerate(raw.tensors)}
 
-    def log(self, step: int, payload: bytes) -> None:
+    def log(self, step: int, payload: bytes, stream: str = "") -> None:
         """Records what redoing ``step`` needs; see SnapshotClient.log."""
-        self._session.log(step, payload)
+        self._session.log(step, payload, stream)
 
     def wait_log(self) -> int:
         """Waits for the last record; see SnapshotClient.wait_log."""
         return self._session.wait_log()
 
-    def read_log(self, after_step: int) -> list[tuple[int, bytes]]:
+    def read_log(self, after_step: int, stream: str = "") -> list[tuple[int, bytes]]:
         """Logged records after ``after_step``; see SnapshotClient.read_log."""
-        return self._session.read_log(after_step)[0]
+        return self._session.read_log(after_step, stream)[0]
 
     def status(self) -> pb.JobStatus:
         return self._session.status()

@@ -463,14 +463,16 @@ class LogRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class AppendLogRequest(_message.Message):
-    __slots__ = ("job", "rank", "records")
+    __slots__ = ("job", "rank", "records", "stream")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     records: _containers.RepeatedCompositeFieldContainer[LogRecord]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., records: _Optional[_Iterable[_Union[LogRecord, _Mapping]]] = ...) -> None: ...
+    stream: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., records: _Optional[_Iterable[_Union[LogRecord, _Mapping]]] = ..., stream: _Optional[str] = ...) -> None: ...
 
 class AppendLogResponse(_message.Message):
     __slots__ = ("last_step", "copies")
@@ -481,14 +483,16 @@ class AppendLogResponse(_message.Message):
     def __init__(self, last_step: _Optional[int] = ..., copies: _Optional[int] = ...) -> None: ...
 
 class ReadLogRequest(_message.Message):
-    __slots__ = ("job", "rank", "after_step")
+    __slots__ = ("job", "rank", "after_step", "stream")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     after_step: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., after_step: _Optional[int] = ...) -> None: ...
+    stream: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., after_step: _Optional[int] = ..., stream: _Optional[str] = ...) -> None: ...
 
 class ReadLogResponse(_message.Message):
     __slots__ = ("records", "source")

@@ -132,12 +132,14 @@ class DaemonServicer:
     @rpc_errors
     def AppendLog(self, request, context):
         last, copies = self._tiers.append_log(request.job, request.rank,
-                                              [(r.step, r.payload) for r in request.records])
+                                              [(r.step, r.payload) for r in request.records],
+                                              request.stream)
         return pb.AppendLogResponse(last_step=last, copies=copies)
 
     @rpc_errors
     def ReadLog(self, request, context):
-        records, source = self._tiers.read_log(request.job, request.rank, request.after_step)
+        records, source = self._tiers.read_log(request.job, request.rank, request.after_step,
+                                               request.stream)
         return pb.ReadLogResponse(records=[pb.LogRecord(step=s, payload=p) for s, p in records],
                                   source=source)
 

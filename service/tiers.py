@@ -73,12 +73,15 @@ class Tiers:
         if self._durable is not None:
             self._durable.committed(job, rank, step)
 
-    def append_log(self, job: str, rank: int, records) -> tuple[int, int]:
-        """Logs records here and at the next ``--replicas`` peers before answering, so
-        they survive this host. Returns (newest step held, daemons holding them)."""
-        last = self._logs.append(job, rank, records)
+    def append_log(self, job: str, rank: int, records,
+                   stream: str = training_log.TRAINING) -> tuple[int, int]:
+        """Logs records here and, for the training log, at the next ``--replicas`` peers
+        before answering, so they survive this host (boundary logs stay here: the
+        failed stage's inputs were logged by its surviving neighbours). Returns
+        (newest step held, daemons holding them)."""
+        last = self._logs.append(job, rank, records, stream)
         copies = 1
-        if self._group is not None:
+        if self._group is not None and stream == training_log.TRAINING:
             request = ppb.LogReplicaRequest(job=job, rank=rank, records=[
                 pb.LogRecord(step=s, payload=p) for s, p in records])
             for target in self._group.ring_order_live_first():
@@ -92,13 +95,14 @@ class Tiers:
                                 target, rank, job, err.code().name)
         return last, copies
 
-    def read_log(self, job: str, rank: int, after_step: int) -> tuple[list, str]:
-        """The rank's records after ``after_step``, without gaps, gathered from this
-        daemon and every peer (a replacement host starts empty; records may have
-        gone to different peers while one was down). A step held in several
-        places is the same record: this daemon's copy wins."""
-        if self._group is None:
-            return self._logs.read(job, rank, after_step), "memory"
+    def read_log(self, job: str, rank: int, after_step: int,
+                 stream: str = training_log.TRAINING) -> tuple[list, str]:
+        """The rank's records after ``after_step``, without gaps. Training-log records
+        are gathered from this daemon and every peer (a replacement host starts
+        empty; records may have gone to different peers while one was down); a
+        step held in several places is the same record: this daemon's copy wins."""
+        if self._group is None or stream != training_log.TRAINING:
+            return self._logs.read(job, rank, after_step, stream=stream), "memory"
         merged, sources = {}, {}
         for index in reversed(self._group.others()):
             try:

@@ -1,15 +1,24 @@
-"""Training logs: per job and rank, one small opaque record per step.
+"""Training logs and boundary logs: per job, rank and stream, one opaque record per step.
 
-A record says what redoing its step exactly needs (the batch's identity, RNG
-keys, a data-loader position); the daemon never reads it. Records live in
-the daemon's memory beside the snapshots and are handed to the same peers
-before a record is acknowledged (tiers.py), so after a crash the trainer restores a snapshot and
-replays the logged steps after it up to the failure point (TranLogs).
-Memory is bounded per rank: the oldest records go first.
+The training log (stream "") says what redoing a step exactly needs (the
+batch's identity, RNG keys, a data-loader position); the daemon never reads
+it. Its records live in the daemon's memory beside the snapshots and are
+handed to the same peers before a record is acknowledged (tiers.py), so
+after a crash the trainer restores a snapshot and replays the logged steps
+after it up to the failure point (TranLogs).
+
+Boundary logs (any other stream name) hold the tensors a pipeline stage sent
+to a neighbour, one stream per kind and microbatch (Swift): when one stage
+fails, it alone restores and replays with its inputs read from here. They
+are larger and stay on the sender's host: the failed stage's inputs were
+logged by its surviving neighbours.
+
+Memory is bounded per log: the oldest records go first.
 """
 
 import dataclasses
 import heapq
+import re
 import threading
 
 from bubblesnap.service import layout as layout_lib
@@ -23,12 +32,26 @@ class LogOptions:
     Attributes:
       max_record_bytes: largest record accepted. Default 64 KiB: a record
         names data, it does not carry it.
-      max_rank_bytes: records kept per rank; the oldest are dropped beyond
-        it (each record is charged its payload plus 64 bytes). Default 64 MiB.
+      max_rank_bytes: training-log records kept per rank; the oldest are
+        dropped beyond it (each record is charged its payload plus 64 bytes).
+        Default 64 MiB.
+      max_boundary_record_bytes: largest record of a boundary stream (one
+        microbatch's activation or gradient). Default 16 MiB.
+      max_boundary_stream_bytes: records kept per boundary stream, oldest
+        dropped first. Default 256 MiB: replay needs the steps since the
+        last snapshot, a few dozen records.
     """
 
     max_record_bytes: int = 64 << 10
     max_rank_bytes: int = 64 << 20
+    max_boundary_record_bytes: int = 16 << 20
+    max_boundary_stream_bytes: int = 256 << 20
+
+
+#: The training log's stream name; every other name is a boundary log.
+TRAINING = ""
+
+_STREAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,63}")
 
 
 #: Bytes of records one ReadLog answer carries at most; readers ask again after
@@ -41,24 +64,28 @@ class TrainingLogs:
 
     def __init__(self, options: LogOptions = LogOptions()):
         self.options = options
-        self._logs: dict[tuple[str, int], dict[int, bytes]] = {}
-        self._bytes: dict[tuple[str, int], int] = {}
-        self._order: dict[tuple[str, int], list[int]] = {}  # a heap of steps, oldest first
+        self._logs: dict[tuple[str, int, str], dict[int, bytes]] = {}
+        self._bytes: dict[tuple[str, int, str], int] = {}
+        self._order: dict[tuple[str, int, str], list[int]] = {}  # steps, a heap, oldest first
         self._lock = threading.Lock()
 
-    def append(self, job: str, rank: int, records) -> int:
+    def append(self, job: str, rank: int, records, stream: str = TRAINING) -> int:
         """Adds ``(step, payload)`` records (a step logged again is replaced: a replayed
         step logs what it logged before). Returns the newest step held."""
-        layout_lib.check_job_name(job)
-        layout_lib.check_rank(rank)
+        key = _key(job, rank, stream)
         records = list(records)
+        limit = (self.options.max_record_bytes if stream == TRAINING
+                 else self.options.max_boundary_record_bytes)
         for step, payload in records:
             layout_lib.check_step(step)
-            if len(payload) > self.options.max_record_bytes:
+            if len(payload) > limit:
                 raise InvalidArgument(
-                    f"the log record of step {step} has {len(payload)} bytes; at most "
-                    f"{self.options.max_record_bytes}: log what identifies the data, not the data")
-        key = (job, rank)
+                    f"the record of step {step} in log {stream or 'training'!r} has "
+                    f"{len(payload)} bytes; at most {limit}" + (
+                        ": log what identifies the data, not the data" if stream == TRAINING
+                        else ": split the tensor over several streams"))
+        budget = (self.options.max_rank_bytes if stream == TRAINING
+                  else self.options.max_boundary_stream_bytes)
         with self._lock:
             log = self._logs.setdefault(key, {})
             order = self._order.setdefault(key, [])
@@ -69,25 +96,26 @@ class TrainingLogs:
                 log[step] = bytes(payload)
                 size += _cost(payload)
                 heapq.heappush(order, step)
-            while size > self.options.max_rank_bytes and order:
+            while size > budget and order:
                 oldest = heapq.heappop(order)
                 if oldest in log:  # a step logged twice sits in the heap twice
                     size -= _cost(log.pop(oldest))
             self._bytes[key] = size
             return max(log, default=-1)
 
-    def read(self, job: str, rank: int, after_step: int,
-             max_bytes: int = READ_BYTES) -> list[tuple[int, bytes]]:
+    def read(self, job: str, rank: int, after_step: int, max_bytes: int = READ_BYTES,
+             stream: str = TRAINING) -> list[tuple[int, bytes]]:
         """The records of steps after ``after_step``, up to the first missing step, at
         most about ``max_bytes`` of them (read again after the last one for more)."""
-        return prefix(contiguous(self._copy(job, rank, after_step), after_step), max_bytes)
+        return prefix(contiguous(self._copy(job, rank, after_step, stream), after_step),
+                      max_bytes)
 
     def held_after(self, job: str, rank: int, after_step: int,
                    max_bytes: int | None = READ_BYTES) -> list[tuple[int, bytes]]:
-        """Every record of a step after ``after_step``, gaps and all, oldest first (what a
-        peer answers: the reader merges several peers' records before it looks for gaps);
-        ``max_bytes=None``: all of them."""
-        held = self._copy(job, rank, after_step)
+        """Every training-log record of a step after ``after_step``, gaps and all, oldest
+        first (what a peer answers: the reader merges several peers' records before it
+        looks for gaps); ``max_bytes=None``: all of them."""
+        held = self._copy(job, rank, after_step, TRAINING)
         return prefix(sorted(held.items()), max_bytes)
 
     def forget(self, job: str) -> None:
@@ -95,13 +123,22 @@ class TrainingLogs:
             for key in [k for k in self._logs if k[0] == job]:
                 del self._logs[key], self._bytes[key], self._order[key]
 
-    def _copy(self, job: str, rank: int, after_step: int) -> dict[int, bytes]:
-        layout_lib.check_job_name(job)
-        layout_lib.check_rank(rank)
+    def _copy(self, job: str, rank: int, after_step: int, stream: str) -> dict[int, bytes]:
+        key = _key(job, rank, stream)
         if after_step < -1:
             raise InvalidArgument(f"after_step {after_step}: -1 reads the log from step 0")
         with self._lock:
-            return {s: p for s, p in self._logs.get((job, rank), {}).items() if s > after_step}
+            return {s: p for s, p in self._logs.get(key, {}).items() if s > after_step}
+
+
+def _key(job: str, rank: int, stream: str) -> tuple[str, int, str]:
+    layout_lib.check_job_name(job)
+    layout_lib.check_rank(rank)
+    if stream != TRAINING and not _STREAM_NAME.fullmatch(stream):
+        raise InvalidArgument(
+            f"log stream {stream!r} is not allowed: use 1-64 characters from "
+            "A-Z a-z 0-9 . _ / - starting with a letter or digit (\"\" is the training log)")
+    return job, rank, stream
 
 
 def _cost(payload: bytes) -> int:

@@ -80,3 +80,38 @@ def test_peers_answer_every_record_and_the_reader_finds_the_gaps():
     small = TrainingLogs(LogOptions(max_rank_bytes=64 * 10))
     small.append("j", 0, [(s, b"") for s in range(100)])  # empty records cost bookkeeping too
     assert [s for s, _ in small.held_after("j", 0, -1)] == list(range(90, 100))
+
+
+def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring):
+    ring = start_ring(2, "--replicas", "1")
+    sender = client(ring.daemons[0], 0)
+    activation = bytes(range(256)) * 512  # 128 KiB: more than a training-log record may hold
+    for step in range(3):
+        sender.log(step, record(0, step))
+        sender.log(step, activation + bytes([step]), stream="act/mb0")
+        sender.log(step, b"grad" + bytes([step]), stream="grad/mb0")
+    assert sender.wait_log() == 1  # the boundary records: this host only
+    assert sender.read_log(-1, stream="act/mb0") == [(s, activation + bytes([s]))
+                                                     for s in range(3)]
+    assert sender.read_log(0, stream="grad/mb0") == [(1, b"grad\x01"), (2, b"grad\x02")]
+    assert sender.read_log(-1) == [(s, record(0, s)) for s in range(3)]
+    # the peer holds the training log, not the boundary streams
+    ring.daemons[0].kill()
+    assert client(ring.daemons[1], 0).read_log(-1, stream="act/mb0") == []
+    assert [s for s, _ in client(ring.daemons[1], 0).read_log(-1)] == [0, 1, 2]
+
+
+def test_bad_boundary_records_are_refused_and_nothing_is_lost(daemon):
+    c = NumpyClient("bounded", options=ClientOptions(daemon=daemon.address))
+    c.log(0, b"kept", stream="act/mb0")
+    c.wait_log()
+    c.log(1, b"x" * ((16 << 20) + 1), stream="act/mb0")
+    with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*'act/mb0'.*at most 16777216"):
+        c.wait_log()
+    for bad in ("../up", "/abs", "a" * 65, "sp ace"):
+        c.log(1, b"x", stream=bad)
+        with pytest.raises(LogError, match="INVALID_ARGUMENT.*log stream"):
+            c.wait_log()
+    with pytest.raises(LogError, match="INVALID_ARGUMENT.*log stream"):
+        c.read_log(-1, stream="../up")
+    assert c.read_log(-1, stream="act/mb0") == [(0, b"kept")]

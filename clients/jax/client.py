@@ -102,7 +102,7 @@ class SnapshotClient:
         state = jax.tree_util.tree_unflatten(treedef, arrays)
         return Restored(raw.step, state, time.perf_counter() - started, raw.source)
 
-    def log(self, step: int, payload: bytes) -> None:
+    def log(self, step: int, payload: bytes, stream: str = "") -> None:
         """Records what redoing ``step`` needs (batch identity, RNG key, data-loader
         position; a few bytes, at most 64 KiB). Call it as the step begins.
 
@@ -110,18 +110,23 @@ class SnapshotClient:
         its ``--replicas`` peers while the step computes. Call
         :meth:`wait_log` when the step ends: a step counts as done only once
         its record is held, since a step that is not logged cannot be replayed.
+
+        A named ``stream`` is a boundary log instead: a tensor this pipeline
+        stage sent to a neighbour (one stream per kind and microbatch, up to
+        16 MiB a record), kept by the local daemon only, so that a failed
+        neighbour can replay alone with its inputs read back from here.
         """
-        self._session.log(step, payload)
+        self._session.log(step, payload, stream)
 
     def wait_log(self) -> int:
         """Waits for the last record; returns how many daemons hold it. Raises
         :class:`LogError` when the daemon refused it or could not be reached."""
         return self._session.wait_log()
 
-    def read_log(self, after_step: int) -> list[tuple[int, bytes]]:
+    def read_log(self, after_step: int, stream: str = "") -> list[tuple[int, bytes]]:
         """The logged ``(step, payload)`` records after ``after_step`` (the restored
         step), in order and without gaps: the steps to replay after a restore."""
-        return self._session.read_log(after_step)[0]
+        return self._session.read_log(after_step, stream)[0]
 
     def status(self):
         """This job's status as the daemon reports it (a ``JobStatus`` message)."""
