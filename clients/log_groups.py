@@ -69,15 +69,19 @@ def _merges(boundary_bytes, stage_seconds, microbatches: int, budget_bytes: int)
     groups = [(s,) for s in range(stages)]
     plans = [_plan(groups, boundary_bytes, stage_seconds, microbatches)]
     while plans[-1].log_bytes_per_step > budget_bytes and len(groups) > 1:
-        def cost(i: int) -> float:  # replay time added per byte no longer logged
-            merged = groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2:]
-            added = (_expected(merged, stage_seconds, microbatches)
-                     - plans[-1].expected_replay_seconds_per_step)
-            return added / max(boundary_bytes[groups[i][-1]], 1)
-        i = min(range(len(groups) - 1), key=cost)
-        groups = groups[:i] + [groups[i] + groups[i + 1]] + groups[i + 2:]
+        now = plans[-1].expected_replay_seconds_per_step
+        # the merge adding the least replay time per byte no longer logged
+        i = min(range(len(groups) - 1), key=lambda i, groups=groups: (
+            _expected(_merge(groups, i), stage_seconds, microbatches) - now)
+            / max(boundary_bytes[groups[i][-1]], 1))
+        groups = _merge(groups, i)
         plans.append(_plan(groups, boundary_bytes, stage_seconds, microbatches))
     return plans
+
+
+def _merge(groups, i: int) -> list[tuple[int, ...]]:
+    """``groups`` with group i and i + 1 made one."""
+    return [*groups[:i], groups[i] + groups[i + 1], *groups[i + 2:]]
 
 
 def _plan(groups, boundary_bytes, stage_seconds, microbatches: int) -> LogPlan:

@@ -20,12 +20,30 @@ Three runs, each a separate process:
               with --fail-during-replay N it is itself SIGKILLed after
               replaying N steps, and a second resume finishes the job.
 
+With --fail-scope stage only one stage fails (Swift's stage-local
+replay): every stage is its own process, talking through a relay, and logs
+the tensors it sends across the logged boundaries (boundary logs) to the
+daemon. Stage --fail-stage is SIGKILLed in step --fail-at; a replacement
+process restores that stage's newest snapshot and replays the steps after it
+with its inputs read from its neighbours' boundary logs, while the other
+stages keep their state and wait (a survivor that had not finished the last
+step replays that one step from memory). --log-budget limits the boundary
+log's bytes per step: adjacent stages are merged into groups whose inner
+boundaries are not logged, and a failure rolls back the failed stage's whole
+group (plan_log_groups). Runs: reference, then failing (which recovers and
+finishes in the same run).
+
 The last line is JSON: bitwise_equal (every parameter and optimizer moment
 of every stage equals the reference's, byte for byte), lost_steps (steps
-finished before the failure that were neither restored nor replayed),
-replayed_steps, restored_step, failed_at.
+finished before the failure that were neither kept, restored nor replayed),
+replayed_steps, restored_step, failed_at, stages_rolled_back (stages that
+went back to a snapshot), and for --fail-scope stage the log plan, the
+measured boundary-log bytes per step, the trade-off between log bytes and
+replay time of every grouping, and the recovery's timings.
 
     python examples/lossless.py --fail-at 9 --fail-point bubble
+    python examples/lossless.py --fail-scope stage --fail-stage 1 --fail-at 9
+    python examples/lossless.py --fail-scope stage --fail-stage 2 --log-budget 300000
 """
 
 import argparse
@@ -48,51 +66,6 @@ def log(message: str) -> None:
     print(f"[lossless] {message}", file=sys.stderr, flush=True)
 
 
-class DataLoader:
-    """A shuffling loader over a synthetic token set; its position is its RNG state.
-
-    Replaying a logged step takes the logged indices; after the last one the
-    loader continues from the logged state, exactly where the failed run was.
-    """
-
-    def __init__(self, config, seed: int = 0, samples: int = 4096):
-        import numpy as np
-        self._np = np
-        self._tokens = np.random.default_rng(12345).integers(
-            0, config.vocab, (samples, config.seq_len + 1), dtype=np.int32)
-        self._rng = np.random.default_rng(seed)
-        self._per_step = MICROBATCHES * config.microbatch_size
-        self._mb = config.microbatch_size
-        self._drawn: dict[int, list[int]] = {}
-        self._state_after: dict[int, dict] = {}  # the loader's state after drawing a step
-        self._lock = threading.Lock()
-
-    def record(self, step: int) -> bytes:
-        """The step's log record, drawing its indices if nobody has yet."""
-        with self._lock:
-            if step not in self._drawn:
-                self._drawn[step] = self._rng.choice(len(self._tokens), self._per_step,
-                                                     replace=False).tolist()
-                self._state_after[step] = self._rng.bit_generator.state
-            return json.dumps({"step": step, "indices": self._drawn[step],
-                               "loader_state": self._state_after[step]}).encode()
-
-    def replay(self, records) -> None:
-        """Takes the logged steps' indices, and the loader's state after the last one."""
-        with self._lock:
-            for step, payload in records:
-                row = json.loads(payload)
-                self._drawn[step] = row["indices"]
-                self._state_after[step] = row["loader_state"]
-                self._rng.bit_generator.state = row["loader_state"]
-
-    def batch(self, step: int, microbatch: int):
-        with self._lock:
-            rows = self._tokens[self._drawn[step][microbatch * self._mb:
-                                                  (microbatch + 1) * self._mb]]
-        return rows[:, :-1], rows[:, 1:]
-
-
 # -- one training process ---------------------------------------------------------------------
 
 def train_main(args) -> int:
@@ -101,6 +74,7 @@ def train_main(args) -> int:
     import jax
 
     from bubblesnap.protos.checksum import checksum
+    from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
     from pipeline.snapshot_modes import DaemonSnapshots, NoSnapshots
@@ -108,7 +82,7 @@ def train_main(args) -> int:
     from pipeline.transport import ThreadLinks
 
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
-    loader = DataLoader(config)
+    loader = DataLoader(config, MICROBATCHES)
     links = ThreadLinks(STAGES)
     devices = jax.devices()
     programs = [StageProgram(config, STAGES, s, [devices[s]]) for s in range(STAGES)]
@@ -234,6 +208,192 @@ def die(why: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+# -- one stage fails (--fail-scope stage) -------------------------------------------------------
+
+def stage_main(args) -> int:
+    """One stage process of a stage-scope run."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=1")
+    import jax
+
+    from bubblesnap.clients.jax import ClientOptions, SnapshotClient
+    from bubblesnap.protos.checksum import checksum
+    from pipeline.data_loader import DataLoader
+    from pipeline.model import GPTConfig, StageProgram
+    from pipeline.schedules import SCHEDULES
+    from pipeline.stage import StageRunner
+    from pipeline.stage_recovery import BoundaryLog, Logged, StageProcess
+    from pipeline.transport import RelayLinks
+
+    stage, job = args.stage, f"{JOB}-{args.run}"
+    config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
+    loader = DataLoader(config, MICROBATCHES)
+    program = StageProgram(config, STAGES, stage, jax.devices()[:1])
+    options = ClientOptions(daemon=args.daemon)
+    client = SnapshotClient(job, rank=stage, world_size=STAGES, options=options)
+    links = RelayLinks(os.path.join(args.workdir, args.run, "relay.sock"), stage)
+    incarnation = "replacement" if args.replacement else "initial"
+    mode = Logged(client, loader, args.snapshot_every, os.path.join(
+        args.workdir, args.run, f"stage{stage}.{incarnation}.progress"))
+    boundary_log = BoundaryLog(client, job, STAGES, json.loads(args.logged), options)
+
+    def make_runner(inbox, send, mode):
+        return StageRunner(program, SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage), stage,
+                           STAGES, inbox, send, {"m": mode}, batch=loader.batch)
+
+    def restore(step: int) -> int:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                               sharding=x.sharding),
+                                program.state)
+        restored = client.restore(abstract, step=step)
+        program.state = restored.state
+        if args.replacement:  # a new process: the loader learns its place from the log
+            loader.replay(client.read_log(step - 1))
+        return restored.step
+
+    sent = []
+
+    def die_after_sends(key) -> None:
+        if key[1] == args.die_in_step:
+            sent.append(key)
+            if len(sent) == args.fail_after_sends:
+                die(f"SIGKILL stage {stage} in step {args.die_in_step} after it sent {sent}")
+
+    process = StageProcess(stage, links, boundary_log, mode, make_runner, restore,
+                           None if args.die_in_step is None else die_after_sends)
+    process.train(args.steps, replacement=args.replacement)
+    training = process.runners[0]
+    compute = sum(stop - start for label, start, stop in training.events if label in "FBU")
+    report = {"digests": [checksum(jax.device_get(leaf).tobytes())
+                          for leaf in jax.tree.leaves(program.state)],
+              "recoveries": process.recoveries,
+              "logged_bytes_by_boundary": boundary_log.bytes_by_boundary,
+              "compute_seconds_per_step": compute / max(1, len(training.iterations)),
+              "steps_trained": len(training.iterations)}
+    with open(os.path.join(args.workdir, args.run, f"stage{stage}.{incarnation}.json"),
+              "w") as f:
+        json.dump(report, f)
+    client.close()
+    links.tell({"event": "done"})
+    links.close()
+    return 0
+
+
+def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
+    """Runs the stage processes of one stage-scope run to the end, recovering from a
+    failure; returns each stage's final report and the coordinator's recoveries."""
+    from bubblesnap.clients import ClientOptions, NumpyClient
+    from pipeline.relay import Relay
+    from pipeline.stage_recovery import Coordinator
+
+    directory = os.path.join(args.workdir, name)
+    os.makedirs(directory)
+    relay = Relay(directory)
+    procs: dict[int, list[subprocess.Popen]] = {}
+    status = NumpyClient(f"{JOB}-{name}", options=ClientOptions(daemon=args.daemon))
+
+    def start(stage: int, replacement: bool = False) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--role", "stage", "--run", name,
+               "--stage", str(stage), "--steps", str(args.steps), "--d-model", str(args.d_model),
+               "--workdir", args.workdir, "--daemon", args.daemon, "--logged", json.dumps(logged),
+               "--snapshot-every", str(args.snapshot_every)]
+        if fail and stage == args.fail_stage and not replacement:
+            cmd += ["--die-in-step", str(args.fail_at),
+                    "--fail-after-sends", str(args.fail_after_sends)]
+        if replacement:
+            log(f"{name}: starting a replacement for stage {stage}")
+            cmd.append("--replacement")
+        procs.setdefault(stage, []).append(subprocess.Popen(cmd))
+
+    for stage in range(STAGES):
+        start(stage)
+    coordinator = Coordinator(relay, STAGES, group_of,
+                              lambda: status.status().latest_committed_step,
+                              lambda stage: start(stage, replacement=True))
+    try:
+        coordinator.run(args.timeout)
+    finally:
+        relay.close()
+        for stage_procs in procs.values():
+            for proc in stage_procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    codes = {s: [p.returncode for p in ps] for s, ps in procs.items()}
+    log(f"{name}: exit codes by stage {codes}")
+    reports = {}
+    for stage, stage_procs in procs.items():
+        incarnation = "replacement" if len(stage_procs) > 1 else "initial"
+        with open(os.path.join(directory, f"stage{stage}.{incarnation}.json")) as f:
+            reports[stage] = json.load(f)
+    return {"stages": reports, "recoveries": coordinator.recoveries, "exit_codes": codes}
+
+
+def finished_steps(args, name: str, stage: int, incarnation: str) -> list[int]:
+    try:
+        with open(os.path.join(args.workdir, name,
+                               f"stage{stage}.{incarnation}.progress")) as f:
+            return [int(line) for line in f]
+    except FileNotFoundError:
+        return []
+
+
+def stage_scope_run(args) -> dict:
+    from bubblesnap.clients import plan_log_groups, trade_off
+
+    daemons, args.daemon = start_daemons(count=1)
+    everything = list(range(STAGES - 1))
+    try:
+        reference = run_pipeline(args, "reference", everything, None, fail=False)
+        steps = args.steps
+        # The profile the plan is made from: measured in the reference run.
+        boundary_bytes = [sum(r["logged_bytes_by_boundary"].get(str(b), 0)
+                              for r in reference["stages"].values()) // steps
+                          for b in range(STAGES - 1)]
+        stage_seconds = [reference["stages"][s]["compute_seconds_per_step"]
+                         for s in range(STAGES)]
+        budget = sum(boundary_bytes) if args.log_budget is None else args.log_budget
+        plan = plan_log_groups(boundary_bytes, stage_seconds, budget, MICROBATCHES)
+        log(f"log plan for a budget of {budget} bytes per step: groups {plan.groups}, "
+            f"logged boundaries {plan.logged_boundaries}")
+        failing = run_pipeline(args, "failing", list(plan.logged_boundaries), plan.group_of,
+                               fail=True)
+    finally:
+        stop_daemons(daemons)
+    if len(failing["recoveries"]) != 1:
+        raise SystemExit(f"expected one recovery, saw {failing['recoveries']}")
+    recovery = failing["recoveries"][0]
+    failed = recovery["failed_stage"]
+    before = max([recovery["resumed_after"],
+                  *finished_steps(args, "failing", failed, "initial")])
+    return {"bitwise_equal": all(failing["stages"][s]["digests"] ==
+                                 reference["stages"][s]["digests"] for s in range(STAGES)),
+            "lost_steps": before - recovery["resumed_after"],
+            "replayed_steps": recovery["replayed_steps"][failed],
+            "restored_step": recovery["restored_step"],
+            "stages_rolled_back": len(recovery["rolled_back"]),
+            "rolled_back": recovery["rolled_back"],
+            "replayed_steps_by_stage": recovery["replayed_steps"],
+            "failed_stage": failed, "failed_at": args.fail_at,
+            "resumed_after": recovery["resumed_after"],
+            "survivors_finished": recovery["survivors_finished"],
+            "fail_scope": "stage", "steps": steps,
+            "log_budget_bytes_per_step": budget,
+            "log_groups": [list(g) for g in plan.groups],
+            "logged_boundaries": list(plan.logged_boundaries),
+            "boundary_log_bytes_per_step": plan.log_bytes_per_step,
+            "bytes_per_step_by_boundary": boundary_bytes,
+            "stage_compute_seconds_per_step": stage_seconds,
+            "recovery_seconds": recovery["recovery_seconds"],
+            "replay_seconds": recovery["replay_seconds"],
+            "trade_off": [{"groups": [list(g) for g in p.groups],
+                           "log_bytes_per_step": p.log_bytes_per_step,
+                           "expected_replay_seconds_per_step":
+                               p.expected_replay_seconds_per_step}
+                          for p in trade_off(boundary_bytes, stage_seconds, MICROBATCHES)]}
+
+
 # -- the three runs -------------------------------------------------------------------------
 
 def free_port() -> int:
@@ -242,15 +402,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_daemons() -> tuple[list[subprocess.Popen], str]:
-    """Two daemons in a ring, --replicas 1: the trainer's host and its neighbour."""
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+def start_daemons(count: int = 2) -> tuple[list[subprocess.Popen], str]:
+    """Daemons in a ring, --replicas 1: the trainer's host and its neighbour (one
+    daemon: no ring). Returns them and the first one's address."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(count)]
     procs, address = [], ""
-    for index in range(2):
+    for index in range(count):
+        ring = ["--peers", ",".join(peers), "--index", str(index), "--replicas", "1"]
         proc = subprocess.Popen(
             [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
-             "--metrics", "", "--peers", ",".join(peers), "--index", str(index),
-             "--replicas", "1", "--max-interval", "1", "--log-level", "ERROR"],
+             "--metrics", "", *(ring if count > 1 else []), "--max-interval", "1",
+             "--log-level", "ERROR"],
             stdout=subprocess.PIPE, text=True)
         line = proc.stdout.readline()
         if not line:
@@ -258,6 +420,12 @@ def start_daemons() -> tuple[list[subprocess.Popen], str]:
         procs.append(proc)
         address = address or json.loads(line)["address"]
     return procs, address
+
+
+def stop_daemons(daemons) -> None:
+    for proc in daemons:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 def run(args, name: str, *extra: str) -> int:
@@ -298,9 +466,7 @@ def main_run(args) -> dict:
         if run(args, resumes[-1], *resume_flags) != 0:
             raise SystemExit("the resumed run failed")
     finally:
-        for proc in daemons:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+        stop_daemons(daemons)
     with open(os.path.join(args.workdir, "reference.digests.json")) as f:
         reference = json.load(f)
     with open(os.path.join(args.workdir, f"{resumes[-1]}.digests.json")) as f:
@@ -315,7 +481,7 @@ def main_run(args) -> dict:
             "failed_at": args.fail_at, "fail_point": args.fail_point,
             "finished_before_failure": finished, "steps": args.steps,
             "killed_during_replay": bool(args.fail_during_replay),
-            "used_log": not args.without_log}
+            "used_log": not args.without_log, "stages_rolled_back": STAGES}
 
 
 def parse_args():
@@ -323,7 +489,24 @@ def parse_args():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=16, help="steps the job trains (default 16)")
     p.add_argument("--fail-at", type=int, default=9, help="step that fails (default 9)")
-    p.add_argument("--fail-point", choices=["bubble", "after-commit"], default="bubble")
+    p.add_argument("--fail-point", choices=["bubble", "after-commit"], default="bubble",
+                   help="where the whole job fails (--fail-scope job)")
+    p.add_argument("--fail-scope", choices=["job", "stage"], default="job",
+                   help="job: every stage dies (SIGKILL of the training process); stage: "
+                        "only --fail-stage dies and replays alone (default job)")
+    p.add_argument("--fail-stage", type=int, default=1,
+                   help="the stage that fails with --fail-scope stage (default 1)")
+    p.add_argument("--fail-after-sends", type=int, default=2, metavar="N",
+                   help="with --fail-scope stage, the stage dies in step --fail-at right "
+                        "after it sent its N-th tensor of that step (default 2; a middle "
+                        f"stage sends {2 * MICROBATCHES} a step, the first and last "
+                        f"{MICROBATCHES})")
+    p.add_argument("--log-budget", type=int, metavar="BYTES",
+                   help="boundary-log bytes per step with --fail-scope stage; adjacent stages "
+                        "are grouped until the log fits (default: log every boundary)")
+    p.add_argument("--snapshot-every", type=int, default=4,
+                   help="with --fail-scope stage, each stage snapshots every N steps "
+                        "(default 4)")
     p.add_argument("--fail-during-replay", type=int, default=0, metavar="N",
                    help="also kill the resumed run after it replayed N steps")
     p.add_argument("--without-log", action="store_true",
@@ -331,7 +514,12 @@ def parse_args():
                         "what the log is for: the loader starts over and the run diverges)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--role", choices=["main", "train"], default="main", help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=["main", "train", "stage"], default="main",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--logged", default="[]", help=argparse.SUPPRESS)
+    p.add_argument("--replacement", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--die-in-step", type=int, help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--daemon", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -340,6 +528,20 @@ def parse_args():
     if args.role == "main" and not 4 <= args.fail_at < args.steps - 1:
         p.error("--fail-at must be between 4 (snapshots start after a few warm-up steps) "
                 "and --steps - 2")
+    if args.role == "main" and args.fail_scope == "stage":
+        if not 0 <= args.fail_stage < STAGES:
+            p.error(f"--fail-stage must be a stage, 0 to {STAGES - 1}")
+        if not 1 <= args.snapshot_every <= args.fail_at:
+            p.error("--snapshot-every must be between 1 and --fail-at: the failed stage "
+                    "restores a snapshot taken before it failed")
+        if args.fail_during_replay or args.without_log:
+            p.error("--fail-during-replay and --without-log go with --fail-scope job")
+        sends = MICROBATCHES if args.fail_stage in (0, STAGES - 1) else 2 * MICROBATCHES
+        if not 1 <= args.fail_after_sends <= sends:
+            p.error(f"stage {args.fail_stage} sends {sends} tensors a step: "
+                    f"--fail-after-sends must be between 1 and {sends}")
+        if args.log_budget is not None and args.log_budget < 0:
+            p.error("--log-budget must not be negative")
     return args
 
 
@@ -347,9 +549,11 @@ def main() -> int:
     args = parse_args()
     if args.role == "train":
         return train_main(args)
+    if args.role == "stage":
+        return stage_main(args)
     with tempfile.TemporaryDirectory(prefix="bubblesnap-lossless-") as workdir:
         args.workdir = workdir
-        report = main_run(args)
+        report = stage_scope_run(args) if args.fail_scope == "stage" else main_run(args)
     print(json.dumps(report), flush=True)
     return 0 if report["bitwise_equal"] and report["lost_steps"] == 0 else 1
 

@@ -33,3 +33,35 @@ def test_failure_is_replayed_bit_for_bit(flags):
 def test_without_the_log_the_resumed_run_diverges():
     code, report = lossless("--fail-at", "8", "--fail-point", "bubble", "--without-log")
     assert report["bitwise_equal"] is False and code == 1, report
+
+
+def test_one_failed_stage_replays_alone_from_the_boundary_logs():
+    # Stage 1 dies before its last gradient reaches stage 0: stage 2 finished the
+    # step, stage 0 did not and replays that one step from its own memory.
+    code, report = lossless("--fail-scope", "stage", "--fail-stage", "1", "--fail-at", "8",
+                            "--fail-after-sends", "7")
+    assert report["bitwise_equal"] is True, report
+    assert report["lost_steps"] == 0, report
+    assert report["stages_rolled_back"] == 1 and report["rolled_back"] == [1], report
+    assert report["survivors_finished"] == {"0": 7, "2": 8}, report
+    assert report["replayed_steps_by_stage"] == {"0": 1, "1": 8 - report["restored_step"],
+                                                 "2": 0}, report
+    assert report["boundary_log_bytes_per_step"] == sum(report["bytes_per_step_by_boundary"])
+    assert code == 0
+
+
+def test_under_a_log_budget_the_failed_stages_group_rolls_back():
+    # Room for one of the two (equal) boundaries: which one depends on the stage times
+    # the reference run measured; the middle stage is grouped with a neighbour either way.
+    code, report = lossless("--fail-scope", "stage", "--fail-stage", "1", "--fail-at", "9",
+                            "--log-budget", "300000")
+    assert len(report["log_groups"]) == 2 and len(report["logged_boundaries"]) == 1, report
+    group = next(g for g in report["log_groups"] if 1 in g)
+    assert report["rolled_back"] == group and report["stages_rolled_back"] == 2, report
+    assert report["bitwise_equal"] is True and report["lost_steps"] == 0, report
+    assert report["replayed_steps"] >= 1, report
+    assert report["boundary_log_bytes_per_step"] == \
+        report["bytes_per_step_by_boundary"][report["logged_boundaries"][0]] <= 300000
+    sizes = [t["log_bytes_per_step"] for t in report["trade_off"]]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 0, report
+    assert code == 0

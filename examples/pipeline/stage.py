@@ -69,7 +69,8 @@ class StageRunner:
         for position, (op, mb) in enumerate(self.schedule):
             tokens, targets = self._batch(iteration, mb)
             if op == "F":
-                x = program.place(tokens) if first else self._receive(mode, position, ("act", mb))
+                x = program.place(tokens) if first else self._receive(
+                    mode, position, ("act", iteration, mb), self.stage - 1)
                 started = time.perf_counter()
                 y = jax.block_until_ready(program.forward(x, program.place(targets) if last
                                                           else None))
@@ -78,28 +79,29 @@ class StageRunner:
                 if last:
                     losses.append(float(y))
                 else:
-                    self.send(self.stage + 1, ("act", mb), y)
+                    self.send(self.stage + 1, ("act", iteration, mb), y)
             else:
                 upstream = program.place(targets) if last else self._receive(
-                    mode, position, ("grad", mb))
+                    mode, position, ("grad", iteration, mb), self.stage + 1)
                 started = time.perf_counter()
                 g, gx = jax.block_until_ready(program.backward(inputs.pop(mb), upstream))
                 grads = program.accumulate(grads, g)
                 self.events.append(("B", started, time.perf_counter()))
                 if not first:
-                    self.send(self.stage - 1, ("grad", mb), gx)
+                    self.send(self.stage - 1, ("grad", iteration, mb), gx)
         started = time.perf_counter()
         program.update(grads)
         jax.block_until_ready(program.state)
         self.events.append(("U", started, time.perf_counter()))
         return sum(losses) / len(losses) if losses else None
 
-    def _receive(self, mode, position: int, key):
+    def _receive(self, mode, position: int, key, sender: int):
         if self.inbox.has(key):
             mode.no_bubble(position)
-            value, _ = self.inbox.take(key)
+            value, _ = self.inbox.take(key, sender)
         else:
             started = time.perf_counter()
-            value = mode.bubble(position, lambda: self.inbox.take(key), lambda: self.inbox.has(key))
+            value = mode.bubble(position, lambda: self.inbox.take(key, sender),
+                                lambda: self.inbox.has(key))
             self.events.append(("wait", started, time.perf_counter()))
         return self.program.place(value)

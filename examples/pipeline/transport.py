@@ -1,13 +1,17 @@
 """How activations and gradients travel between stages.
 
-Every stage has an :class:`Inbox`; a tensor is filed under (kind, microbatch)
-with the time it arrived, which is what makes bubble lengths measurable even
-when the stage was busy fetching a snapshot when the tensor came in.
+Every stage has an :class:`Inbox`; a tensor is filed under (kind, iteration,
+microbatch) with the time it arrived, which is what makes bubble lengths
+measurable even when the stage was busy fetching a snapshot when the tensor
+came in.
 
 ``ThreadLinks`` connects stages that are threads of one process.
 ``SocketLinks`` connects stage processes over Unix sockets: each stage
 listens on ``<dir>/stage<N>.sock`` and connects to the next stage; one
 connection carries activations forward and gradients back.
+``RelayLinks`` connects a stage process to a relay (relay.py) that forwards
+tensors and outlives any one stage: a replacement stage joins it while the
+others keep their connections.
 """
 
 import json
@@ -22,13 +26,30 @@ import numpy as np
 _HEADER = struct.Struct("!I")
 
 
+class NeighbourLost(RuntimeError):
+    """A tensor this stage waits for will not come: its sender failed or gave up."""
+
+
 class Inbox:
     """Tensors received by one stage, each with its arrival time."""
 
     def __init__(self, timeout: float = 120.0):
         self._timeout = timeout
         self._items: dict = {}
+        self._silent: set[int] = set()  # stages that will send nothing more
         self._ready = threading.Condition()
+
+    def silence(self, stages) -> None:
+        """From now on a wait for a tensor from one of ``stages`` raises NeighbourLost."""
+        with self._ready:
+            self._silent = set(stages)
+            self._ready.notify_all()
+
+    def clear(self) -> None:
+        """Drops every tensor held and every silenced stage: a new start after a recovery."""
+        with self._ready:
+            self._items.clear()
+            self._silent.clear()
 
     def put(self, key, value) -> None:
         with self._ready:
@@ -39,12 +60,16 @@ class Inbox:
         with self._ready:
             return key in self._items
 
-    def take(self, key):
-        """(value, arrival time), waiting until it is there (a dead neighbour: TimeoutError)."""
+    def take(self, key, sender: int | None = None):
+        """(value, arrival time), waiting until it is there; NeighbourLost once
+        ``sender`` is silenced (a dead neighbour nobody silences: TimeoutError)."""
         with self._ready:
-            if not self._ready.wait_for(lambda: key in self._items, timeout=self._timeout):
+            if not self._ready.wait_for(lambda: key in self._items or sender in self._silent,
+                                        timeout=self._timeout):
                 raise TimeoutError(f"no {key} from the neighbouring stage in {self._timeout:.0f} s;"
                                    " it has probably failed (see its error above)")
+            if key not in self._items:
+                raise NeighbourLost(f"stage {sender} will not send {key}")
             return self._items.pop(key)
 
 
@@ -96,27 +121,95 @@ class SocketLinks:
         return self.inbox, self.send
 
     def send(self, to: int, key, value) -> None:
-        array = np.ascontiguousarray(np.asarray(value))
-        header = json.dumps({"key": list(key), "dtype": array.dtype.name,
-                             "shape": array.shape}).encode()
         with self._locks[to]:
-            self._sockets[to].sendall(_HEADER.pack(len(header)) + header)
-            self._sockets[to].sendall(_HEADER.pack(array.nbytes))
-            self._sockets[to].sendall(memoryview(array).cast("B"))
+            write_tensor(self._sockets[to], {}, key, value)
 
     def _receive(self, conn: socket.socket) -> None:
         try:
             while True:
-                meta = json.loads(_read(conn, _HEADER.unpack(_read(conn, 4))[0]))
-                raw = _read(conn, _HEADER.unpack(_read(conn, 4))[0])
-                value = np.frombuffer(raw, dtype=meta["dtype"]).reshape(meta["shape"])
-                self.inbox.put(tuple(meta["key"]), value)
+                meta, raw = read_frame(conn)
+                self.inbox.put(tuple(meta["key"]), tensor(meta, raw))
         except (ConnectionError, OSError):
             return
 
     def close(self) -> None:
         for conn in self._sockets.values():
             conn.close()
+
+
+class RelayLinks:
+    """One stage process's connection to the relay (relay.py).
+
+    Tensors for other stages go through the relay; messages from the relay
+    that are not tensors (its recovery protocol) land in :attr:`control`,
+    after the inbox has acted on them: "lost" silences the stages named,
+    "recover" and "go" clear the inbox (the relay sends them while holding
+    every connection, so nothing sent before them arrives after).
+    """
+
+    def __init__(self, path: str, stage: int, timeout: float = 120.0):
+        import queue
+        self.inbox = Inbox(timeout)
+        self.control = queue.Queue()
+        self._stage = stage
+        self._lock = threading.Lock()
+        self._socket = _connect(path, timeout)
+        self.tell({"event": "hello", "stage": stage})
+        threading.Thread(target=self._receive, daemon=True, name="recv-from-relay").start()
+
+    def endpoint(self, stage: int):
+        assert stage == self._stage
+        return self.inbox, self.send
+
+    def send(self, to: int, key, value) -> None:
+        with self._lock:
+            write_tensor(self._socket, {"to": to}, key, value)
+
+    def tell(self, message: dict) -> None:
+        """A control message to the relay's coordinator."""
+        with self._lock:
+            write_frame(self._socket, message, b"")
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                meta, raw = read_frame(self._socket)
+                if "key" in meta:
+                    self.inbox.put(tuple(meta["key"]), tensor(meta, raw))
+                    continue
+                if meta["event"] == "lost":
+                    self.inbox.silence(meta["stages"])
+                elif meta["event"] in ("recover", "go"):
+                    self.inbox.clear()
+                self.control.put(meta)
+        except (ConnectionError, OSError):
+            self.control.put({"event": "relay-gone"})
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def write_frame(conn: socket.socket, meta: dict, payload) -> None:
+    """A frame: a JSON header, then a payload, each after its 4-byte length."""
+    header = json.dumps(meta).encode()
+    conn.sendall(_HEADER.pack(len(header)) + header + _HEADER.pack(len(payload)))
+    if len(payload):
+        conn.sendall(payload)
+
+
+def read_frame(conn: socket.socket) -> tuple[dict, bytearray]:
+    meta = json.loads(_read(conn, _HEADER.unpack(_read(conn, 4))[0]))
+    return meta, _read(conn, _HEADER.unpack(_read(conn, 4))[0])
+
+
+def write_tensor(conn: socket.socket, meta: dict, key, value) -> None:
+    array = np.ascontiguousarray(np.asarray(value))
+    write_frame(conn, {**meta, "key": list(key), "dtype": array.dtype.name,
+                       "shape": array.shape}, memoryview(array).cast("B"))
+
+
+def tensor(meta: dict, raw) -> np.ndarray:
+    return np.frombuffer(raw, dtype=meta["dtype"]).reshape(meta["shape"])
 
 
 def _connect(path: str, timeout: float) -> socket.socket:
