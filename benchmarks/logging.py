@@ -1,21 +1,24 @@
-"""Cost of the training log: bytes per step and step time against no logging.
+"""Cost of the training log and the boundary log: bytes per step and step time.
 
 The 3-stage GPT pipeline of examples/lossless.py (one process, one thread
 and one forced CPU device per stage, 1F1B, 4 microbatches) trains with the
-same shuffling data loader in two modes, interleaved in segments of one run
-(the order rotates every round):
+same shuffling data loader in three modes, interleaved in segments of one
+run (the order rotates every round):
 
   none          no log
   training_log  stage 0 sends the step's record (batch sample indices and the
                 loader's RNG state, JSON; the stages share one data order) as
                 the step begins, and waits at the step's end until the local
                 daemon and its --replicas 1 peer hold it
+  boundary_log  the training log, and every stage logs each activation and
+                gradient it sends to a neighbour (both boundaries, .npy bytes,
+                one stream per kind and microbatch) to its daemon as it sends
+                it, and waits at the step's end until they are held: what
+                stage-local replay (examples/lossless.py --fail-scope stage)
+                reads back
 
 Reported per mode: the median step time (slowest stage) with min-max, the
-overhead against none, and the record's bytes per step. Boundary
-logging (the tensors crossing stages, for stage-local replay) is not built
-yet; the bytes it would log per step are reported from the activation and
-gradient sizes, so the two can be compared.
+overhead against none, and the bytes each log takes per step.
 
 Usage: python benchmarks/logging.py [--json] [--rounds 4] [--segment 8]
 """
@@ -47,37 +50,50 @@ def log(message: str) -> None:
 def run(args, daemon: str) -> dict:
     import jax
     import numpy as np
-    from lossless import MICROBATCHES, DataLoader
+    from lossless import MICROBATCHES
 
     from bubblesnap.clients.jax import ClientOptions, SnapshotClient
+    from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
     from pipeline.snapshot_modes import NoSnapshots
     from pipeline.stage import StageRunner
+    from pipeline.stage_recovery import BoundaryLog
     from pipeline.transport import ThreadLinks
 
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
-    loader = DataLoader(config)
-    clients = [SnapshotClient("logging-bench", s, STAGES, ClientOptions(daemon=daemon))
-               for s in range(STAGES)]
+    loader = DataLoader(config, MICROBATCHES)
+    options = ClientOptions(daemon=daemon)
+    clients = [SnapshotClient("logging-bench", s, STAGES, options) for s in range(STAGES)]
+    boundary_logs = [BoundaryLog(clients[s], "logging-bench", STAGES, range(STAGES - 1),
+                                 options) for s in range(STAGES)]
     record_bytes = []
+    current = [""] * STAGES  # each stage's mode in the iteration it runs
 
     class Mode(NoSnapshots):
-        def __init__(self, stage: int, logged: bool):
+        def __init__(self, stage: int, mode: str):
             super().__init__()
-            self.stage, self.logged = stage, logged
+            self.stage, self.mode = stage, mode
 
         def begin_iteration(self, iteration: int) -> None:
+            current[self.stage] = self.mode
             record = loader.record(iteration)
-            if self.logged and self.stage == 0:  # one data order for all stages
+            if self.mode != "none" and self.stage == 0:  # one data order for all stages
                 clients[0].log(iteration, record)
                 record_bytes.append(len(record))
 
         def end_iteration(self, iteration: int, state) -> None:
-            if self.logged and self.stage == 0:
-                clients[0].wait_log()
+            if self.mode != "none":
+                clients[self.stage].wait_log()
 
-    modes = ("none", "training_log")
+    def sender(stage: int, send):
+        def logged_send(to: int, key, value) -> None:
+            if current[stage] == "boundary_log":
+                boundary_logs[stage].write(min(stage, to), key, np.asarray(value))
+            send(to, key, value)
+        return logged_send
+
+    modes = ("none", "training_log", "boundary_log")
     plan, measured = ["none"] * args.warmup, [False] * args.warmup
     for round_ in range(args.rounds):
         for k in range(len(modes)):
@@ -90,8 +106,8 @@ def run(args, daemon: str) -> dict:
         inbox, send = links.endpoint(s)
         runners.append(StageRunner(
             StageProgram(config, STAGES, s, [devices[s]]),
-            SCHEDULES["1f1b"](STAGES, MICROBATCHES, s), s, STAGES, inbox, send,
-            {m: Mode(s, m == "training_log") for m in modes}, batch=loader.batch))
+            SCHEDULES["1f1b"](STAGES, MICROBATCHES, s), s, STAGES, inbox, sender(s, send),
+            {m: Mode(s, m) for m in modes}, batch=loader.batch))
     threads = [threading.Thread(target=r.run, args=(plan,)) for r in runners]
     started = time.perf_counter()
     for t in threads:
@@ -114,12 +130,12 @@ def run(args, daemon: str) -> dict:
                                  "max_step_ms": round(max(times) * 1e3, 2),
                                  "measured_steps": len(times),
                                  "overhead_pct": round(100 * (med - base) / base, 2)}
-    activation = config.microbatch_size * config.seq_len * config.d_model * 4  # float32
     report["training_log_bytes_per_step"] = statistics.median(record_bytes)
-    report["boundary_log_bytes_per_step"] = {
-        "per_boundary": 2 * MICROBATCHES * activation,  # activations forward, gradients back
-        "all_boundaries": 2 * MICROBATCHES * activation * (STAGES - 1),
-        "built": False}
+    boundary_steps = plan.count("boundary_log")
+    by_boundary = [sum(b.bytes_by_boundary.get(boundary, 0) for b in boundary_logs)
+                   // boundary_steps for boundary in range(STAGES - 1)]
+    report["boundary_log_bytes_per_step"] = {"per_boundary": by_boundary,
+                                             "all_boundaries": sum(by_boundary)}
     report["state_bytes_per_stage"] = [int(sum(np.asarray(x).nbytes for x in
                                                jax.tree.leaves(r.program.state)))
                                        for r in runners]
@@ -149,8 +165,9 @@ def main() -> int:
         log(f"{mode:>13}: median step {row['median_step_ms']:.2f} ms "
             f"({row['min_step_ms']:.2f}-{row['max_step_ms']:.2f}), "
             f"overhead {row['overhead_pct']:+.2f}%")
-    log(f"training log: {report['training_log_bytes_per_step']:.0f} bytes per step "
-        f"; boundary tensors would be {report['boundary_log_bytes_per_step']} ")
+    log(f"training log: {report['training_log_bytes_per_step']:.0f} bytes per step; "
+        f"boundary log: {report['boundary_log_bytes_per_step']['all_boundaries']} bytes per "
+        "step")
     if args.json:
         print(json.dumps(report), flush=True)
     return 0
