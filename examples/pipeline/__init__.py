@@ -2,7 +2,10 @@
 
 model.py      the GPT decoder, split into stages, with per-stage forward/backward/update
 schedules.py  GPipe and 1F1B action lists per stage
-transport.py  how activations and gradients travel: threads (one process) or sockets
+transport.py  how activations and gradients travel: threads, sockets, or a relay
+relay.py      the relay: forwards tensors between stage processes, outlives any one
+stage_recovery.py  one failed stage restores and replays from boundary logs (Swift)
+data_loader.py     a shuffling loader whose position is logged and replayed
 stage.py      one stage's loop: compute, wait (bubbles), snapshot hooks, timing
 timeline.py   the picture: one lane per stage, compute, bubbles, snapshot chunks
 """
