@@ -5,7 +5,7 @@ import pytest
 
 from bubblesnap.clients import ClientOptions, LogError, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
-from tests.test_peers import client, snapshot_steps
+from tests.test_peers import client, snapshot_steps, wait_for
 
 
 def record(rank: int, step: int) -> bytes:
@@ -85,6 +85,11 @@ def test_peers_answer_every_record_and_the_reader_finds_the_gaps():
 def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring):
     ring = start_ring(2, "--replicas", "1")
     sender = client(ring.daemons[0], 0)
+
+    def peer_takes_records() -> bool:  # a peer just started may refuse for a moment
+        sender.log(0, record(0, 0))
+        return sender.wait_log() == 2
+    wait_for(peer_takes_records, "the peer takes training-log records")
     activation = bytes(range(256)) * 512  # 128 KiB: more than a training-log record may hold
     for step in range(3):
         sender.log(step, record(0, step))
