@@ -248,6 +248,10 @@ def format_status(status) -> str:
                              f"{len(rank.shards):>6}  {_human(rank.nbytes):>10}  {usage:>30}")
         if any(r.replica for st in job.steps for r in st.ranks):
             lines.append("  (* a replica held for a peer's rank)")
+        for rank, others in sorted({(r.rank, tuple(r.held_for))
+                                    for st in job.steps for r in st.ranks if r.held_for}):
+            lines.append(f"  ranks {list(others)} are held through rank {rank}'s copies "
+                         "(data-parallel replicas, copied once)")
         for c in job.corrupt_copies:
             lines.append(f"  corrupt copy skipped: step {c.step} rank {c.rank} from {c.source}: "
                          f"{c.detail}")

@@ -58,6 +58,9 @@ class SnapshotResult:
       committed: every rank of the job holds this step (None: not waited for).
       reason: why no snapshot was taken, empty when it was.
       stall_seconds: how long the call held the training loop.
+      copied_by: for a rank of a data-parallel replica group that is not its
+        copier (lowest rank): the rank whose snapshot holds this state.
+        Nothing was copied (``taken`` is False); None otherwise.
     """
 
     step: int
@@ -65,6 +68,7 @@ class SnapshotResult:
     committed: bool | None = None
     reason: str = ""
     stall_seconds: float = 0.0
+    copied_by: int | None = None
 
 
 class LogError(RuntimeError):
@@ -116,13 +120,19 @@ class RawStep:
 
 
 class Session:
-    """One rank of one job, talking to its daemon."""
+    """One rank of one job, talking to its daemon.
+
+    ``replica_group``: the ranks whose state is identical to this rank's (its
+    data-parallel replicas). Only the group's lowest rank, its copier, copies
+    the state; the daemon holds the others through its copies.
+    """
 
     def __init__(self, job: str, rank: int, world_size: int, options: ClientOptions,
                  replica_group=()):
         self.job, self.rank, self.world_size = job, rank, world_size
         self.options = options
-        self._replica_group = tuple(replica_group)
+        self._replica_group = tuple(sorted({rank, *replica_group})) if replica_group else ()
+        self.copier = min(self._replica_group, default=rank)
         # Answers carrying layouts or log pages may pass gRPC's default 4 MiB.
         self._channel = grpc.insecure_channel(
             options.daemon, options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -165,6 +175,8 @@ class Session:
         refusal = self.refusal(step)
         if refusal is not None:
             return refusal
+        if self.copier != self.rank:
+            return self._held_by_copier(step, tensors, started)
         try:
             staging = self.begin(step, tensors)
             for (offset, nbytes), array in zip(staging.slots, fetch(), strict=True):
@@ -175,6 +187,18 @@ class Session:
         if not wait:
             return SnapshotResult(step, True, None, "", time.perf_counter() - started)
         return self.wait()
+
+    def _held_by_copier(self, step: int, tensors, started: float) -> SnapshotResult:
+        """A replica's snapshot: nothing is fetched or copied, the copier's copy holds
+        this state. The rank is registered (once) so the daemon knows its group."""
+        try:
+            self.ensure_registered(tensors)
+        except grpc.RpcError as err:
+            return self.failed(step, started, err)
+        return SnapshotResult(step, False, None,
+                              f"rank {self.rank} is held through rank {self.copier}'s snapshot "
+                              f"(replica group {list(self._replica_group)}); nothing to copy",
+                              time.perf_counter() - started, copied_by=self.copier)
 
     def refusal(self, step: int, block: bool = True) -> SnapshotResult | None:
         """Collects earlier commits; says why not to snapshot now (None: go ahead).
@@ -266,7 +290,8 @@ class Session:
 
     def restore(self, step: int | None = None) -> RawStep:
         """Maps a committed step handed over by the daemon; raises RestoreError."""
-        request = pb.RestoreRequest(job=self.job, rank=self.rank)
+        request = pb.RestoreRequest(job=self.job, rank=self.rank,
+                                    replica_group=self._replica_group)
         if step is not None:
             request.step = step
         try:

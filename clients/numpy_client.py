@@ -23,11 +23,15 @@ def _spec(name: str, array: np.ndarray) -> pb.TensorSpec:
 
 
 class NumpyClient:
-    """Snapshots a flat ``{name: ndarray}`` dict; each array is one unsharded tensor."""
+    """Snapshots a flat ``{name: ndarray}`` dict; each array is one unsharded tensor.
+
+    ``replica_group``: the ranks holding the same arrays as this one (data
+    parallel); only the lowest of them copies, as in :class:`Session`.
+    """
 
     def __init__(self, job: str, rank: int = 0, world_size: int = 1,
-                 options: ClientOptions = ClientOptions()):
-        self._session = Session(job, rank, world_size, options)
+                 options: ClientOptions = ClientOptions(), replica_group=()):
+        self._session = Session(job, rank, world_size, options, replica_group)
         self.last_restore_source = ""
 
     def snapshot(self, step: int, arrays: dict[str, np.ndarray],

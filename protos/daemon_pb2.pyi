@@ -269,7 +269,7 @@ class ShardStatus(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., shard: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class RankStepStatus(_message.Message):
-    __slots__ = ("rank", "state", "nbytes", "shards", "usage", "replica", "copies", "durable")
+    __slots__ = ("rank", "state", "nbytes", "shards", "usage", "replica", "copies", "durable", "held_for")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class RankStepStatus(_message.Message):
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FOR_FIELD_NUMBER: _ClassVar[int]
     rank: int
     state: CopyState
     nbytes: int
@@ -286,7 +287,8 @@ class RankStepStatus(_message.Message):
     replica: bool
     copies: int
     durable: bool
-    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[CopyState, str]] = ..., nbytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ..., replica: _Optional[bool] = ..., copies: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
+    held_for: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., state: _Optional[_Union[CopyState, str]] = ..., nbytes: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ..., replica: _Optional[bool] = ..., copies: _Optional[int] = ..., durable: _Optional[bool] = ..., held_for: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepStatus(_message.Message):
     __slots__ = ("step", "committed", "ranks")
@@ -387,14 +389,16 @@ class StatusResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "rank", "step")
+    __slots__ = ("job", "rank", "step", "replica_group")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    replica_group: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail")

@@ -36,18 +36,20 @@ class HoldingsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class HeldCopy(_message.Message):
-    __slots__ = ("job", "rank", "step", "role", "world_size")
+    __slots__ = ("job", "rank", "step", "role", "world_size", "replica_group")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     role: CopyRole
     world_size: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[_Union[CopyRole, str]] = ..., world_size: _Optional[int] = ...) -> None: ...
+    replica_group: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[_Union[CopyRole, str]] = ..., world_size: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HoldingsResponse(_message.Message):
     __slots__ = ("index", "copies")
@@ -58,7 +60,7 @@ class HoldingsResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[HeldCopy, _Mapping]]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
-    __slots__ = ("job", "world_size", "rank", "step", "tensors", "checksums", "data_address", "ticket")
+    __slots__ = ("job", "world_size", "rank", "step", "tensors", "checksums", "data_address", "ticket", "replica_group")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,7 @@ class ReplicateRequest(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     rank: int
@@ -75,7 +78,8 @@ class ReplicateRequest(_message.Message):
     checksums: _containers.RepeatedScalarFieldContainer[int]
     data_address: str
     ticket: bytes
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., data_address: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+    replica_group: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., data_address: _Optional[str] = ..., ticket: _Optional[bytes] = ..., replica_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicateResponse(_message.Message):
     __slots__ = ()

@@ -6,7 +6,9 @@ rank's state as a nested dict of numpy arrays (tensor names split at "/"),
 so ``orbax.checkpoint.StandardCheckpointer().restore(path)`` loads it with
 no daemon, into any sharding. Beside it, ``rank_<rank>.json`` lists each
 tensor's dtype, shape and xxh3 checksum; it is written last, so a rank
-directory without it is an unfinished write and is ignored.
+directory without it is an unfinished write and is ignored. The members of a
+data-parallel replica group are written once, as their copier (the lowest
+rank); its ``.json`` names the group.
 
 Orbax and JAX are imported on first use: a daemon without ``--durable-dir``
 does not need them.
@@ -34,6 +36,7 @@ log = logging.getLogger("bubblesnap.daemon")
 
 _FORMAT = "bubblesnap-durable-1"
 _STEP_DIR = re.compile(r"step_(\d+)")
+_RANK_META = re.compile(r"rank_(\d+)\.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +135,23 @@ class DurableTier:
 
     def steps(self, job: str, world_size: int) -> list[int]:
         """Steps whose every rank is fully written, oldest first."""
-        return sorted(
-            step for step in _step_numbers(os.path.join(self.options.directory, job))
-            if all(os.path.exists(rank_path(self.options.directory, job, step, r) + ".json")
-                   for r in range(world_size)))
+        job_dir = os.path.join(self.options.directory, job)
+        return sorted(step for step in _step_numbers(job_dir)
+                      if self._whole(os.path.join(job_dir, f"step_{step}"), world_size))
+
+    def _whole(self, step_dir: str, world_size: int) -> bool:
+        """Every rank is written, itself or as its replica group's copier."""
+        written = {int(m[1]) for m in map(_RANK_META.fullmatch, _listdir(step_dir)) if m}
+        missing = set(range(world_size)) - written
+        if not missing:
+            return True
+        for rank in written:  # only a grouped job (or an unfinished step) reads metadata
+            try:
+                meta = self._meta(os.path.join(step_dir, f"rank_{rank}"))
+            except DaemonError:
+                continue
+            missing -= set(meta.get("replica_group", ()))
+        return not missing
 
     def forget_after(self, job: str, step: int) -> None:
         """Drops queued writes of ``job``'s steps after ``step`` (an abandoned run's)."""
@@ -273,6 +289,7 @@ class DurableTier:
         checkpointer.close()
         meta = {"format": _FORMAT, "job": job, "rank": rank, "step": step,
                 "world_size": pinned.world_size, "slot_checksums": list(pinned.checksums),
+                "replica_group": list(pinned.group),
                 "tensors": [{"name": name, "dtype": str(a.dtype), "shape": list(a.shape),
                              "checksum": checksum(a)} for name, a in arrays.items()]}
         tmp = path + ".json.tmp"

@@ -3,7 +3,9 @@
 Each daemon reports the committed copies in its memory (``Holdings``); these
 functions turn the reports into the job-wide answers: which steps are
 committed (every rank with 1 + k copies), which step the whole job can
-restore, and which copies need another replica after a peer died. No I/O.
+restore, and which copies need another replica after a peer died. A rank of
+a data-parallel replica group has no copies of its own: it holds what its
+group's copier holds (each copy names the ranks it stands for). No I/O.
 """
 
 import dataclasses
@@ -19,6 +21,7 @@ class Holding:
     step: int
     replica: bool = False
     world_size: int = 0
+    group: tuple[int, ...] = ()  # the ranks this copy holds (its replica group)
 
 
 def holders(holdings) -> dict[tuple[int, int], set[int]]:
@@ -29,21 +32,31 @@ def holders(holdings) -> dict[tuple[int, int], set[int]]:
     return found
 
 
+def copiers(holdings) -> dict[int, int]:
+    """rank -> the rank whose copies hold its state, for each rank a copy's replica
+    group names; a rank not named holds its own copies."""
+    return {member: h.rank for h in holdings for member in h.group}
+
+
 def committed_steps(world_size: int, holdings, copies_wanted: int) -> list[int]:
     """Steps every rank holds with at least ``copies_wanted`` copies, oldest first."""
     found = holders(holdings)
+    copier = copiers(holdings)
     steps = {step for _, step in found}
     return sorted(s for s in steps
-                  if all(len(found.get((r, s), ())) >= copies_wanted for r in range(world_size)))
+                  if all(len(found.get((copier.get(r, r), s), ())) >= copies_wanted
+                         for r in range(world_size)))
 
 
 def restorable_steps(world_size: int, holdings, durable_steps=()) -> list[int]:
     """Steps every rank can get back from some peer's memory or the durable tier."""
     found = holders(holdings)
+    copier = copiers(holdings)
     durable = set(durable_steps)
     steps = {step for _, step in found} | durable
     return sorted(s for s in steps
-                  if s in durable or all(found.get((r, s)) for r in range(world_size)))
+                  if s in durable or all(found.get((copier.get(r, r), s))
+                                         for r in range(world_size)))
 
 
 def successors(index: int, ring_size: int, live, count: int) -> list[int]:

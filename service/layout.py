@@ -93,6 +93,21 @@ def check_rank(rank: int, world_size: int | None = None) -> None:
         raise InvalidArgument(f"rank {rank} is outside world_size {world_size}")
 
 
+def check_replica_group(rank: int, world_size: int, group) -> tuple[int, ...]:
+    """The replica group of ``rank`` as the daemon keeps it: sorted, itself included.
+
+    The group lists the ranks whose state is identical to this rank's (its
+    data-parallel replicas); its lowest rank is the one that copies it.
+    """
+    for member in group:
+        if not 0 <= member < world_size:
+            raise InvalidArgument(
+                f"replica_group {list(group)} of rank {rank} names rank {member}, outside "
+                f"world_size {world_size}; list the ranks 0..{world_size - 1} whose state is "
+                "identical to this rank's (its data-parallel replicas)")
+    return tuple(sorted({rank, *group}))
+
+
 def check_step(step: int) -> None:
     if step < 0:
         raise InvalidArgument(f"step {step} is negative; steps count from 0")

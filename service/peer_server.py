@@ -37,7 +37,7 @@ class PeerServicer:
         return ppb.HoldingsResponse(index=self._group.index, copies=[
             ppb.HeldCopy(job=h.job, rank=h.rank, step=h.step,
                          role=ppb.REPLICA if h.replica else ppb.PRIMARY,
-                         world_size=h.world_size)
+                         world_size=h.world_size, replica_group=h.group)
             for h in self._store.holdings(request.job)])
 
     @rpc_errors
@@ -50,7 +50,8 @@ class PeerServicer:
                                    options.transfer_timeout_seconds,
                                    f"step {request.step} of rank {request.rank}")
         self._store.install(request.job, request.world_size, request.rank, request.step, layout,
-                            tuple(request.checksums), fill)
+                            tuple(request.checksums), fill,
+                            replica_group=tuple(request.replica_group))
         return ppb.ReplicateResponse()
 
     @rpc_errors

@@ -164,7 +164,8 @@ class PeerGroup:
         counts with what it answered last: a busy peer must not look like lost
         copies, which would be pushed again for nothing.
         """
-        found = [Holding(self.index, h.rank, h.step, h.replica, h.world_size) for h in own]
+        found = [Holding(self.index, h.rank, h.step, h.replica, h.world_size, h.group)
+                 for h in own]
         request = ppb.HoldingsRequest(job=job)
         futures = {i: self._calls.submit(self.call, i, "Holdings", request) for i in self.others()}
         for index, future in futures.items():
@@ -175,7 +176,8 @@ class PeerGroup:
                     with self._lock:
                         found += self._last_holdings.get((index, job), [])
                 continue
-            theirs = [Holding(index, c.rank, c.step, c.role == ppb.REPLICA, c.world_size)
+            theirs = [Holding(index, c.rank, c.step, c.role == ppb.REPLICA, c.world_size,
+                              tuple(c.replica_group))
                       for c in answer.copies if c.job == job]
             with self._lock:
                 self._last_holdings[(index, job)] = theirs

@@ -2,7 +2,9 @@
 
 After a trainer commits a step, the copy is offered on the data channel and
 the next k live daemons are asked to take it (``Replicate``); each answers
-once it pulled and verified the bytes, which is the acknowledgement. When
+once it pulled and verified the bytes, which is the acknowledgement. Only
+the copier of a data-parallel replica group commits, so a replicated shard
+crosses the network once per group (each copy names the ranks it holds). When
 replication falls behind training (slow network, busy cores), the waiting
 steps of a rank collapse into one: the "roundest" (most trailing zero bits,
 then newest), so daemons that fall behind by different amounts still pick
@@ -132,7 +134,9 @@ class Replicator:
             return False
 
     def _refresh(self, only_job: str | None) -> None:
-        jobs = [only_job] if only_job else sorted({h.job for h in self._store.holdings()})
+        # Every job, not only those with copies here: a daemon whose ranks are all
+        # held through other daemons' copiers still reports what the group committed.
+        jobs = [only_job] if only_job else self._store.job_names()
         for job in jobs:
             holdings = self.view(job)
             try:
@@ -164,7 +168,7 @@ class Replicator:
         request = ppb.ReplicateRequest(
             job=job, world_size=pinned.world_size, rank=rank, step=step,
             tensors=tensor_specs(pinned.layout), checksums=pinned.checksums,
-            data_address=self._data.address, ticket=ticket)
+            data_address=self._data.address, ticket=ticket, replica_group=pinned.group)
         try:
             self._group.call(target, "Replicate", request,
                              timeout=self._group.options.transfer_timeout_seconds)

@@ -93,7 +93,8 @@ class DaemonServicer:
     @rpc_errors
     def Restore(self, request, context):
         step = request.step if request.HasField("step") else None
-        restored = self._tiers.restore(request.job, request.rank, step)
+        restored = self._tiers.restore(request.job, request.rank, step,
+                                       tuple(request.replica_group))
         found = restored.found
         self._metrics.restores.labels(restored.source).inc()
         return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
@@ -197,7 +198,8 @@ class DaemonServicer:
                     pb.ShardStatus(tensor=sh.tensor, shard=sh.shard, nbytes=sh.nbytes,
                                    checksum=sh.checksum) for sh in r.shards],
                     usage=pb.BubbleUsage(**dataclasses.asdict(r.usage)), replica=r.replica,
-                    copies=copies.get((r.rank, s.step), 0), durable=s.step in durable)
+                    copies=copies.get((r.rank, s.step), 0), durable=s.step in durable,
+                    held_for=r.held_for)
                 for r in s.ranks]) for s in job.steps],
             plan=_plan_status(plan, profiles, version), replicas=self._tiers.replicas,
             durable_steps=durable, corrupt_copies=[

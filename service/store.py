@@ -83,6 +83,9 @@ class _RankStep:
 class _Rank:
     layout: layout_lib.Layout
     slots: list[tuple[int, int, int, int]]
+    #: The rank's replica group, sorted, the rank included: group[0] copies
+    #: the state, the other members are held through its copies.
+    group: tuple[int, ...]
     steps: dict[int, _RankStep] = dataclasses.field(default_factory=dict)
     replica: bool = False  # held for a peer; no trainer registered it here
 
@@ -90,7 +93,6 @@ class _Rank:
 @dataclasses.dataclass
 class _Job:
     world_size: int
-    replica_group: tuple[int, ...]
     ranks: dict[int, _Rank] = dataclasses.field(default_factory=dict)
     #: With peers, the steps the peer group has committed (set by the
     #: replicator from every daemon's holdings); None on a lone daemon.
@@ -100,17 +102,28 @@ class _Job:
         """Steps committed for the job, oldest first.
 
         A lone daemon holds every rank: a step is committed when each rank
-        holds it LOCAL. With peers, the group decides.
+        holds it LOCAL, a member of a replica group through its copier's
+        copy. With peers, the group decides.
         """
         if self.group_committed is not None:
             return self.group_committed
         if len(self.ranks) < self.world_size:
             return []
         common = None
-        for rank in self.ranks.values():
-            local = {s for s, rs in rank.steps.items() if rs.state is CopyState.LOCAL}
+        for copier in {held.group[0] for held in self.ranks.values()}:
+            rank = self.ranks.get(copier)
+            local = {s for s, rs in rank.steps.items() if rs.state is CopyState.LOCAL} \
+                if rank else set()
             common = local if common is None else common & local
         return sorted(common or ())
+
+    def group_of(self, rank: int) -> tuple[int, ...] | None:
+        """The replica group of ``rank`` as a rank held here declared it (the rank
+        itself, a member, or a replica of the group's copier); None if none did."""
+        held = self.ranks.get(rank)
+        if held is not None:
+            return held.group
+        return next((h.group for h in self.ranks.values() if rank in h.group), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +173,7 @@ class RankStepView:
     shards: tuple[ShardView, ...]
     usage: BubbleUsage
     replica: bool
+    held_for: tuple[int, ...] = ()  # the rest of its replica group, held through this copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +201,7 @@ class HeldCopy:
     step: int
     replica: bool
     world_size: int
+    group: tuple[int, ...] = ()  # the ranks this copy holds (its replica group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +216,7 @@ class PinnedCopy:
     layout: layout_lib.Layout
     slots: tuple[tuple[int, int, int, int], ...]
     checksums: tuple[int, ...]
+    group: tuple[int, ...] = ()
     _held: "_RankStep" = dataclasses.field(repr=False, compare=False, default=None)
 
 
@@ -232,21 +248,21 @@ class SnapshotStore:
 
     def register(self, job: str, rank: int, world_size: int, tensors,
                  replica_group=()) -> Registration:
+        """Declares one rank's layout and replica group (see RegisterRequest)."""
         layout_lib.check_job_name(job)
         layout_lib.check_world(rank, world_size)
         layout = layout_lib.build_layout(tensors)
-        group = tuple(replica_group)
-        for member in group:
-            layout_lib.check_rank(member, world_size)
+        group = layout_lib.check_replica_group(rank, world_size, replica_group)
         with self._lock:
             entry = self._jobs.get(job)
             if entry is not None and entry.world_size != world_size:
                 raise FailedPrecondition(
                     f"job {job!r} is registered with world_size {entry.world_size}, "
                     f"not {world_size}; delete the job's snapshots to start it over")
-            if entry is None:
-                entry = self._new_job(job, world_size, group)
-            entry.replica_group = entry.replica_group or group
+            if entry is not None:
+                _check_group_agrees(job, entry, rank, group, layout)
+            else:
+                entry = self._new_job(job, world_size)
             held = entry.ranks.get(rank)
             if held is not None and held.replica:
                 # A trainer takes over a rank this daemon held replicas of
@@ -254,8 +270,9 @@ class SnapshotStore:
                 if held.layout != layout:
                     for step in list(held.steps):
                         self._free(held, step)
-                    held = entry.ranks[rank] = _Rank(layout, layout.slots())
+                    held = entry.ranks[rank] = _Rank(layout, layout.slots(), group)
                 held.replica = False
+                held.group = group
             if held is not None:
                 if held.layout != layout:
                     raise AlreadyExists(
@@ -266,7 +283,7 @@ class SnapshotStore:
                 for step in [s for s, rs in held.steps.items() if rs.state is CopyState.STAGING]:
                     self._free(held, step)
                 return Registration(True, _latest_local(held), layout.segment_bytes)
-            entry.ranks[rank] = _Rank(layout, layout.slots())
+            entry.ranks[rank] = _Rank(layout, layout.slots(), group)
             return Registration(False, -1, layout.segment_bytes)
 
     # -- staging and commit -------------------------------------------------
@@ -275,6 +292,11 @@ class SnapshotStore:
         layout_lib.check_step(step)
         with self._lock:
             entry, held = self._rank(job, rank)
+            if held.group[0] != rank:
+                raise FailedPrecondition(
+                    f"rank {rank} of job {job!r} is held through rank {held.group[0]}'s copies "
+                    f"(replica group {list(held.group)}): it has nothing to copy; only rank "
+                    f"{held.group[0]} snapshots this state")
             return self._begin(job, rank, entry, held, step)
 
     def _begin(self, job: str, rank: int, entry: _Job, held: _Rank, step: int) -> Staging:
@@ -364,7 +386,7 @@ class SnapshotStore:
     # -- restore ------------------------------------------------------------
 
     def restore(self, job: str, rank: int, step: int | None = None,
-                chosen_by_group: bool = False) -> Restorable:
+                chosen_by_group: bool = False, replica_group=()) -> Restorable:
         """Verifies a committed step and hands its segment to the client.
 
         The client may keep arrays that alias the segment (zero-copy on the
@@ -372,16 +394,19 @@ class SnapshotStore:
         retention frees it, it is unlinked, and its memory lives on only as
         long as the client maps it.
 
+        A member of a replica group gets its copier's copy (``replica_group``
+        is the caller's, for a rank no registration here declared).
         ``chosen_by_group``: the step was chosen from every peer's holdings
         (tiers.py); it only has to be held LOCAL here. NotFound otherwise.
         """
         with self._lock:
-            entry, held = self._rank(job, rank)
+            entry, held = self._copier(job, rank, replica_group)
             committed = entry.committed_steps()
             if chosen_by_group:
                 rank_step = held.steps.get(step)
                 if rank_step is None or rank_step.state is not CopyState.LOCAL:
-                    raise NotFound(f"this daemon holds no copy of step {step} of rank {rank}")
+                    raise NotFound(f"this daemon holds no copy of step {step} of rank "
+                                   f"{held.group[0]}")
             elif step is None:
                 if not committed:
                     raise NotFound(
@@ -415,12 +440,24 @@ class SnapshotStore:
 
     # -- peers: replicas, holdings, pinned reads ------------------------------
 
+    def copier_of(self, job: str, rank: int, world_size: int,
+                  replica_group=()) -> tuple[int, tuple[int, ...]]:
+        """The rank whose copies hold ``rank``'s state, and its replica group, as
+        registrations here declare it or else as the caller does."""
+        layout_lib.check_job_name(job)
+        asked = layout_lib.check_replica_group(rank, world_size, replica_group) \
+            if replica_group else ()
+        with self._lock:
+            entry = self._jobs.get(job)
+            group = _agreed_group(job, entry, rank, asked)
+        return group[0], group
+
     def holdings(self, job: str = "") -> list[HeldCopy]:
         """Every LOCAL copy held, of one job or all."""
         if job:
             layout_lib.check_job_name(job)
         with self._lock:
-            return [HeldCopy(name, rank, step, held.replica, entry.world_size)
+            return [HeldCopy(name, rank, step, held.replica, entry.world_size, held.group)
                     for name, entry in sorted(self._jobs.items()) if not job or name == job
                     for rank, held in sorted(entry.ranks.items())
                     for step, rank_step in sorted(held.steps.items())
@@ -449,42 +486,43 @@ class SnapshotStore:
                                f"{rank} of job {job!r}")
             rank_step.pins += 1
             return PinnedCopy(job, rank, step, entry.world_size, rank_step.segment, held.layout,
-                              tuple(held.slots), rank_step.checksums, rank_step)
+                              tuple(held.slots), rank_step.checksums, held.group, rank_step)
 
     def unpin(self, pinned: PinnedCopy) -> None:
         with self._lock:
             self._unpin(pinned._held)
 
     def install(self, job: str, world_size: int, rank: int, step: int, layout, checksums,
-                fill, for_restore: bool = False) -> int:
+                fill, for_restore: bool = False, replica_group=()) -> int:
         """Stores a copy that arrives from elsewhere (a peer, the durable tier).
 
         ``fill(view, slots)`` writes the segment's bytes, outside the lock,
         and may return the checksums of the (offset, nbytes) ``slots`` it
         computed on the way (else the store hashes them). They are compared
         with ``checksums`` before the copy counts.
-        A rank no trainer registered here is held as a replica until one
-        does. An existing copy with other checksums (an abandoned run's) is
-        replaced. ``for_restore``: the copy is served right away, without a
-        second hash. Returns the bytes stored; DataLoss (and nothing kept)
-        when a checksum fails.
+        A rank no trainer registered here is held as a replica, of the ranks
+        in ``replica_group``, until one does. An existing copy with other
+        checksums (an abandoned run's) is replaced. ``for_restore``: the copy
+        is served right away, without a second hash. Returns the bytes
+        stored; DataLoss (and nothing kept) when a checksum fails.
         """
         layout_lib.check_job_name(job)
         layout_lib.check_world(rank, world_size)
         layout_lib.check_step(step)
+        group = layout_lib.check_replica_group(rank, world_size, replica_group)
         slots = layout.slots()
         if len(checksums) != len(slots):
             raise InvalidArgument(f"{len(checksums)} checksums for {len(slots)} shards")
         with self._lock:
             entry = self._jobs.get(job)
             if entry is None:
-                entry = self._new_job(job, world_size, ())
+                entry = self._new_job(job, world_size)
             if entry.world_size != world_size:
                 raise FailedPrecondition(
                     f"job {job!r} has world_size {entry.world_size} here, not {world_size}")
             held = entry.ranks.get(rank)
             if held is None:
-                held = entry.ranks[rank] = _Rank(layout, slots, replica=True)
+                held = entry.ranks[rank] = _Rank(layout, slots, group, replica=True)
             elif held.layout != layout:
                 if not held.replica:
                     raise FailedPrecondition(
@@ -492,7 +530,9 @@ class SnapshotStore:
                         f"layout ({_describe_difference(held.layout, layout)})")
                 for old in list(held.steps):
                     self._free(held, old)
-                held = entry.ranks[rank] = _Rank(layout, slots, replica=True)
+                held = entry.ranks[rank] = _Rank(layout, slots, group, replica=True)
+            elif held.replica:
+                held.group = group
             existing = held.steps.get(step)
             if existing is not None and existing.state is CopyState.LOCAL and \
                     existing.checksums == tuple(checksums):
@@ -599,6 +639,11 @@ class SnapshotStore:
             _, held = self._rank(job, rank)
             return tuple((t, s, n) for t, s, _, n in held.slots)
 
+    def job_names(self) -> list[str]:
+        """Every job registered or held here, sorted."""
+        with self._lock:
+            return sorted(self._jobs)
+
     def jobs(self, job: str = "") -> list[JobView]:
         if job:
             layout_lib.check_job_name(job)
@@ -653,10 +698,36 @@ class SnapshotStore:
                     "everything already held is kept")
         return self._pool.acquire(nbytes)
 
-    def _new_job(self, job: str, world_size: int, group) -> _Job:
-        entry = self._jobs[job] = _Job(world_size, tuple(group),
-                                       group_committed=[] if self.grouped else None)
+    def _new_job(self, job: str, world_size: int) -> _Job:
+        entry = self._jobs[job] = _Job(world_size, group_committed=[] if self.grouped else None)
         return entry
+
+    def _copier(self, job: str, rank: int, replica_group=()) -> tuple[_Job, _Rank]:
+        """The job and the held rank whose copies serve ``rank`` (itself, or the copier of
+        its replica group, which must have the layout ``rank`` registered here)."""
+        layout_lib.check_job_name(job)
+        layout_lib.check_rank(rank)
+        entry = self._jobs.get(job)
+        if entry is None:
+            raise NotFound(f"no job {job!r} is registered with this daemon; call Register first")
+        asked = layout_lib.check_replica_group(rank, entry.world_size, replica_group) \
+            if replica_group else ()
+        group = _agreed_group(job, entry, rank, asked)
+        if group[0] == rank:
+            return self._rank(job, rank)
+        copier = entry.ranks.get(group[0])
+        if copier is None:
+            raise NotFound(f"rank {rank} of job {job!r} is held through rank {group[0]}'s copies "
+                           f"(replica group {list(group)}), and this daemon holds no copy of "
+                           f"rank {group[0]}; registered ranks: {sorted(entry.ranks)}")
+        own = entry.ranks.get(rank)
+        if own is not None and own.layout != copier.layout:
+            difference = _describe_difference(copier.layout, own.layout)
+            raise FailedPrecondition(
+                f"rank {rank} of job {job!r} registered a layout that differs from the copy of "
+                f"rank {group[0]} it is held through ({difference}); replicas hold identical "
+                "state: check the replica group or the shardings")
+        return entry, copier
 
     def _free(self, held: _Rank, step: int) -> None:
         rank_step = held.steps.pop(step)
@@ -723,7 +794,8 @@ class SnapshotStore:
                               rank_step.checksums[i] if rank_step.checksums else 0)
                     for i, (t, s, _, n) in enumerate(held.slots))
                 ranks.append(RankStepView(rank, rank_step.state, held.layout.nbytes, shards,
-                                          rank_step.usage, held.replica))
+                                          rank_step.usage, held.replica,
+                                          tuple(m for m in held.group if m != rank)))
             views.append(StepView(step, step in committed, tuple(ranks)))
         return JobView(name, entry.world_size, tuple(sorted(entry.ranks)),
                        max(committed, default=-1), tuple(views))
@@ -736,15 +808,49 @@ def _latest_local(held: _Rank) -> int:
 def _progress(entry: _Job, step: int | None = None) -> str:
     missing = [r for r in range(entry.world_size) if r not in entry.ranks]
     parts = [f"ranks {missing} have not registered"] if missing else []
+    copiers = sorted((r, h) for r, h in entry.ranks.items() if h.group[0] == r)
     if step is not None:
-        waiting = [r for r, held in sorted(entry.ranks.items())
+        waiting = [r for r, held in copiers
                    if step not in held.steps or held.steps[step].state is not CopyState.LOCAL]
         if waiting:
             parts.append(f"ranks {waiting} have not finished it")
     else:
-        latest = {r: _latest_local(h) for r, h in sorted(entry.ranks.items())}
-        parts.append(f"latest local step per rank: {latest}")
+        latest = {r: _latest_local(h) for r, h in copiers}
+        parts.append(f"latest local step per copying rank: {latest}")
     return "; ".join(parts)
+
+
+def _check_group_agrees(job: str, entry: _Job, rank: int, group: tuple[int, ...],
+                        layout: layout_lib.Layout) -> None:
+    """Ranks registered here that share a replica group with ``rank`` (itself
+    included) declared the same group and, being replicas, the same layout."""
+    for other, held in sorted(entry.ranks.items()):
+        if held.replica or not (other in group or rank in held.group):
+            continue
+        if held.group != group:
+            who = "it was" if other == rank else f"rank {other} was"
+            raise FailedPrecondition(
+                f"rank {rank} of job {job!r} declares replica group {list(group)}, but {who} "
+                f"registered with replica group {list(held.group)}; every member of a "
+                "data-parallel group must declare the same ranks. Fix the groups, or delete "
+                "the job's snapshots to change them")
+        if other != rank and held.layout != layout:
+            raise FailedPrecondition(
+                f"rank {rank} of job {job!r} declares rank {other} a replica (group "
+                f"{list(group)}), but their state layouts differ "
+                f"({_describe_difference(held.layout, layout)}); replicas hold identical "
+                "state: check the replica group or the shardings")
+
+
+def _agreed_group(job: str, entry: _Job | None, rank: int,
+                  asked: tuple[int, ...]) -> tuple[int, ...]:
+    """The replica group of ``rank``: as declared here, else ``asked``, else alone."""
+    known = entry.group_of(rank) if entry is not None else None
+    if known and asked and known != asked:
+        raise FailedPrecondition(
+            f"rank {rank} of job {job!r} is asked for with replica group {list(asked)}, but it "
+            f"was registered with {list(known)}; pass the group the trainers register")
+    return known or asked or (rank,)
 
 
 def _mismatches(expected, computed) -> list[int]:

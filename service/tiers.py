@@ -146,18 +146,23 @@ class Tiers:
         with self._lock:
             return [c for c in reversed(self._corrupt) if c.job == job]
 
-    def restore(self, job: str, rank: int, step: int | None = None) -> Restored:
+    def restore(self, job: str, rank: int, step: int | None = None,
+                replica_group=()) -> Restored:
         """The rank's copy of ``step`` (default: the latest the whole job can restore).
 
-        With peers or a durable tier the rank need not be registered here: a
-        replacement host's trainer restores first and registers after.
+        A member of a replica group gets its copier's copy. With peers or a
+        durable tier the rank need not be registered here: a replacement
+        host's trainer restores first, naming its ``replica_group``, and
+        registers after.
         """
         if not self.grouped:
-            return Restored(self._store.restore(job, rank, step), "memory", "")
+            return Restored(self._store.restore(job, rank, step, replica_group=replica_group),
+                            "memory", "")
         layout_lib.check_job_name(job)
         holdings = self._holdings(job)
         world = self._world_size(job, holdings)
         layout_lib.check_rank(rank, world)
+        copier, group = self._store.copier_of(job, rank, world, replica_group)
         durable = self._durable.steps(job, world) if self._durable is not None else []
         steps = group_view.restorable_steps(world, holdings, durable)
         if step is None:
@@ -171,36 +176,38 @@ class Tiers:
                            f"restorable steps: {steps[-20:] or 'none'}")
         self._roll_back(job, step, holdings, durable)
         tried, corrupt = [], False
+
+        def served():
+            return self._store.restore(job, rank, step, chosen_by_group=True,
+                                       replica_group=group)
+
         try:
-            return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
-                            "memory", "")
+            return Restored(served(), "memory", "")
         except DataLoss as err:
-            self._record(job, rank, step, "memory", str(err))
+            self._record(job, copier, step, "memory", str(err))
             tried.append(f"memory: {err}")
             corrupt = True
         except NotFound:
             pass
-        for index in sorted(group_view.holders(holdings).get((rank, step), ())):
+        for index in sorted(group_view.holders(holdings).get((copier, step), ())):
             if self._group is None or index == self._group.index:
                 continue
             address = self._group.address(index)
             try:
-                self._pull_from_peer(index, job, world, rank, step)
-                return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
-                                "peer", address)
+                self._pull_from_peer(index, job, world, copier, step, group)
+                return Restored(served(), "peer", address)
             except DataLoss as err:
-                self._record(job, rank, step, f"peer {address}", str(err))
+                self._record(job, copier, step, f"peer {address}", str(err))
                 tried.append(f"peer {address}: {err}")
                 corrupt = True
             except (DaemonError, grpc.RpcError, OSError) as err:
                 tried.append(f"peer {address}: {_reason(err)}")
         if step in durable:
             try:
-                self._load_durable(job, world, rank, step)
-                return Restored(self._store.restore(job, rank, step, chosen_by_group=True),
-                                "durable", self._durable.options.directory)
+                self._load_durable(job, world, rank, step, group)
+                return Restored(served(), "durable", self._durable.options.directory)
             except DataLoss as err:
-                self._record(job, rank, step, "durable", str(err))
+                self._record(job, copier, step, "durable", str(err))
                 tried.append(f"durable: {err}")
                 corrupt = True
         if corrupt:
@@ -240,7 +247,8 @@ class Tiers:
             self._durable.forget_after(job, step)
         return self._store.rollback(job, step)
 
-    def _pull_from_peer(self, index: int, job: str, world: int, rank: int, step: int) -> None:
+    def _pull_from_peer(self, index: int, job: str, world: int, rank: int, step: int,
+                        group: tuple[int, ...]) -> None:
         options = self._group.options
         answer = self._group.call(index, "OpenRead", ppb.OpenReadRequest(job=job, rank=rank,
                                                                          step=step))
@@ -253,20 +261,25 @@ class Tiers:
                                    options.transfer_timeout_seconds,
                                    f"step {step} of rank {rank}")
         self._store.install(job, world, rank, step, layout, tuple(answer.checksums), fill,
-                            for_restore=True)
+                            for_restore=True, replica_group=group)
 
-    def _load_durable(self, job: str, world: int, rank: int, step: int) -> None:
+    def _load_durable(self, job: str, world: int, rank: int, step: int,
+                      group: tuple[int, ...]) -> None:
+        """Installs the copy of ``rank`` (its group's copier's, ``group[0]``) from disk,
+        cut into the layout ``rank`` registered here (the copier's, being a replica)."""
+        copier = group[0]
         try:
             layout = self._store.layout_of(job, rank)
         except NotFound:  # not registered here yet: whole tensors, the client reshards
-            layout = self._durable.whole_layout(job, rank, step)
-        fill, checksums = self._durable.load(job, rank, step, layout)
-        self._store.install(job, world, rank, step, layout, checksums, fill, for_restore=True)
+            layout = self._durable.whole_layout(job, copier, step)
+        fill, checksums = self._durable.load(job, copier, step, layout)
+        self._store.install(job, world, copier, step, layout, checksums, fill, for_restore=True,
+                            replica_group=group)
 
     def _holdings(self, job: str) -> list[group_view.Holding]:
         if self._replicator is not None:
             return self._replicator.view(job)
-        return [group_view.Holding(0, h.rank, h.step, h.replica, h.world_size)
+        return [group_view.Holding(0, h.rank, h.step, h.replica, h.world_size, h.group)
                 for h in self._store.holdings(job)]
 
     def _world_size(self, job: str, holdings) -> int:
@@ -297,11 +310,13 @@ def _reason(err) -> str:
 
 
 def _describe(holdings, world: int) -> str:
-    """Which ranks hold nothing, and what the others hold; bounded for huge jobs."""
+    """Which ranks hold nothing (themselves or through their replica group's copier),
+    and what the others hold; bounded for huge jobs."""
     per_rank: dict[int, list[int]] = {}
     for rank, step in group_view.holders(holdings):
         per_rank.setdefault(rank, []).append(step)
-    empty = [r for r in range(min(world, 1 << 16)) if r not in per_rank]
+    copier = group_view.copiers(holdings)
+    empty = [r for r in range(min(world, 1 << 16)) if copier.get(r, r) not in per_rank]
     held = {r: sorted(per_rank[r])[-4:] for r in sorted(per_rank)[:8]}
     return (f"{len(empty)} of {world} ranks hold no copy (e.g. {empty[:10]}); newest steps "
             f"held: {held}{' ...' if len(per_rank) > 8 else ''}")

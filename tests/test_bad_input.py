@@ -202,3 +202,41 @@ def test_old_step_under_a_reused_job_name(held):
     assert not refused.taken and "FAILED_PRECONDITION" in refused.reason
     assert "older than every step retention keeps" in refused.reason
     client.close()
+
+
+def test_replica_groups_that_do_not_add_up(held):
+    def register_dp(rank, group, tensors=None):
+        return pb.RegisterRequest(job="dp", rank=rank, world_size=3, replica_group=group,
+                                  tensors=tensors or [tensor_spec("w", (4, 4))])
+
+    got, details = _code(held.stub.Register, register_dp(0, [0, 5]))
+    assert got == C.INVALID_ARGUMENT and "names rank 5, outside world_size 3" in details
+    held.stub.Register(register_dp(0, [1]), timeout=10)  # itself added: group [0, 1]
+    for bad, words in (
+            (register_dp(1, [1, 2]), "group [1, 2], but rank 0 was registered with replica "
+                                     "group [0, 1]"),
+            (register_dp(1, []), "group [1], but rank 0 was registered"),
+            (register_dp(2, [0, 2]), "group [0, 2], but rank 0 was registered"),
+            (register_dp(0, [0, 2]), "group [0, 2], but it was registered with replica group"),
+            (register_dp(1, [0, 1], [tensor_spec("w", (4, 5))]), "state layouts differ")):
+        got, details = _code(held.stub.Register, bad)
+        assert got == C.FAILED_PRECONDITION and words in details, details
+    held.stub.Register(register_dp(1, [0, 1]), timeout=10)
+    got, details = _code(held.stub.BeginStep, pb.BeginStepRequest(job="dp", rank=1, step=0))
+    assert got == C.FAILED_PRECONDITION and "held through rank 0's copies" in details
+    got, details = _code(held.stub.Restore, pb.RestoreRequest(job="dp", rank=1,
+                                                              replica_group=[1, 2]))
+    assert got == C.FAILED_PRECONDITION and "registered with [0, 1]" in details
+
+    # The refusals changed nothing: the groups stand as registered and commit.
+    arrays = {"w": np.arange(16, dtype=np.float32).reshape(4, 4)}
+    options = ClientOptions(daemon=held.address)
+    c0, c1 = (NumpyClient("dp", r, 3, options, replica_group=(0, 1)) for r in range(2))
+    c2 = NumpyClient("dp", 2, 3, options)
+    assert c1.snapshot(0, arrays).copied_by == 0
+    assert c2.snapshot(0, arrays).taken
+    assert c0.snapshot(0, arrays).committed
+    step, restored = c1.restore()
+    assert step == 0 and restored["w"].tobytes() == arrays["w"].tobytes()
+    for c in (c0, c1, c2):
+        c.close()

@@ -63,3 +63,14 @@ def test_roundest_step_is_common_to_daemons_behind_by_different_amounts():
     assert roundest([13, 14, 15]) == 14
     assert roundest([7, 8, 9]) == 8 and roundest([5, 6, 7, 8]) == 8
     assert roundest([0, 1, 2]) == 0
+
+
+def test_a_replica_group_is_held_through_its_copier():
+    # Ranks 0 and 1 are one data-parallel group: only rank 0 has copies.
+    holdings = [Holding(i, 0, 4, i > 0, group=(0, 1)) for i in range(2)] + \
+        [Holding(i, 2, 4, i > 0) for i in (1, 2)]
+    assert committed_steps(3, holdings, 2) == [4]
+    assert restorable_steps(3, holdings) == [4]
+    ungrouped = [Holding(h.index, h.rank, h.step, h.replica) for h in holdings]
+    assert committed_steps(3, ungrouped, 1) == []  # rank 1 would need copies of its own
+    assert restorable_steps(3, ungrouped) == []

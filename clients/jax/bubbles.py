@@ -213,7 +213,10 @@ class BubbleSnapshotter:
     # -- internals ------------------------------------------------------------------------------
 
     def _reporting(self) -> bool:
-        return self._registered and self._iteration >= self.options.warmup_iterations
+        # A data-parallel replica that is not its group's copier has nothing to copy:
+        # it neither reports bubbles (no plan for it) nor holds a state.
+        return (self._registered and self._session.copier == self._session.rank
+                and self._iteration >= self.options.warmup_iterations)
 
     def _should_snapshot(self, iteration: int) -> bool:
         if not self._reporting():

@@ -39,6 +39,11 @@ class SnapshotClient:
 
     ``snapshot`` never raises for daemon trouble and never waits longer than
     its deadline: it returns a :class:`SnapshotResult` saying what happened.
+
+    With data parallelism, give each rank its ``replica_group`` (the ranks
+    whose state equals its own, itself included): the group's lowest rank
+    copies the state, the others' ``snapshot`` copies nothing and their
+    ``restore`` gets the lowest rank's copy.
     """
 
     def __init__(self, job: str, rank: int = 0, world_size: int = 1,
@@ -50,7 +55,9 @@ class SnapshotClient:
         """Copies ``state`` (step ``step``) into the daemon's memory.
 
         Holds training for the device-to-host fetch and one memcpy; the daemon
-        checksums and commits in the background unless ``wait`` is set.
+        checksums and commits in the background unless ``wait`` is set. A
+        replica that is not its group's copier fetches nothing
+        (``SnapshotResult.copied_by``).
         """
         names, leaves, _ = _layout.flatten(state)
         return self._session.snapshot(step, self._specs.specs(names, leaves),
