@@ -9,10 +9,12 @@ for the job only once every worker has finished it (an end-of-step
 barrier; a real job learns it at the next all-reduce). Rank 0 logs each
 step's batch (its sample indices and the loader's state after drawing them)
 to the daemon's training log before the step runs, and every
---snapshot-every steps both workers snapshot their state to the daemon
-(rank = worker rank, world size 2: each worker writes to its own host's
-daemon in a real job, and a step is committed only once both hold it, so a
-step one worker finished alone is never restorable).
+--snapshot-every steps the workers snapshot their state to the daemon as one
+replica group (world size 2, replica_group (0, 1)): the daemons copy a
+replicated shard once per group, so only rank 0 copies it and rank 1 is held
+through rank 0's copy (its snapshot() returns at once, copied_by 0; its
+restore gets rank 0's copy). Snapshots are taken after the end-of-step
+barrier, so a step only one worker finished is never snapshotted.
 
 Three runs, each worker a separate process:
   reference   trains --steps steps, no failure; saves its state after step
@@ -97,44 +99,27 @@ def die(why: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class DataLoader:
-    """A shuffling loader over a synthetic regression set; its position is its RNG state.
+def data_loader(seed: int = 0):
+    """A shuffling loader over a synthetic regression set (pipeline/data_loader.py's
+    logged sample order); a step's batch is split between the workers by rank."""
+    import numpy as np
 
-    A step's batch is drawn once and split between the workers by rank.
-    Replaying logged steps takes their indices, and the loader continues from
-    the state logged with the last of them.
-    """
+    from pipeline.data_loader import SampleOrder
 
-    def __init__(self, seed: int = 0):
-        import numpy as np
-        data = np.random.default_rng(12345)
-        self.x = data.standard_normal((SAMPLES, FEATURES), dtype=np.float32)
-        teacher = data.standard_normal((FEATURES, 8), dtype=np.float32) / np.sqrt(FEATURES)
-        self.y = np.sin(self.x @ teacher).sum(axis=1, keepdims=True).astype(np.float32)
-        self._rng = np.random.default_rng(seed)
-        self._drawn: dict[int, list[int]] = {}
-        self._state_after: dict[int, dict] = {}
+    class RegressionLoader(SampleOrder):
+        def __init__(self):
+            super().__init__(SAMPLES, BATCH, seed)
+            data = np.random.default_rng(12345)
+            self.x = data.standard_normal((SAMPLES, FEATURES), dtype=np.float32)
+            teacher = data.standard_normal((FEATURES, 8), dtype=np.float32) / np.sqrt(FEATURES)
+            self.y = np.sin(self.x @ teacher).sum(axis=1, keepdims=True).astype(np.float32)
 
-    def record(self, step: int) -> bytes:
-        """The step's log record, drawing its indices if they are not known yet."""
-        if step not in self._drawn:
-            self._drawn[step] = self._rng.choice(SAMPLES, BATCH, replace=False).tolist()
-            self._state_after[step] = self._rng.bit_generator.state
-        return json.dumps({"step": step, "indices": self._drawn[step],
-                           "loader_state": self._state_after[step]}).encode()
+        def batch(self, step: int, rank: int):
+            half = BATCH // WORLD
+            rows = self.indices(step)[rank * half:(rank + 1) * half]
+            return self.x[rows], self.y[rows]
 
-    def replay(self, records) -> None:
-        """Takes the logged steps' indices, and the loader's state after the last one."""
-        for step, payload in records:
-            row = json.loads(payload)
-            self._drawn[step] = row["indices"]
-            self._state_after[step] = row["loader_state"]
-            self._rng.bit_generator.state = row["loader_state"]
-
-    def batch(self, step: int, rank: int):
-        half = BATCH // WORLD
-        rows = self._drawn[step][rank * half:(rank + 1) * half]
-        return self.x[rows], self.y[rows]
+    return RegressionLoader()
 
 
 # -- the link between the two workers ---------------------------------------------------------
@@ -228,7 +213,7 @@ class Worker:
 
         self.args, self.rank = args, args.rank
         self.failing = args.run == "failing"
-        self.loader = DataLoader()
+        self.loader = data_loader()
         self.tx, self.undo = build_optimizer(args.optimizer)
 
         class MLP(nn.Module):
@@ -255,7 +240,8 @@ class Worker:
         self.client = self.log_reader = None
         if self.failing:
             options = ClientOptions(daemon=args.daemon)
-            self.client = SnapshotClient(JOB, self.rank, WORLD, options)
+            self.client = SnapshotClient(JOB, self.rank, WORLD, options,
+                                         replica_group=tuple(range(WORLD)))
             # The job's data order is logged once, under rank 0; every worker reads it there.
             self.log_reader = (self.client if self.rank == 0 else
                                SnapshotClient(JOB, 0, WORLD, options))
@@ -339,7 +325,7 @@ class Worker:
             self.link.receive()
             if self.client and (step + 1) % args.snapshot_every == 0:
                 result = self.client.snapshot(step, self.state, wait=True)
-                if not result.taken:
+                if not result.taken and result.copied_by is None:
                     log(f"worker {self.rank}: no snapshot of step {step}: {result.reason}")
             if args.run == "reference" and self.rank == 0 and step == args.save_at:
                 self.save(self.path(f"step{step}.npz"), self.state)
