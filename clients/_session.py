@@ -71,6 +71,10 @@ class SnapshotResult:
     copied_by: int | None = None
 
 
+#: Kept boundary records are sent once they reach this many bytes, even before wait_log.
+LOG_BATCH_BYTES = 8 << 20
+
+
 class LogError(RuntimeError):
     """A training-log record could not be stored or read."""
 
@@ -142,7 +146,9 @@ class Session:
         self._registered = False
         self._quiet_until = 0.0
         self._in_flight: list = []  # (step, future, started) of commits not yet collected
-        self._log_pending: list = []  # (step, future) of training-log records not awaited
+        self._log_pending: list = []  # (what, future, copies of its answer) not awaited
+        self._log_kept: dict[str, list] = {}  # boundary records not sent yet, by stream
+        self._log_kept_bytes = 0
         self._log_lock = threading.Lock()
 
     # -- calls with deadlines -------------------------------------------------
@@ -321,25 +327,52 @@ class Session:
     # -- training log ---------------------------------------------------------
 
     def log(self, step: int, payload: bytes, stream: str = "") -> None:
-        """Sends one record to the training log ("") or a boundary ``stream``;
-        :meth:`wait_log` collects the answers. Thread-safe."""
-        request = pb.AppendLogRequest(job=self.job, rank=self.rank, stream=stream,
-                                      records=[pb.LogRecord(step=step, payload=payload)])
+        """Sends one record to the training log (""), or keeps one for a boundary
+        ``stream`` until :meth:`wait_log` sends the kept ones in one call (a
+        stage sends a tensor per microbatch: one call each would cost more than
+        the bytes). :meth:`wait_log` collects the answers. Thread-safe."""
+        record = pb.LogRecord(step=step, payload=payload)
+        if stream:
+            with self._log_lock:
+                self._log_kept.setdefault(stream, []).append(record)
+                self._log_kept_bytes += len(payload)
+                full = self._log_kept_bytes >= LOG_BATCH_BYTES
+            if full:
+                self._send_kept()
+            return
+        request = pb.AppendLogRequest(job=self.job, rank=self.rank, records=[record])
         future = self._stub.AppendLog.future(request, timeout=self.options.rpc_timeout_seconds)
         with self._log_lock:
-            self._log_pending.append((step, future))
+            self._log_pending.append((f"step {step}", future, lambda answer: answer.copies))
+
+    def _send_kept(self) -> None:
+        with self._log_lock:
+            kept, self._log_kept, self._log_kept_bytes = self._log_kept, {}, 0
+            if not kept:
+                return
+            request = pb.AppendLogsRequest(logs=[
+                pb.AppendLogRequest(job=self.job, rank=self.rank, stream=stream, records=records)
+                for stream, records in kept.items()])
+            future = self._stub.AppendLogs.future(request,
+                                                  timeout=self.options.rpc_timeout_seconds)
+            self._log_pending.append((
+                "boundary records of steps " + ", ".join(sorted(
+                    {str(r.step) for records in kept.values() for r in records})),
+                future, lambda answer: min(log.copies for log in answer.logs)))
 
     def wait_log(self) -> int:
-        """Waits for every record sent so far; returns the fewest daemons holding one of
-        them (0: none pending). Raises LogError if one was not stored."""
+        """Sends the kept boundary records, waits for every record sent so far; returns
+        the fewest daemons holding one of them (0: none pending). Raises LogError
+        if one was not stored."""
+        self._send_kept()
         with self._log_lock:
             pending, self._log_pending = self._log_pending, []
         copies, failed = [], []
-        for step, future in pending:
+        for what, future, copies_of in pending:
             try:
-                copies.append(future.result().copies)
+                copies.append(copies_of(future.result()))
             except grpc.RpcError as err:
-                failed.append(f"step {step}: {err.code().name}: {err.details()}")
+                failed.append(f"{what}: {err.code().name}: {err.details()}")
         if failed:
             raise LogError(f"not logged by daemon {self.options.daemon}: {'; '.join(failed)}")
         return min(copies, default=0)

@@ -486,6 +486,18 @@ class AppendLogResponse(_message.Message):
     copies: int
     def __init__(self, last_step: _Optional[int] = ..., copies: _Optional[int] = ...) -> None: ...
 
+class AppendLogsRequest(_message.Message):
+    __slots__ = ("logs",)
+    LOGS_FIELD_NUMBER: _ClassVar[int]
+    logs: _containers.RepeatedCompositeFieldContainer[AppendLogRequest]
+    def __init__(self, logs: _Optional[_Iterable[_Union[AppendLogRequest, _Mapping]]] = ...) -> None: ...
+
+class AppendLogsResponse(_message.Message):
+    __slots__ = ("logs",)
+    LOGS_FIELD_NUMBER: _ClassVar[int]
+    logs: _containers.RepeatedCompositeFieldContainer[AppendLogResponse]
+    def __init__(self, logs: _Optional[_Iterable[_Union[AppendLogResponse, _Mapping]]] = ...) -> None: ...
+
 class ReadLogRequest(_message.Message):
     __slots__ = ("job", "rank", "after_step", "stream")
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class DaemonStub:
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogResponse.FromString,
                 _registered_method=True)
+        self.AppendLogs = channel.unary_unary(
+                '/bubblesnap.v1.Daemon/AppendLogs',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogsRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogsResponse.FromString,
+                _registered_method=True)
         self.ReadLog = channel.unary_unary(
                 '/bubblesnap.v1.Daemon/ReadLog',
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.ReadLogRequest.SerializeToString,
@@ -171,6 +176,15 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AppendLogs(self, request, context):
+        """Several logs' records in one call (a pipeline stage's boundary records of
+        a step: one call, not one per microbatch). Every record is checked before
+        any is kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadLog(self, request, context):
         """The records after a step, from this daemon or, when it lacks them, its
         peers: what a restored trainer replays to reach the failure point.
@@ -231,6 +245,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.AppendLog,
                     request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogResponse.SerializeToString,
+            ),
+            'AppendLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendLogs,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogsRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.AppendLogsResponse.SerializeToString,
             ),
             'ReadLog': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadLog,
@@ -508,6 +527,33 @@ class Daemon:
             '/bubblesnap.v1.Daemon/AppendLog',
             bubblesnap_dot_protos_dot_daemon__pb2.AppendLogRequest.SerializeToString,
             bubblesnap_dot_protos_dot_daemon__pb2.AppendLogResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Daemon/AppendLogs',
+            bubblesnap_dot_protos_dot_daemon__pb2.AppendLogsRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.AppendLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -138,6 +138,14 @@ class DaemonServicer:
         return pb.AppendLogResponse(last_step=last, copies=copies)
 
     @rpc_errors
+    def AppendLogs(self, request, context):
+        answers = self._tiers.append_logs(
+            (log.job, log.rank, [(r.step, r.payload) for r in log.records], log.stream)
+            for log in request.logs)
+        return pb.AppendLogsResponse(logs=[pb.AppendLogResponse(last_step=last, copies=copies)
+                                           for last, copies in answers])
+
+    @rpc_errors
     def ReadLog(self, request, context):
         records, source = self._tiers.read_log(request.job, request.rank, request.after_step,
                                                request.stream)

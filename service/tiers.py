@@ -95,6 +95,14 @@ class Tiers:
                                 target, rank, job, err.code().name)
         return last, copies
 
+    def append_logs(self, logs) -> list[tuple[int, int]]:
+        """:meth:`append_log` for several ``(job, rank, records, stream)`` logs, after
+        checking all of them: a bad record anywhere keeps none."""
+        logs = [(job, rank, list(records), stream) for job, rank, records, stream in logs]
+        for job, rank, records, stream in logs:
+            self._logs.check(job, rank, records, stream)
+        return [self.append_log(*log) for log in logs]
+
     def read_log(self, job: str, rank: int, after_step: int,
                  stream: str = training_log.TRAINING) -> tuple[list, str]:
         """The rank's records after ``after_step``, without gaps. Training-log records

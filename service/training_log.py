@@ -69,11 +69,9 @@ class TrainingLogs:
         self._order: dict[tuple[str, int, str], list[int]] = {}  # steps, a heap, oldest first
         self._lock = threading.Lock()
 
-    def append(self, job: str, rank: int, records, stream: str = TRAINING) -> int:
-        """Adds ``(step, payload)`` records (a step logged again is replaced: a replayed
-        step logs what it logged before). Returns the newest step held."""
-        key = _key(job, rank, stream)
-        records = list(records)
+    def check(self, job: str, rank: int, records, stream: str = TRAINING) -> None:
+        """Raises InvalidArgument for records :meth:`append` would refuse."""
+        _key(job, rank, stream)
         limit = (self.options.max_record_bytes if stream == TRAINING
                  else self.options.max_boundary_record_bytes)
         for step, payload in records:
@@ -84,6 +82,13 @@ class TrainingLogs:
                     f"{len(payload)} bytes; at most {limit}" + (
                         ": log what identifies the data, not the data" if stream == TRAINING
                         else ": split the tensor over several streams"))
+
+    def append(self, job: str, rank: int, records, stream: str = TRAINING) -> int:
+        """Adds ``(step, payload)`` records (a step logged again is replaced: a replayed
+        step logs what it logged before). Returns the newest step held."""
+        records = list(records)
+        self.check(job, rank, records, stream)
+        key = (job, rank, stream)
         budget = (self.options.max_rank_bytes if stream == TRAINING
                   else self.options.max_boundary_stream_bytes)
         with self._lock:

@@ -1,5 +1,7 @@
 """Selective boundary logging (Swift's greedy merging of stage groups): pure functions."""
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -50,7 +52,7 @@ def test_trade_off_trades_log_bytes_for_replay_time(profile, microbatches):
     assert plans[0].groups == tuple((s,) for s in range(len(times)))
     assert plans[-1].groups == (tuple(range(len(times))),)
     assert plans[-1].log_bytes_per_step == 0
-    for before, after in zip(plans, plans[1:]):
+    for before, after in itertools.pairwise(plans):
         assert len(after.groups) == len(before.groups) - 1
         assert after.log_bytes_per_step <= before.log_bytes_per_step
         assert after.expected_replay_seconds_per_step >= \

@@ -115,8 +115,13 @@ def test_bad_boundary_records_are_refused_and_nothing_is_lost(daemon):
         c.wait_log()
     for bad in ("../up", "/abs", "a" * 65, "sp ace"):
         c.log(1, b"x", stream=bad)
-        with pytest.raises(LogError, match="INVALID_ARGUMENT.*log stream"):
+        with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*log stream"):
             c.wait_log()
-    with pytest.raises(LogError, match="INVALID_ARGUMENT.*log stream"):
+    with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*log stream"):
         c.read_log(-1, stream="../up")
+    # a step's boundary records go in one call: one bad record keeps none of them
+    c.log(1, b"good", stream="act/mb0")
+    c.log(1, b"bad", stream="no spaces")
+    with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*'no spaces'"):
+        c.wait_log()
     assert c.read_log(-1, stream="act/mb0") == [(0, b"kept")]

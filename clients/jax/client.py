@@ -121,7 +121,9 @@ class SnapshotClient:
         A named ``stream`` is a boundary log instead: a tensor this pipeline
         stage sent to a neighbour (one stream per kind and microbatch, up to
         16 MiB a record), kept by the local daemon only, so that a failed
-        neighbour can replay alone with its inputs read back from here.
+        neighbour can replay alone with its inputs read back from here. These
+        records wait in the client and go in one call at :meth:`wait_log`
+        (or once 8 MiB are waiting).
         """
         self._session.log(step, payload, stream)
 

@@ -183,6 +183,7 @@ class StageProcess:
                            after_iteration=self._finished)
                 return
             except NeighbourLost as lost:
+                self.log.client.wait_log()  # what this stage sent may be replayed from
                 self.links.tell({"event": "aborted", "completed": self.completed,
                                  "why": str(lost)})
                 first = self._recover(self._wait_for("recover")) + 1
