@@ -180,6 +180,11 @@ class DurableTier:
                     return int(self._meta(os.path.join(step_dir, name[:-5]))["world_size"])
         return 0
 
+    def replica_group(self, job: str, rank: int, step: int) -> tuple[int, ...]:
+        """The replica group a written rank declared (the ranks its copy holds)."""
+        meta = self._meta(rank_path(self.options.directory, job, step, rank))
+        return tuple(meta.get("replica_group", ())) or (rank,)
+
     def whole_layout(self, job: str, rank: int, step: int):
         """A layout with each tensor whole (one shard), as written."""
         meta = self._meta(rank_path(self.options.directory, job, step, rank))

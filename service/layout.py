@@ -9,7 +9,7 @@ import dataclasses
 import math
 import re
 
-from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.errors import FailedPrecondition, InvalidArgument
 
 #: Job names are used as labels and map keys, never as paths; still, keep them
 #: to a safe alphabet so they can be logged, exported and typed.
@@ -106,6 +106,16 @@ def check_replica_group(rank: int, world_size: int, group) -> tuple[int, ...]:
                 f"world_size {world_size}; list the ranks 0..{world_size - 1} whose state is "
                 "identical to this rank's (its data-parallel replicas)")
     return tuple(sorted({rank, *group}))
+
+
+def check_held_for(job: str, rank: int, copier: int, declared) -> None:
+    """A copier's copy serves ``rank`` only if the copier declared ``rank`` its replica:
+    a caller's group alone must not hand it another rank's state."""
+    if rank not in declared:
+        raise FailedPrecondition(
+            f"rank {rank} of job {job!r} asks to be held through rank {copier}'s copies, but "
+            f"rank {copier} declared replica group {list(declared)}, without rank {rank}; "
+            "pass the group the trainers register")
 
 
 def check_step(step: int) -> None:

@@ -720,6 +720,7 @@ class SnapshotStore:
             raise NotFound(f"rank {rank} of job {job!r} is held through rank {group[0]}'s copies "
                            f"(replica group {list(group)}), and this daemon holds no copy of "
                            f"rank {group[0]}; registered ranks: {sorted(entry.ranks)}")
+        layout_lib.check_held_for(job, rank, group[0], copier.group)
         own = entry.ranks.get(rank)
         if own is not None and own.layout != copier.layout:
             difference = _describe_difference(copier.layout, own.layout)
@@ -825,7 +826,7 @@ def _check_group_agrees(job: str, entry: _Job, rank: int, group: tuple[int, ...]
     """Ranks registered here that share a replica group with ``rank`` (itself
     included) declared the same group and, being replicas, the same layout."""
     for other, held in sorted(entry.ranks.items()):
-        if held.replica or not (other in group or rank in held.group):
+        if held.replica or not set(held.group) & set(group):
             continue
         if held.group != group:
             who = "it was" if other == rank else f"rank {other} was"

@@ -182,6 +182,10 @@ class Tiers:
         if step not in steps:  # before any rollback: a wrong step number must cost nothing
             raise NotFound(f"step {step} of job {job!r} cannot be restored for every rank; "
                            f"restorable steps: {steps[-20:] or 'none'}")
+        if copier != rank:
+            for declared in {h.group for h in holdings
+                             if h.rank == copier and h.step == step and h.group}:
+                layout_lib.check_held_for(job, rank, copier, declared)
         self._roll_back(job, step, holdings, durable)
         tried, corrupt = [], False
 
@@ -274,10 +278,14 @@ class Tiers:
     def _load_durable(self, job: str, world: int, rank: int, step: int,
                       group: tuple[int, ...]) -> None:
         """Installs the copy of ``rank`` (its group's copier's, ``group[0]``) from disk,
-        cut into the layout ``rank`` registered here (the copier's, being a replica)."""
+        cut into the layout the copier registered here (whole tensors if none did),
+        once the copier's written group names ``rank``."""
         copier = group[0]
+        if copier != rank:
+            layout_lib.check_held_for(job, rank, copier,
+                                     self._durable.replica_group(job, copier, step))
         try:
-            layout = self._store.layout_of(job, rank)
+            layout = self._store.layout_of(job, copier)
         except NotFound:  # not registered here yet: whole tensors, the client reshards
             layout = self._durable.whole_layout(job, copier, step)
         fill, checksums = self._durable.load(job, copier, step, layout)

@@ -240,3 +240,25 @@ def test_replica_groups_that_do_not_add_up(held):
     assert step == 0 and restored["w"].tobytes() == arrays["w"].tobytes()
     for c in (c0, c1, c2):
         c.close()
+
+
+def test_a_callers_group_alone_gets_no_other_ranks_state(held):
+    options = ClientOptions(daemon=held.address)
+    arrays = {"w": np.arange(16, dtype=np.float32).reshape(4, 4)}
+    alone = NumpyClient("solo", 0, 2, options)  # rank 0 declares no replicas
+    assert alone.snapshot(0, arrays).taken
+    got, details = _code(held.stub.Restore, pb.RestoreRequest(job="solo", rank=1,
+                                                              replica_group=[0, 1]))
+    assert got == C.FAILED_PRECONDITION, details
+    assert "rank 0 declared replica group [0], without rank 1" in details
+    # overlapping groups are refused as soon as the second one registers
+    spec = [tensor_spec("w", (4, 4))]
+    held.stub.Register(pb.RegisterRequest(job="overlap", rank=0, world_size=3,
+                                          replica_group=[0, 1], tensors=spec), timeout=10)
+    got, details = _code(held.stub.Register, pb.RegisterRequest(
+        job="overlap", rank=2, world_size=3, replica_group=[1, 2], tensors=spec))
+    assert got == C.FAILED_PRECONDITION and "rank 0 was registered with replica group [0, 1]" \
+        in details, details
+    job = held.stub.Status(pb.StatusRequest(job="solo"), timeout=10).jobs[0]
+    assert [s.step for s in job.steps] == [0]  # what it held is kept
+    alone.close()
