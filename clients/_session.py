@@ -146,7 +146,7 @@ class Session:
         self._registered = False
         self._quiet_until = 0.0
         self._in_flight: list = []  # (step, future, started) of commits not yet collected
-        self._log_pending: list = []  # (what, future, copies of its answer) not awaited
+        self._log_pending: list = []  # (what, future, is training log) not awaited
         self._log_kept: dict[str, list] = {}  # boundary records not sent yet, by stream
         self._log_kept_bytes = 0
         self._log_lock = threading.Lock()
@@ -343,7 +343,7 @@ class Session:
         request = pb.AppendLogRequest(job=self.job, rank=self.rank, records=[record])
         future = self._stub.AppendLog.future(request, timeout=self.options.rpc_timeout_seconds)
         with self._log_lock:
-            self._log_pending.append((f"step {step}", future, lambda answer: answer.copies))
+            self._log_pending.append((f"step {step}", future, True))
 
     def _send_kept(self) -> None:
         with self._log_lock:
@@ -358,19 +358,22 @@ class Session:
             self._log_pending.append((
                 "boundary records of steps " + ", ".join(sorted(
                     {str(r.step) for records in kept.values() for r in records})),
-                future, lambda answer: min(log.copies for log in answer.logs)))
+                future, False))
 
     def wait_log(self) -> int:
         """Sends the kept boundary records, waits for every record sent so far; returns
-        the fewest daemons holding one of them (0: none pending). Raises LogError
-        if one was not stored."""
+        the fewest daemons holding one of the training-log records (0: none
+        pending; boundary records are held by this host's daemon alone). Raises
+        LogError if one was not stored."""
         self._send_kept()
         with self._log_lock:
             pending, self._log_pending = self._log_pending, []
         copies, failed = [], []
-        for what, future, copies_of in pending:
+        for what, future, training in pending:
             try:
-                copies.append(copies_of(future.result()))
+                answer = future.result()
+                if training:
+                    copies.append(answer.copies)
             except grpc.RpcError as err:
                 failed.append(f"{what}: {err.code().name}: {err.details()}")
         if failed:
@@ -402,5 +405,9 @@ class Session:
 
     def close(self) -> None:
         self.wait()
+        try:
+            self.wait_log()  # kept boundary records go out before the channel closes
+        except LogError as err:
+            log.warning("%s", err)
         self._maps.close()
         self._channel.close()

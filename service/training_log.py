@@ -40,12 +40,16 @@ class LogOptions:
       max_boundary_stream_bytes: records kept per boundary stream, oldest
         dropped first. Default 256 MiB: replay needs the steps since the
         last snapshot, a few dozen records.
+      max_boundary_rank_bytes: records kept in all of a rank's boundary
+        streams together (a client names its streams: their number must not
+        decide the memory used); the oldest step goes first. Default 1 GiB.
     """
 
     max_record_bytes: int = 64 << 10
     max_rank_bytes: int = 64 << 20
     max_boundary_record_bytes: int = 16 << 20
     max_boundary_stream_bytes: int = 256 << 20
+    max_boundary_rank_bytes: int = 1 << 30
 
 
 #: The training log's stream name; every other name is a boundary log.
@@ -94,19 +98,32 @@ class TrainingLogs:
         with self._lock:
             log = self._logs.setdefault(key, {})
             order = self._order.setdefault(key, [])
-            size = self._bytes.get(key, 0)
+            self._bytes.setdefault(key, 0)
             for step, payload in records:
                 if step in log:
-                    size -= _cost(log[step])
+                    self._bytes[key] -= _cost(log[step])
                 log[step] = bytes(payload)
-                size += _cost(payload)
+                self._bytes[key] += _cost(payload)
                 heapq.heappush(order, step)
-            while size > budget and order:
-                oldest = heapq.heappop(order)
-                if oldest in log:  # a step logged twice sits in the heap twice
-                    size -= _cost(log.pop(oldest))
-            self._bytes[key] = size
+            while self._bytes[key] > budget and order:
+                self._drop_oldest(key)
+            if stream != TRAINING:
+                self._bound_boundary_logs(job, rank)
             return max(log, default=-1)
+
+    def _bound_boundary_logs(self, job: str, rank: int) -> None:
+        """Drops the oldest boundary records of a rank, whichever streams hold them,
+        while its streams together pass ``max_boundary_rank_bytes``."""
+        streams = [k for k in self._logs if k[:2] == (job, rank) and k[2] != TRAINING]
+        while sum(self._bytes[k] for k in streams) > self.options.max_boundary_rank_bytes:
+            self._drop_oldest(min((k for k in streams if self._order[k]),
+                                  key=lambda k: self._order[k][0]))
+
+    def _drop_oldest(self, key) -> None:
+        oldest = heapq.heappop(self._order[key])
+        log = self._logs[key]
+        if oldest in log:  # a step logged twice sits in the heap twice
+            self._bytes[key] -= _cost(log.pop(oldest))
 
     def read(self, job: str, rank: int, after_step: int, max_bytes: int = READ_BYTES,
              stream: str = TRAINING) -> list[tuple[int, bytes]]:

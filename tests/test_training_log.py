@@ -82,6 +82,21 @@ def test_peers_answer_every_record_and_the_reader_finds_the_gaps():
     assert [s for s, _ in small.held_after("j", 0, -1)] == list(range(90, 100))
 
 
+def test_a_ranks_boundary_streams_share_one_bound_and_the_oldest_steps_go_first():
+    from bubblesnap.service.training_log import LogOptions, TrainingLogs
+    logs = TrainingLogs(LogOptions(max_boundary_rank_bytes=(100 + 64) * 10))
+    for step in range(8):
+        for stream in ("act/mb0", "grad/mb0"):
+            logs.append("j", 0, [(step, bytes(100))], stream)
+    logs.append("j", 0, [(0, b"t")])  # the training log is bounded apart
+    logs.append("j", 1, [(0, bytes(100))], "act/mb0")  # and every rank on its own
+    for stream in ("act/mb0", "grad/mb0"):
+        assert logs.read("j", 0, -1, stream=stream) == []  # step 0 is gone
+        assert [s for s, _ in logs.read("j", 0, 2, stream=stream)] == [3, 4, 5, 6, 7]
+    assert [s for s, _ in logs.read("j", 0, -1)] == [0]
+    assert [s for s, _ in logs.read("j", 1, -1, stream="act/mb0")] == [0]
+
+
 def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring):
     ring = start_ring(2, "--replicas", "1")
     sender = client(ring.daemons[0], 0)
@@ -95,7 +110,7 @@ def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring)
         sender.log(step, record(0, step))
         sender.log(step, activation + bytes([step]), stream="act/mb0")
         sender.log(step, b"grad" + bytes([step]), stream="grad/mb0")
-    assert sender.wait_log() == 1  # the boundary records: this host only
+    assert sender.wait_log() == 2  # the training records; boundary records stay here
     assert sender.read_log(-1, stream="act/mb0") == [(s, activation + bytes([s]))
                                                      for s in range(3)]
     assert sender.read_log(0, stream="grad/mb0") == [(1, b"grad\x01"), (2, b"grad\x02")]
@@ -103,7 +118,7 @@ def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring)
     # the peer holds the training log, not the boundary streams
     ring.daemons[0].kill()
     assert client(ring.daemons[1], 0).read_log(-1, stream="act/mb0") == []
-    assert [s for s, _ in client(ring.daemons[1], 0).read_log(-1)] == [0, 1, 2]
+    assert client(ring.daemons[1], 0).read_log(-1) == [(s, record(0, s)) for s in range(3)]
 
 
 def test_bad_boundary_records_are_refused_and_nothing_is_lost(daemon):
