@@ -53,12 +53,12 @@ def run(args, daemon: str) -> dict:
     from lossless import MICROBATCHES
 
     from bubblesnap.clients.jax import ClientOptions, SnapshotClient
+    from pipeline.boundary_log import BoundaryLog
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
     from pipeline.snapshot_modes import NoSnapshots
     from pipeline.stage import StageRunner
-    from pipeline.stage_recovery import BoundaryLog
     from pipeline.transport import ThreadLinks
 
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)

@@ -37,7 +37,11 @@ class LogPlan:
 
     def group_of(self, stage: int) -> tuple[int, ...]:
         """The stages that roll back when ``stage`` fails."""
-        return next(g for g in self.groups if stage in g)
+        for group in self.groups:
+            if stage in group:
+                return group
+        raise ValueError(f"stage {stage} is not one of the plan's {len(self.groups)} groups' "
+                         f"stages {[s for g in self.groups for s in g]}")
 
 
 def plan_log_groups(boundary_bytes, stage_seconds, budget_bytes: int,
@@ -49,6 +53,8 @@ def plan_log_groups(boundary_bytes, stage_seconds, budget_bytes: int,
     step. A group replays as a small pipeline: its slowest stage's time plus
     the others' over ``microbatches`` (the fill and drain).
     """
+    if budget_bytes < 0:
+        raise ValueError(f"budget_bytes {budget_bytes} is negative; 0 logs no boundary")
     return _merges(boundary_bytes, stage_seconds, microbatches, budget_bytes)[-1]
 
 

@@ -218,11 +218,12 @@ def stage_main(args) -> int:
 
     from bubblesnap.clients.jax import ClientOptions, SnapshotClient
     from bubblesnap.protos.checksum import checksum
+    from pipeline.boundary_log import BoundaryLog
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
     from pipeline.stage import StageRunner
-    from pipeline.stage_recovery import BoundaryLog, Logged, StageProcess
+    from pipeline.stage_recovery import Logged, StageProcess
     from pipeline.transport import RelayLinks
 
     stage, job = args.stage, f"{JOB}-{args.run}"
@@ -283,8 +284,8 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
     """Runs the stage processes of one stage-scope run to the end, recovering from a
     failure; returns each stage's final report and the coordinator's recoveries."""
     from bubblesnap.clients import ClientOptions, NumpyClient
+    from pipeline.coordinator import Coordinator
     from pipeline.relay import Relay
-    from pipeline.stage_recovery import Coordinator
 
     directory = os.path.join(args.workdir, name)
     os.makedirs(directory)
@@ -314,6 +315,7 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
         coordinator.run(args.timeout)
     finally:
         relay.close()
+        status.close()
         for stage_procs in procs.values():
             for proc in stage_procs:
                 try:

@@ -39,6 +39,10 @@ def test_bad_profiles_are_refused():
         plan_log_groups([1], [1.0, 1.0, 1.0], 0)
     with pytest.raises(ValueError, match="negative"):
         plan_log_groups([-1, 1], [1.0, 1.0, 1.0], 0)
+    with pytest.raises(ValueError, match="budget_bytes -1 is negative"):
+        plan_log_groups([1, 1], [1.0, 1.0, 1.0], -1)
+    with pytest.raises(ValueError, match="stage 3 is not one"):
+        plan_log_groups([1, 1], [1.0, 1.0, 1.0], 0).group_of(3)
 
 
 @given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=8).flatmap(

@@ -43,6 +43,7 @@ class SampleOrder:
                 self._rng.bit_generator.state = row["loader_state"]
 
     def indices(self, step: int) -> list[int]:
+        """The samples of a step already drawn (by :meth:`record`) or replayed."""
         with self._lock:
             return self._drawn[step]
 

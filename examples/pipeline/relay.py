@@ -9,6 +9,11 @@ arrives there as ``{"event": "disconnected"}``.
 
 This stands in for the collective library of a real job (NCCL send/recv),
 whose communicators are rebuilt around a replaced rank.
+
+Order: one connection's frames are forwarded and reported in the order they
+came, and :meth:`Relay.broadcast` holds every connection while it writes,
+so a tensor sent after a stage saw a broadcast reaches any other stage after
+that one saw it too. coordinator.py builds its protocol on both.
 """
 
 import os
@@ -34,17 +39,6 @@ class Relay:
         self._listener.listen(16)
         threading.Thread(target=self._accept, daemon=True, name="relay-accept").start()
 
-    def send(self, stage: int, message: dict) -> None:
-        """A control message to one stage (dropped if it is not connected)."""
-        conn, lock = self._connection(stage)
-        if conn is None:
-            return
-        with lock:
-            try:
-                write_frame(conn, message, b"")
-            except OSError:
-                pass  # its reader reports the disconnect
-
     def broadcast(self, message: dict) -> None:
         """The same control message to every connected stage, holding every connection
         while it goes out: a tensor a stage sends after it saw the message reaches
@@ -60,10 +54,6 @@ class Relay:
                     write_frame(conn, message, b"")
                 except OSError:
                     pass
-
-    def connected(self) -> list[int]:
-        with self._table:
-            return sorted(self._conns)
 
     def close(self) -> None:
         self._listener.close()

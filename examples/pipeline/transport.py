@@ -16,6 +16,7 @@ others keep their connections.
 
 import json
 import os
+import queue
 import socket
 import struct
 import threading
@@ -143,12 +144,11 @@ class RelayLinks:
     Tensors for other stages go through the relay; messages from the relay
     that are not tensors (its recovery protocol) land in :attr:`control`,
     after the inbox has acted on them: "lost" silences the stages named,
-    "recover" and "go" clear the inbox (the relay sends them while holding
-    every connection, so nothing sent before them arrives after).
+    "recover" and "go" clear the inbox (coordinator.py says why nothing
+    stale can arrive after them).
     """
 
     def __init__(self, path: str, stage: int, timeout: float = 120.0):
-        import queue
         self.inbox = Inbox(timeout)
         self.control = queue.Queue()
         self._stage = stage
