@@ -1,5 +1,10 @@
 """Small builders shared by the tests."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from bubblesnap.protos import daemon_pb2 as pb
@@ -18,3 +23,12 @@ def register(stub, job="job", rank=0, world_size=1, tensors=None):
     tensors = tensors or [tensor_spec("w", (4, 4))]
     return stub.Register(pb.RegisterRequest(job=job, rank=rank, world_size=world_size,
                                             tensors=tensors), timeout=10)
+
+
+def run_example(name: str, *flags: str, timeout: float = 600) -> tuple[int, dict]:
+    """Runs ``examples/<name>`` with ``flags``; its exit code and its last line's JSON."""
+    example = Path(__file__).resolve().parent.parent / "examples" / name
+    proc = subprocess.run([sys.executable, str(example), *flags],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,21 +6,13 @@ snapshot and the training log when the optimizer has no inverse or the undo
 error passes the bound.
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "data_parallel.py"
+from tests.helpers import run_example
 
 
 def data_parallel(*flags: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "12", *flags],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.stdout.strip(), proc.stderr[-3000:]
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_example("data_parallel.py", "--steps", "12", *flags, timeout=300)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw"])

@@ -1,20 +1,12 @@
 """examples/lossless.py end to end: a pipeline SIGKILLed mid-training resumes bit for bit."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lossless.py"
+from tests.helpers import run_example
 
 
 def lossless(*flags: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "12", *flags],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.stdout.strip(), proc.stderr[-3000:]
-    return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_example("lossless.py", "--steps", "12", *flags, timeout=600)
 
 
 @pytest.mark.parametrize("flags", [
