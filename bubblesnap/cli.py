@@ -218,7 +218,7 @@ def format_status(status) -> str:
     mem = status.memory
     lines = [f"memory: {_human(mem.used_bytes)} used, {_human(mem.pooled_bytes)} pooled, "
              f"budget {_human(mem.budget_bytes)}; {mem.shm_dir} has "
-             f"{_human(mem.shm_free_bytes)} free"]
+             f"{_human(mem.shm_free_bytes)} free; logs hold {_human(mem.log_bytes)}"]
     if not status.jobs:
         lines.append("no jobs registered")
     for job in status.jobs:

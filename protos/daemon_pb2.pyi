@@ -367,18 +367,20 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ..., replicas: _Optional[int] = ..., durable_steps: _Optional[_Iterable[int]] = ..., corrupt_copies: _Optional[_Iterable[_Union[CorruptCopy, _Mapping]]] = ...) -> None: ...
 
 class MemoryStatus(_message.Message):
-    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes")
+    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes", "log_bytes")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_DIR_FIELD_NUMBER: _ClassVar[int]
     SHM_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     used_bytes: int
     pooled_bytes: int
     shm_dir: str
     shm_free_bytes: int
-    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ...) -> None: ...
+    log_bytes: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("jobs", "memory")

@@ -111,7 +111,8 @@ class DaemonServicer:
                                    used_bytes=memory.used_bytes,
                                    pooled_bytes=memory.pooled_bytes,
                                    shm_dir=memory.shm_dir,
-                                   shm_free_bytes=memory.shm_free_bytes))
+                                   shm_free_bytes=memory.shm_free_bytes,
+                                   log_bytes=self._logs.bytes_held()))
 
     @rpc_errors
     def ListSnapshots(self, request, context):

@@ -125,6 +125,11 @@ class TrainingLogs:
         if oldest in log:  # a step logged twice sits in the heap twice
             self._bytes[key] -= _cost(log.pop(oldest))
 
+    def bytes_held(self) -> int:
+        """What every record held is charged (payloads plus bookkeeping)."""
+        with self._lock:
+            return sum(self._bytes.values())
+
     def read(self, job: str, rank: int, after_step: int, max_bytes: int = READ_BYTES,
              stream: str = TRAINING) -> list[tuple[int, bytes]]:
         """The records of steps after ``after_step``, up to the first missing step, at

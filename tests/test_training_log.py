@@ -115,6 +115,8 @@ def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring)
                                                      for s in range(3)]
     assert sender.read_log(0, stream="grad/mb0") == [(1, b"grad\x01"), (2, b"grad\x02")]
     assert sender.read_log(-1) == [(s, record(0, s)) for s in range(3)]
+    memory = ring.daemons[0].stub.Status(pb.StatusRequest(), timeout=10).memory
+    assert memory.log_bytes >= 3 * len(activation), memory  # shown, not hidden
     # the peer holds the training log, not the boundary streams
     ring.daemons[0].kill()
     assert client(ring.daemons[1], 0).read_log(-1, stream="act/mb0") == []
