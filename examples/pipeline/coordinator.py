@@ -67,13 +67,19 @@ class Coordinator:
         self.recoveries: list[dict] = []
 
     def run(self, timeout: float) -> None:
-        """Until every stage said it is done."""
+        """Until every stage said it is done. Training starts ("go") once every stage
+        said hello: the relay drops tensors for a stage it has no connection to."""
         deadline = time.monotonic() + timeout
         done, silent, completed, failed, noticed = set(), set(), {}, None, 0.0
+        hello: set[int] = set()
         while len(done) < self.stages:
             stage, message = self._next(deadline)
             event = message["event"]
-            if event == "done":
+            if event == "hello" and len(hello) < self.stages:
+                hello.add(stage)
+                if len(hello) == self.stages:
+                    self.relay.broadcast({"event": "go"})
+            elif event == "done":
                 if failed is not None:
                     raise RuntimeError(f"stage {stage} finished while stage {failed} was lost: "
                                        "a survivor that finished cannot help replay; fail a "

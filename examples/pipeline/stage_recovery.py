@@ -98,6 +98,8 @@ class StageProcess:
         first = 0
         if replacement:
             first = self._recover(self._wait_for("recover")) + 1
+        else:  # a tensor sent before its receiver joined the relay would be lost
+            self._wait_for("go")
         while first < steps:
             runner = self._make_runner(self.links.inbox, self._send, self.mode)
             self.runners.append(runner)
