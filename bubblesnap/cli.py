@@ -48,6 +48,15 @@ def _daemon_parser(sub):
                    help=f"tmpfs directory for snapshot memory (default {d.shm_dir})")
     p.add_argument("--keep", type=int, default=s.keep_steps, metavar="N",
                    help=f"committed steps kept per job (default {s.keep_steps})")
+    p.add_argument("--training-log-budget", type=parse_bytes, default=d.logs.max_rank_bytes,
+                   metavar="SIZE", help="training-log records kept per rank, oldest dropped "
+                   f"first (default {_human(d.logs.max_rank_bytes)})")
+    p.add_argument("--boundary-log-budget", type=parse_bytes,
+                   default=d.logs.max_boundary_rank_bytes, metavar="SIZE",
+                   help="boundary-log records (the tensors a pipeline stage sent) kept per rank "
+                   "over all its streams, oldest steps dropped first; records older than every "
+                   "kept snapshot are dropped anyway. Held apart from --memory-budget "
+                   f"(default {_human(d.logs.max_boundary_rank_bytes)})")
     p.add_argument("--metrics", default=d.metrics, metavar="HOST:PORT",
                    help=f"Prometheus endpoint; port 0 picks one; '' disables (default {d.metrics})")
     p.add_argument("--max-message", type=parse_bytes, default=d.max_message_bytes,
@@ -158,11 +167,16 @@ def _durable_options(args):
 
 
 def _run_daemon(args) -> int:
-    from bubblesnap.service import BubbleOptions, DaemonOptions, PlannerOptions, StoreOptions, run
+    from bubblesnap.service import (BubbleOptions, DaemonOptions, LogOptions, PlannerOptions,
+                                    StoreOptions, run)
     if args.keep < 1:
         raise SystemExit("--keep must be at least 1")
     if args.max_interval < 1:
         raise SystemExit("--max-interval must be at least 1")
+    for flag, value in (("--training-log-budget", args.training_log_budget),
+                        ("--boundary-log-budget", args.boundary_log_budget)):
+        if value < 1:
+            raise SystemExit(f"{flag} must be at least 1 byte")
     if not 0 <= args.nice <= 19:
         raise SystemExit("--nice must be between 0 and 19")
     if args.nice:
@@ -175,6 +189,8 @@ def _run_daemon(args) -> int:
     bubbles = BubbleOptions(planner=PlannerOptions(max_interval=args.max_interval))
     return run(DaemonOptions(listen=args.listen, metrics=args.metrics, shm_dir=args.shm_dir,
                              store=store, bubbles=bubbles, max_message_bytes=args.max_message,
+                             logs=LogOptions(max_rank_bytes=args.training_log_budget,
+                                             max_boundary_rank_bytes=args.boundary_log_budget),
                              peers=_peer_options(args), durable=_durable_options(args)))
 
 

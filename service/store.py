@@ -117,6 +117,11 @@ class _Job:
             common = local if common is None else common & local
         return sorted(common or ())
 
+    def oldest_kept(self, keep_steps: int) -> int:
+        """The oldest of the newest ``keep_steps`` committed steps; -1 if none."""
+        committed = self.committed_steps()
+        return committed[-keep_steps:][0] if committed else -1
+
     def group_of(self, rank: int) -> tuple[int, ...] | None:
         """The replica group of ``rank`` as a rank held here declared it (the rank
         itself, a member, or a replica of the group's copier); None if none did."""
@@ -639,6 +644,13 @@ class SnapshotStore:
             _, held = self._rank(job, rank)
             return tuple((t, s, n) for t, s, _, n in held.slots)
 
+    def oldest_kept(self, job: str) -> int:
+        """The oldest committed step retention keeps for ``job`` (-1: none yet): every
+        restore from this daemon's memory starts at or after it."""
+        with self._lock:
+            entry = self._jobs.get(job)
+            return entry.oldest_kept(self.options.keep_steps) if entry else -1
+
     def job_names(self) -> list[str]:
         """Every job registered or held here, sorted."""
         with self._lock:
@@ -755,7 +767,7 @@ class SnapshotStore:
     def _retain(self, entry: _Job) -> None:
         committed = entry.committed_steps()
         keep = self.options.keep_steps
-        floor = committed[-keep:][0] if committed else -1
+        floor = entry.oldest_kept(keep)
         for held in entry.ranks.values():
             too_many = _beyond_cap(held, keep) - set(committed[-keep:]) if self.grouped \
                 else set()

@@ -13,7 +13,8 @@ fails, it alone restores and replays with its inputs read from here. They
 are larger and stay on the sender's host: the failed stage's inputs were
 logged by its surviving neighbours.
 
-Memory is bounded per log: the oldest records go first.
+Memory is bounded per rank: the oldest records go first. Boundary records
+are also dropped once no snapshot the daemon keeps is older than them.
 """
 
 import dataclasses
@@ -27,7 +28,8 @@ from bubblesnap.service.errors import InvalidArgument
 
 @dataclasses.dataclass(frozen=True)
 class LogOptions:
-    """Limits of the training log.
+    """Limits of the training and boundary logs (``bubblesnap daemon
+    --training-log-budget/--boundary-log-budget``).
 
     Attributes:
       max_record_bytes: largest record accepted. Default 64 KiB: a record
@@ -37,18 +39,16 @@ class LogOptions:
         Default 64 MiB.
       max_boundary_record_bytes: largest record of a boundary stream (one
         microbatch's activation or gradient). Default 16 MiB.
-      max_boundary_stream_bytes: records kept per boundary stream, oldest
-        dropped first. Default 256 MiB: replay needs the steps since the
-        last snapshot, a few dozen records.
       max_boundary_rank_bytes: records kept in all of a rank's boundary
         streams together (a client names its streams: their number must not
-        decide the memory used); the oldest step goes first. Default 1 GiB.
+        decide the memory used); the oldest step goes first. Default 1 GiB:
+        replay needs only the steps since the oldest kept snapshot, and older
+        records are dropped anyway (:meth:`TrainingLogs.drop_boundary_through`).
     """
 
     max_record_bytes: int = 64 << 10
     max_rank_bytes: int = 64 << 20
     max_boundary_record_bytes: int = 16 << 20
-    max_boundary_stream_bytes: int = 256 << 20
     max_boundary_rank_bytes: int = 1 << 30
 
 
@@ -76,16 +76,21 @@ class TrainingLogs:
     def check(self, job: str, rank: int, records, stream: str = TRAINING) -> None:
         """Raises InvalidArgument for records :meth:`append` would refuse."""
         _key(job, rank, stream)
-        limit = (self.options.max_record_bytes if stream == TRAINING
-                 else self.options.max_boundary_record_bytes)
+        o = self.options
+        record, budget, flag, hint = (
+            (o.max_record_bytes, o.max_rank_bytes, "--training-log-budget",
+             "log what identifies the data, not the data") if stream == TRAINING else
+            (o.max_boundary_record_bytes, o.max_boundary_rank_bytes, "--boundary-log-budget",
+             "split the tensor over several streams"))
+        # A record the rank's whole budget cannot hold would be dropped as it lands.
+        limit = min(record, budget - _cost(b""))
         for step, payload in records:
             layout_lib.check_step(step)
             if len(payload) > limit:
                 raise InvalidArgument(
                     f"the record of step {step} in log {stream or 'training'!r} has "
-                    f"{len(payload)} bytes; at most {limit}" + (
-                        ": log what identifies the data, not the data" if stream == TRAINING
-                        else ": split the tensor over several streams"))
+                    f"{len(payload)} bytes; at most {limit}: " + (
+                        hint if limit == record else f"the daemon's {flag} is too small"))
 
     def append(self, job: str, rank: int, records, stream: str = TRAINING) -> int:
         """Adds ``(step, payload)`` records (a step logged again is replaced: a replayed
@@ -93,8 +98,6 @@ class TrainingLogs:
         records = list(records)
         self.check(job, rank, records, stream)
         key = (job, rank, stream)
-        budget = (self.options.max_rank_bytes if stream == TRAINING
-                  else self.options.max_boundary_stream_bytes)
         with self._lock:
             log = self._logs.setdefault(key, {})
             order = self._order.setdefault(key, [])
@@ -105,9 +108,10 @@ class TrainingLogs:
                 log[step] = bytes(payload)
                 self._bytes[key] += _cost(payload)
                 heapq.heappush(order, step)
-            while self._bytes[key] > budget and order:
-                self._drop_oldest(key)
-            if stream != TRAINING:
+            if stream == TRAINING:
+                while self._bytes[key] > self.options.max_rank_bytes and order:
+                    self._drop_oldest(key)
+            else:
                 self._bound_boundary_logs(job, rank)
             return max(log, default=-1)
 
@@ -124,6 +128,14 @@ class TrainingLogs:
         log = self._logs[key]
         if oldest in log:  # a step logged twice sits in the heap twice
             self._bytes[key] -= _cost(log.pop(oldest))
+
+    def drop_boundary_through(self, job: str, step: int) -> None:
+        """Drops the job's boundary records of ``step`` and older: a stage that fails
+        restores a snapshot at or after ``step`` and replays only what came later."""
+        with self._lock:
+            for key in [k for k in self._logs if k[0] == job and k[2] != TRAINING]:
+                while self._order[key] and self._order[key][0] <= step:
+                    self._drop_oldest(key)
 
     def bytes_held(self) -> int:
         """What every record held is charged (payloads plus bookkeeping)."""

@@ -1,6 +1,7 @@
 """The training log: records beside the snapshots, replicated, read back after failures."""
 
 import grpc
+import numpy as np
 import pytest
 
 from bubblesnap.clients import ClientOptions, LogError, NumpyClient
@@ -142,3 +143,38 @@ def test_bad_boundary_records_are_refused_and_nothing_is_lost(daemon):
     with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*'no spaces'"):
         c.wait_log()
     assert c.read_log(-1, stream="act/mb0") == [(0, b"kept")]
+
+
+def test_boundary_records_older_than_every_kept_snapshot_are_dropped(start_daemon):
+    daemon = start_daemon("--keep", "2")
+    stage = NumpyClient("trimmed", options=ClientOptions(daemon=daemon.address))
+    other = NumpyClient("other-job", options=ClientOptions(daemon=daemon.address))
+    activation = bytes(4096)
+    for step in range(6):
+        stage.log(step, record(0, step))
+        stage.log(step, activation, stream="act/mb0")
+        other.log(step, activation, stream="act/mb0")
+    stage.wait_log()
+    other.wait_log()
+    held = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.log_bytes
+    for step in range(4):  # with --keep 2 the oldest kept snapshot is then step 2
+        assert stage.snapshot(step, {"w": np.full(64, step, np.float32)}).committed
+    assert stage.read_log(-1, stream="act/mb0") == []  # steps 0-2 are gone
+    assert [s for s, _ in stage.read_log(2, stream="act/mb0")] == [3, 4, 5]
+    assert [s for s, _ in stage.read_log(-1)] == list(range(6))  # the training log stays
+    assert [s for s, _ in other.read_log(-1, stream="act/mb0")] == list(range(6))
+    after = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.log_bytes
+    assert after <= held - 3 * len(activation)
+
+
+def test_the_boundary_log_budget_bounds_a_rank_and_refuses_what_cannot_fit(start_daemon):
+    daemon = start_daemon("--boundary-log-budget", "2KiB")
+    c = NumpyClient("small", options=ClientOptions(daemon=daemon.address))
+    for step in range(8):  # 464 B a record with bookkeeping: four fit in 2 KiB
+        c.log(step, bytes(400), stream="act/mb0")
+    c.wait_log()
+    assert [s for s, _ in c.read_log(3, stream="act/mb0")] == [4, 5, 6, 7]
+    c.log(8, bytes(4096), stream="act/mb0")
+    with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*--boundary-log-budget is too small"):
+        c.wait_log()
+    assert [s for s, _ in c.read_log(3, stream="act/mb0")] == [4, 5, 6, 7]
