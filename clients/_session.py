@@ -294,10 +294,10 @@ class Session:
 
     # -- restore --------------------------------------------------------------
 
-    def restore(self, step: int | None = None) -> RawStep:
+    def restore(self, step: int | None = None, alone: bool = False) -> RawStep:
         """Maps a committed step handed over by the daemon; raises RestoreError."""
         request = pb.RestoreRequest(job=self.job, rank=self.rank,
-                                    replica_group=self._replica_group)
+                                    replica_group=self._replica_group, alone=alone)
         if step is not None:
             request.step = step
         try:

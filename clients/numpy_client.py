@@ -41,13 +41,15 @@ class NumpyClient:
         return self._session.snapshot(
             step, specs, lambda: [as_bytes(np.asarray(arrays[n])) for n in names], wait=wait)
 
-    def restore(self, step: int | None = None) -> tuple[int, dict[str, np.ndarray]]:
-        """The latest committed step (or ``step``) as ``(step, {name: array})``.
+    def restore(self, step: int | None = None,
+                alone: bool = False) -> tuple[int, dict[str, np.ndarray]]:
+        """The latest committed step (or ``step``) as ``(step, {name: array})``;
+        ``alone``: see SnapshotClient.restore.
 
         The arrays are private, writable copies. :attr:`last_restore_source`
         says where the daemon found them (memory, peer, durable).
         """
-        raw = self._session.restore(step)
+        raw = self._session.restore(step, alone)
         self.last_restore_source = raw.source
         return raw.step, {
             t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape)).copy()

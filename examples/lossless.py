@@ -242,11 +242,11 @@ def stage_main(args) -> int:
         return StageRunner(program, SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage), stage,
                            STAGES, inbox, send, {"m": mode}, batch=loader.batch)
 
-    def restore(step: int) -> int:
+    def restore(step: int, alone: bool) -> int:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                sharding=x.sharding),
                                 program.state)
-        restored = client.restore(abstract, step=step)
+        restored = client.restore(abstract, step=step, alone=alone)
         program.state = restored.state
         if args.replacement:  # a new process: the loader learns its place from the log
             loader.replay(client.read_log(step - 1))

@@ -391,16 +391,18 @@ class StatusResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "replica_group")
+    __slots__ = ("job", "rank", "step", "replica_group", "alone")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    ALONE_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     replica_group: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ...) -> None: ...
+    alone: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ..., alone: _Optional[bool] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail")

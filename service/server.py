@@ -94,7 +94,7 @@ class DaemonServicer:
     def Restore(self, request, context):
         step = request.step if request.HasField("step") else None
         restored = self._tiers.restore(request.job, request.rank, step,
-                                       tuple(request.replica_group))
+                                       tuple(request.replica_group), request.alone)
         found = restored.found
         self._metrics.restores.labels(restored.source).inc()
         return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,

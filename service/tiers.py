@@ -157,13 +157,14 @@ class Tiers:
             return [c for c in reversed(self._corrupt) if c.job == job]
 
     def restore(self, job: str, rank: int, step: int | None = None,
-                replica_group=()) -> Restored:
+                replica_group=(), alone: bool = False) -> Restored:
         """The rank's copy of ``step`` (default: the latest the whole job can restore).
 
         A member of a replica group gets its copier's copy. With peers or a
         durable tier the rank need not be registered here: a replacement
         host's trainer restores first, naming its ``replica_group``, and
-        registers after.
+        registers after. Unless the rank goes back ``alone``, the job resumes
+        from ``step``: later copies are dropped everywhere.
         """
         if not self.grouped:
             return Restored(self._store.restore(job, rank, step, replica_group=replica_group),
@@ -188,7 +189,8 @@ class Tiers:
             for declared in {h.group for h in holdings
                              if h.rank == copier and h.step == step and h.group}:
                 layout_lib.check_held_for(job, rank, copier, declared)
-        self._roll_back(job, step, holdings, durable)
+        if not alone:
+            self._roll_back(job, step, holdings, durable)
         tried, corrupt = [], False
 
         def served():

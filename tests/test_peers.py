@@ -139,6 +139,28 @@ def test_two_adjacent_hosts_lost_restore_from_the_durable_tier(start_ring, tmp_p
         assert_restores(ring.daemons[rank], rank, 5, "memory", run=1)
 
 
+def test_a_stage_restored_alone_leaves_the_others_later_copies(start_ring):
+    ring = start_ring(3, "--replicas", "1")
+    snapshot_steps(ring, range(3))
+    wait_for(lambda: committed(ring.daemons[0], 2), "step 2 committed")
+    for rank in (0, 2):  # these stages finish step 3; rank 1's trainer dies before its copy
+        c = client(ring.daemons[rank], rank)
+        assert c.snapshot(3, state(rank, 3)).taken
+        c.close()
+    def held_at_host_0():  # rank 0's copy and rank 2's replica
+        return {(r.rank, s.step) for s in job_status(ring.daemons[0]).steps for r in s.ranks}
+    wait_for(lambda: {(0, 3), (2, 3)} <= held_at_host_0(), "the step-3 copies at host 0")
+    stage = client(ring.daemons[1], 1)
+    step, arrays = stage.restore(alone=True)  # the others keep their state: no rollback
+    assert step == 2 and arrays["w"].tobytes() == state(1, 2)["w"].tobytes()
+    assert {(0, 3), (2, 3)} <= held_at_host_0()
+    assert stage.snapshot(3, state(1, 3)).taken  # rank 1 replayed step 3
+    stage.close()
+    wait_for(lambda: committed(ring.daemons[0], 3), "step 3 committed without a retake")
+    for rank in range(3):
+        assert_restores(ring.daemons[rank], rank, 3, "memory")
+
+
 def test_flipped_byte_in_a_replica_is_skipped_and_reported(start_ring):
     ring = start_ring(3, "--replicas", "2")
     snapshot_steps(ring, range(2))

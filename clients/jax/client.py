@@ -67,7 +67,7 @@ class SnapshotClient:
         """Waits for the last snapshot's commit; returns its outcome (None if none pending)."""
         return self._session.wait()
 
-    def restore(self, target, step: int | None = None) -> Restored:
+    def restore(self, target, step: int | None = None, alone: bool = False) -> Restored:
         """Restores the latest committed step (or ``step``) into ``target``'s structure.
 
         ``target`` is a pytree like the saved state whose leaves are
@@ -75,10 +75,15 @@ class SnapshotClient:
         leaf's sharding (default: the first local device). Raises
         :class:`RestoreError` when nothing restorable is held or the layout
         does not match.
+
+        Restoring a step resumes the whole job from it: with peers, the
+        daemons drop every later copy as the abandoned run's. ``alone=True``
+        says this rank alone goes back (a stage replaying from boundary logs
+        while the others keep their state), and later copies stay.
         """
         started = time.perf_counter()
         names, leaves, treedef = _layout.flatten(target)
-        raw = self._session.restore(step)
+        raw = self._session.restore(step, alone)
         by_name = {t.name: i for i, t in enumerate(raw.tensors)}
         missing = [n for n in names if n not in by_name]
         if missing:

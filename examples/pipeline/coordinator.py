@@ -28,16 +28,20 @@ class Recovery:
     restore_step: int              # the snapshot the rolled-back stages restore
     rolled_back: tuple[int, ...]   # the failed stage's log group
     replaying: dict[int, int]      # stage -> first step it replays (through ``after``)
+    # Some stage keeps its state: the job does not resume from ``restore_step``,
+    # so the daemons must keep the later snapshots (RestoreRequest.alone).
+    alone: bool
 
     def message(self) -> dict:
         return {"event": "recover", "after": self.after, "restore_step": self.restore_step,
                 "rolled_back": list(self.rolled_back),
-                "replaying": {str(s): f for s, f in self.replaying.items()}}
+                "replaying": {str(s): f for s, f in self.replaying.items()},
+                "alone": self.alone}
 
     @classmethod
     def from_message(cls, message: dict) -> "Recovery":
         return cls(message["after"], message["restore_step"], tuple(message["rolled_back"]),
-                   {int(s): f for s, f in message["replaying"].items()})
+                   {int(s): f for s, f in message["replaying"].items()}, message["alone"])
 
 
 def decide(failed: int, completed: dict[int, int], group: tuple[int, ...],
@@ -53,7 +57,8 @@ def decide(failed: int, completed: dict[int, int], group: tuple[int, ...],
                            "holds; nothing to restore it from")
     replaying = {s: restore_step + 1 for s in group}
     replaying.update({s: after for s in behind})
-    return Recovery(after, restore_step, tuple(group), replaying)
+    alone = any(s not in group for s in completed)
+    return Recovery(after, restore_step, tuple(group), replaying, alone)
 
 
 class Coordinator:

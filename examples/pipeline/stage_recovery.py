@@ -83,7 +83,8 @@ class StageProcess:
     """One stage's training, surviving neighbours' failures (see the module docstring).
 
     ``make_runner(inbox, send, mode)`` builds a StageRunner on the stage's
-    program; ``restore(step)`` replaces the program's state with a snapshot.
+    program; ``restore(step, alone)`` replaces the program's state with a snapshot
+    (``alone``: other stages keep theirs, see Recovery).
     """
 
     def __init__(self, stage: int, links, boundary_log: BoundaryLog, mode: Logged,
@@ -133,7 +134,7 @@ class StageProcess:
         restored = None
         if first is not None:
             if self.stage in plan.rolled_back:
-                restored = self._restore(plan.restore_step)
+                restored = self._restore(plan.restore_step, plan.alone)
             inbox = ReplayInbox(self.stage, self.links.inbox, self.log, plan.replaying)
 
             def send(to: int, key, value) -> None:
