@@ -49,13 +49,14 @@ def _daemon_parser(sub):
     p.add_argument("--keep", type=int, default=s.keep_steps, metavar="N",
                    help=f"committed steps kept per job (default {s.keep_steps})")
     p.add_argument("--training-log-budget", type=parse_bytes, default=d.logs.max_rank_bytes,
-                   metavar="SIZE", help="training-log records kept per rank, oldest dropped "
-                   f"first (default {_human(d.logs.max_rank_bytes)})")
+                   metavar="SIZE", help="training-log records kept per job and rank, oldest "
+                   f"dropped first (default {_human(d.logs.max_rank_bytes)})")
     p.add_argument("--boundary-log-budget", type=parse_bytes,
                    default=d.logs.max_boundary_rank_bytes, metavar="SIZE",
-                   help="boundary-log records (the tensors a pipeline stage sent) kept per rank "
-                   "over all its streams, oldest steps dropped first; records older than every "
-                   "kept snapshot are dropped anyway. Held apart from --memory-budget "
+                   help="boundary-log records (the tensors a pipeline stage sent) kept per job "
+                   "and rank over all its streams, oldest steps dropped first; the records of "
+                   "the oldest kept snapshot's step and older are dropped anyway (no stage "
+                   "replays them). Held apart from --memory-budget "
                    f"(default {_human(d.logs.max_boundary_rank_bytes)})")
     p.add_argument("--metrics", default=d.metrics, metavar="HOST:PORT",
                    help=f"Prometheus endpoint; port 0 picks one; '' disables (default {d.metrics})")
@@ -169,14 +170,15 @@ def _durable_options(args):
 def _run_daemon(args) -> int:
     from bubblesnap.service import (BubbleOptions, DaemonOptions, LogOptions, PlannerOptions,
                                     StoreOptions, run)
+    from bubblesnap.service.training_log import MIN_BUDGET
     if args.keep < 1:
         raise SystemExit("--keep must be at least 1")
     if args.max_interval < 1:
         raise SystemExit("--max-interval must be at least 1")
     for flag, value in (("--training-log-budget", args.training_log_budget),
                         ("--boundary-log-budget", args.boundary_log_budget)):
-        if value < 1:
-            raise SystemExit(f"{flag} must be at least 1 byte")
+        if value < MIN_BUDGET:
+            raise SystemExit(f"{flag} must be at least {_human(MIN_BUDGET)}")
     if not 0 <= args.nice <= 19:
         raise SystemExit("--nice must be between 0 and 19")
     if args.nice:

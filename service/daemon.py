@@ -125,8 +125,10 @@ class Daemon:
         self.address = f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
         self.group = PeerGroup(options.peers) if options.peers.enabled else None
         self._peer_server = self._bind_peer_port() if self.group else None
+        self.logs = TrainingLogs(options.logs)
         self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options),
-                                   grouped=self.group is not None)
+                                   grouped=self.group is not None,
+                                   on_retained=self.logs.drop_boundary_through)
         self.plans = BubblePlans(self.store.slot_bytes, options.bubbles)
         self.metrics = DaemonMetrics(self.store)
         self.data = self.replicator = None
@@ -138,7 +140,6 @@ class Daemon:
             self.replicator = Replicator(self.store, self.group, self.data)
         self.durable = DurableTier(options.durable, self.store) \
             if options.durable.enabled else None
-        self.logs = TrainingLogs(options.logs)
         self.tiers = Tiers(self.store, self.logs, self.group, self.replicator, self.durable)
         if self.group is not None:
             self._peer_server.add_generic_rpc_handlers((generic_handler(

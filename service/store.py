@@ -117,11 +117,6 @@ class _Job:
             common = local if common is None else common & local
         return sorted(common or ())
 
-    def oldest_kept(self, keep_steps: int) -> int:
-        """The oldest of the newest ``keep_steps`` committed steps; -1 if none."""
-        committed = self.committed_steps()
-        return committed[-keep_steps:][0] if committed else -1
-
     def group_of(self, rank: int) -> tuple[int, ...] | None:
         """The replica group of ``rank`` as a rank held here declared it (the rank
         itself, a member, or a replica of the group's copier); None if none did."""
@@ -238,9 +233,13 @@ class SnapshotStore:
     """Holds every job's snapshots in shared memory, within a memory budget."""
 
     def __init__(self, shm_dir: str, options: StoreOptions = StoreOptions(),
-                 grouped: bool = False):
+                 grouped: bool = False, on_retained=None):
+        """``on_retained(job, step)`` hears the oldest committed step retention keeps
+        each time retention runs (from a commit here or the peer group's), with the
+        store's lock held: it must not call back into the store."""
         self.options = options
         self.grouped = grouped  # peers decide what is committed
+        self._on_retained = on_retained
         self.shm_dir = shm_dir
         self._pool = SegmentPool(shm_dir)
         self._jobs: dict[str, _Job] = {}
@@ -372,7 +371,7 @@ class SnapshotStore:
             rank_step.checksums = computed
             rank_step.usage = usage
             rank_step.state = CopyState.LOCAL
-            self._retain(entry)
+            self._retain(job, entry)
             return dataclasses.replace(
                 self._commit_result(job, rank, entry, held, step, next_step), newly_local=True)
 
@@ -571,7 +570,7 @@ class SnapshotStore:
             rank_step.replicated = True
             rank_step.arriving = False
             rank_step.just_verified = for_restore
-            self._retain(entry)
+            self._retain(job, entry)
             return layout.nbytes
 
     def rollback(self, job: str, step: int) -> int:
@@ -612,7 +611,7 @@ class SnapshotStore:
             if entry is None:
                 return
             entry.group_committed = sorted(steps)
-            self._retain(entry)
+            self._retain(job, entry)
 
     # -- listing and deleting -----------------------------------------------
 
@@ -643,13 +642,6 @@ class SnapshotStore:
         with self._lock:
             _, held = self._rank(job, rank)
             return tuple((t, s, n) for t, s, _, n in held.slots)
-
-    def oldest_kept(self, job: str) -> int:
-        """The oldest committed step retention keeps for ``job`` (-1: none yet): every
-        restore from this daemon's memory starts at or after it."""
-        with self._lock:
-            entry = self._jobs.get(job)
-            return entry.oldest_kept(self.options.keep_steps) if entry else -1
 
     def job_names(self) -> list[str]:
         """Every job registered or held here, sorted."""
@@ -764,15 +756,17 @@ class SnapshotStore:
         else:
             self._pool.release(segment)
 
-    def _retain(self, entry: _Job) -> None:
+    def _retain(self, job: str, entry: _Job) -> None:
         committed = entry.committed_steps()
         keep = self.options.keep_steps
-        floor = entry.oldest_kept(keep)
+        floor = committed[-keep:][0] if committed else -1
         for held in entry.ranks.values():
             too_many = _beyond_cap(held, keep) - set(committed[-keep:]) if self.grouped \
                 else set()
             for step in [s for s in held.steps if s < floor or s in too_many]:
                 self._free(held, step)
+        if self._on_retained is not None and floor >= 0:
+            self._on_retained(job, floor)
 
     def _hash(self, segment: Segment, slots) -> tuple[int, ...]:
         views = [segment.view[off:off + n] for _, _, off, n in slots]

@@ -67,9 +67,7 @@ class Tiers:
         return self._group.options.replicas if self._group is not None else 0
 
     def committed(self, job: str, rank: int, step: int) -> None:
-        """A trainer committed a step here: replicate it, maybe write it durably, and
-        forget boundary records no restore from here would replay."""
-        self._logs.drop_boundary_through(job, self._store.oldest_kept(job))
+        """A trainer committed a step here: replicate it, maybe write it durably."""
         if self._replicator is not None:
             self._replicator.committed(job, rank, step)
         if self._durable is not None:

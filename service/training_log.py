@@ -13,17 +13,21 @@ fails, it alone restores and replays with its inputs read from here. They
 are larger and stay on the sender's host: the failed stage's inputs were
 logged by its surviving neighbours.
 
-Memory is bounded per rank: the oldest records go first. Boundary records
-are also dropped once no snapshot the daemon keeps is older than them.
+Memory is bounded per job and rank: the oldest records go first. Boundary
+records of the oldest snapshot kept in memory and older are dropped too: no
+stage replaying alone starts before it.
 """
 
 import dataclasses
 import heapq
+import logging
 import re
 import threading
 
 from bubblesnap.service import layout as layout_lib
 from bubblesnap.service.errors import InvalidArgument
+
+log = logging.getLogger("bubblesnap.daemon")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,19 @@ class LogOptions:
     max_boundary_record_bytes: int = 16 << 20
     max_boundary_rank_bytes: int = 1 << 30
 
+    def __post_init__(self):
+        for name in ("max_rank_bytes", "max_boundary_rank_bytes"):
+            if getattr(self, name) < MIN_BUDGET:
+                raise ValueError(f"{name} is {getattr(self, name)} bytes; a log budget must "
+                                 f"hold a record: at least {MIN_BUDGET} bytes")
+        for name in ("max_record_bytes", "max_boundary_record_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 byte")
+
+
+#: The smallest log budget (per job and rank) the daemon accepts.
+MIN_BUDGET = 1 << 10
+
 
 #: The training log's stream name; every other name is a boundary log.
 TRAINING = ""
@@ -71,6 +88,8 @@ class TrainingLogs:
         self._logs: dict[tuple[str, int, str], dict[int, bytes]] = {}
         self._bytes: dict[tuple[str, int, str], int] = {}
         self._order: dict[tuple[str, int, str], list[int]] = {}  # steps, a heap, oldest first
+        self._oldest_kept: dict[str, int] = {}  # job -> its oldest kept snapshot
+        self._warned: set[tuple[str, int]] = set()  # (job, rank) told its budget is short
         self._lock = threading.Lock()
 
     def check(self, job: str, rank: int, records, stream: str = TRAINING) -> None:
@@ -120,8 +139,18 @@ class TrainingLogs:
         while its streams together pass ``max_boundary_rank_bytes``."""
         streams = [k for k in self._logs if k[:2] == (job, rank) and k[2] != TRAINING]
         while sum(self._bytes[k] for k in streams) > self.options.max_boundary_rank_bytes:
-            self._drop_oldest(min((k for k in streams if self._order[k]),
-                                  key=lambda k: self._order[k][0]))
+            oldest = min((k for k in streams if self._order[k]),
+                         key=lambda k: self._order[k][0])
+            dropped = self._order[oldest][0]
+            if dropped > self._oldest_kept.get(job, dropped) and (job, rank) not in self._warned:
+                self._warned.add((job, rank))
+                log.warning(
+                    "rank %d of %s: the boundary-log budget dropped step %d, after the oldest "
+                    "kept snapshot (step %d); a stage restored from that snapshot cannot replay "
+                    "alone. Raise --boundary-log-budget above the bytes a rank logs between "
+                    "its oldest kept snapshot and now", rank, job, dropped,
+                    self._oldest_kept[job])
+            self._drop_oldest(oldest)
 
     def _drop_oldest(self, key) -> None:
         oldest = heapq.heappop(self._order[key])
@@ -130,9 +159,12 @@ class TrainingLogs:
             self._bytes[key] -= _cost(log.pop(oldest))
 
     def drop_boundary_through(self, job: str, step: int) -> None:
-        """Drops the job's boundary records of ``step`` and older: a stage that fails
-        restores a snapshot at or after ``step`` and replays only what came later."""
+        """Drops the job's boundary records of ``step`` and older: ``step`` is the
+        job's oldest snapshot kept in memory (here and, with peers, in the group),
+        and a stage replaying alone restores one of those and replays only what
+        came after it. (A restore from the durable tier resumes the whole job.)"""
         with self._lock:
+            self._oldest_kept[job] = step
             for key in [k for k in self._logs if k[0] == job and k[2] != TRAINING]:
                 while self._order[key] and self._order[key][0] <= step:
                     self._drop_oldest(key)
@@ -161,6 +193,8 @@ class TrainingLogs:
         with self._lock:
             for key in [k for k in self._logs if k[0] == job]:
                 del self._logs[key], self._bytes[key], self._order[key]
+            self._oldest_kept.pop(job, None)
+            self._warned = {w for w in self._warned if w[0] != job}
 
     def _copy(self, job: str, rank: int, after_step: int, stream: str) -> dict[int, bytes]:
         key = _key(job, rank, stream)

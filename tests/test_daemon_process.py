@@ -114,7 +114,8 @@ def test_status_command_table_and_json(daemon):
     (["--max-interval", "0"], "--max-interval must be at least 1"),
     (["--nice", "40"], "--nice must be between 0 and 19"),
     (["--max-message", "-5"], "is not a size"),
-    (["--boundary-log-budget", "0"], "--boundary-log-budget must be at least 1 byte"),
+    (["--boundary-log-budget", "0"], "--boundary-log-budget must be at least 1.0 KiB"),
+    (["--training-log-budget", "1000"], "--training-log-budget must be at least 1.0 KiB"),
     (["--training-log-budget", "big"], "is not a size"),
 ])
 def test_daemon_rejects_bad_flags(flags, words):

@@ -141,8 +141,17 @@ def test_two_adjacent_hosts_lost_restore_from_the_durable_tier(start_ring, tmp_p
 
 def test_a_stage_restored_alone_leaves_the_others_later_copies(start_ring):
     ring = start_ring(3, "--replicas", "1")
+    sender = client(ring.daemons[0], 0)
+    for step in range(4):  # what stage 0 sent stage 1
+        sender.log(step, bytes([step]) * 1024, stream="act/mb0")
+    sender.wait_log()
     snapshot_steps(ring, range(3))
     wait_for(lambda: committed(ring.daemons[0], 2), "step 2 committed")
+    # --keep 2: step 1 is the group's oldest kept snapshot; older records are gone
+    wait_for(lambda: [s for s, _ in sender.read_log(1, stream="act/mb0")] == [2, 3]
+             and not sender.read_log(-1, stream="act/mb0"),
+             "boundary records of step 1 and older dropped")
+    sender.close()
     for rank in (0, 2):  # these stages finish step 3; rank 1's trainer dies before its copy
         c = client(ring.daemons[rank], rank)
         assert c.snapshot(3, state(rank, 3)).taken

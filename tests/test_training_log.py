@@ -78,9 +78,9 @@ def test_peers_answer_every_record_and_the_reader_finds_the_gaps():
     held = dict(one.held_after("j", 0, 0)) | dict(two.held_after("j", 0, 0))
     assert [s for s, _ in contiguous(held, 0)] == [1, 2, 3, 4, 5, 6, 7]
     assert [s for s, _ in one.read("j", 0, 0)] == [1, 2, 3]
-    small = TrainingLogs(LogOptions(max_rank_bytes=64 * 10))
+    small = TrainingLogs(LogOptions(max_rank_bytes=64 * 20))
     small.append("j", 0, [(s, b"") for s in range(100)])  # empty records cost bookkeeping too
-    assert [s for s, _ in small.held_after("j", 0, -1)] == list(range(90, 100))
+    assert [s for s, _ in small.held_after("j", 0, -1)] == list(range(80, 100))
 
 
 def test_a_ranks_boundary_streams_share_one_bound_and_the_oldest_steps_go_first():
@@ -96,6 +96,19 @@ def test_a_ranks_boundary_streams_share_one_bound_and_the_oldest_steps_go_first(
         assert [s for s, _ in logs.read("j", 0, 2, stream=stream)] == [3, 4, 5, 6, 7]
     assert [s for s, _ in logs.read("j", 0, -1)] == [0]
     assert [s for s, _ in logs.read("j", 1, -1, stream="act/mb0")] == [0]
+
+
+def test_a_budget_that_drops_records_a_replay_needs_says_so_once(caplog):
+    from bubblesnap.service.training_log import LogOptions, TrainingLogs
+    logs = TrainingLogs(LogOptions(max_boundary_rank_bytes=(100 + 64) * 10))
+    logs.drop_boundary_through("j", 2)  # snapshots from step 2 on are kept
+    with caplog.at_level("WARNING", logger="bubblesnap.daemon"):
+        logs.append("j", 0, [(s, bytes(100)) for s in range(3, 13)], "act/mb0")
+        assert not caplog.records  # all ten fit
+        logs.append("j", 0, [(s, bytes(100)) for s in range(13, 16)], "act/mb0")
+    assert [s for s, _ in logs.read("j", 0, 5, stream="act/mb0")] == list(range(6, 16))
+    assert len(caplog.records) == 1 and "--boundary-log-budget" in caplog.text
+    assert "dropped step 3" in caplog.text
 
 
 def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring):

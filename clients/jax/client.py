@@ -76,8 +76,9 @@ class SnapshotClient:
         :class:`RestoreError` when nothing restorable is held or the layout
         does not match.
 
-        Restoring a step resumes the whole job from it: with peers, the
-        daemons drop every later copy as the abandoned run's. ``alone=True``
+        Restoring a step resumes the whole job from it: with peers or a
+        durable tier, the daemons drop every later copy as the abandoned
+        run's (a lone daemon keeps them). ``alone=True``
         says this rank alone goes back (a stage replaying from boundary logs
         while the others keep their state), and later copies stay.
         """
