@@ -154,7 +154,8 @@ def main() -> int:
     p.add_argument("--d-model", type=int, default=128)
     args = p.parse_args()
     from lossless import start_daemons  # the ring examples/lossless.py runs on
-    procs, daemon = start_daemons()
+    procs, addresses = start_daemons()
+    daemon = addresses[0]
     try:
         report = run(args, daemon)
     finally:

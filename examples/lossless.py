@@ -21,11 +21,13 @@ Three runs, each a separate process:
               replaying N steps, and a second resume finishes the job.
 
 With --fail-scope stage only one stage fails (Swift's stage-local
-replay): every stage is its own process, talking through a relay, and logs
-the tensors it sends across the logged boundaries (boundary logs) to the
-daemon. Stage --fail-stage is SIGKILLed in step --fail-at; a replacement
-process restores that stage's newest snapshot and replays the steps after it
-with its inputs read from its neighbours' boundary logs, while the other
+replay): every stage is its own process on its own simulated host (a
+daemon each, in a ring with --replicas 1), talking through a relay, and logs
+the tensors it sends across the logged boundaries (boundary logs) to its
+host's daemon. Stage --fail-stage is SIGKILLed in step --fail-at; a
+replacement process restores that stage's newest snapshot alone (the other
+stages' later snapshots stay) and replays the steps after it with its inputs
+read from its neighbours' daemons, while the other
 stages keep their state and wait (a survivor that had not finished the last
 step replays that one step from memory). --log-budget limits the boundary
 log's bytes per step: adjacent stages are merged into groups whose inner
@@ -230,13 +232,16 @@ def stage_main(args) -> int:
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
     loader = DataLoader(config, MICROBATCHES)
     program = StageProgram(config, STAGES, stage, jax.devices()[:1])
-    options = ClientOptions(daemon=args.daemon)
-    client = SnapshotClient(job, rank=stage, world_size=STAGES, options=options)
+    daemons = args.daemons.split(",")  # stage s runs on the host of daemon s
+
+    def options_of(stage: int) -> ClientOptions:
+        return ClientOptions(daemon=daemons[stage])
+    client = SnapshotClient(job, rank=stage, world_size=STAGES, options=options_of(stage))
     links = RelayLinks(os.path.join(args.workdir, args.run, "relay.sock"), stage)
     incarnation = "replacement" if args.replacement else "initial"
     mode = Logged(client, loader, args.snapshot_every, os.path.join(
         args.workdir, args.run, f"stage{stage}.{incarnation}.progress"))
-    boundary_log = BoundaryLog(client, job, STAGES, json.loads(args.logged), options)
+    boundary_log = BoundaryLog(client, job, STAGES, json.loads(args.logged), options_of)
 
     def make_runner(inbox, send, mode):
         return StageRunner(program, SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage), stage,
@@ -291,12 +296,13 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
     os.makedirs(directory)
     relay = Relay(directory)
     procs: dict[int, list[subprocess.Popen]] = {}
-    status = NumpyClient(f"{JOB}-{name}", options=ClientOptions(daemon=args.daemon))
+    status = NumpyClient(f"{JOB}-{name}", options=ClientOptions(daemon=args.daemons[0]))
 
     def start(stage: int, replacement: bool = False) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", "stage", "--run", name,
                "--stage", str(stage), "--steps", str(args.steps), "--d-model", str(args.d_model),
-               "--workdir", args.workdir, "--daemon", args.daemon, "--logged", json.dumps(logged),
+               "--workdir", args.workdir, "--daemons", ",".join(args.daemons),
+               "--logged", json.dumps(logged),
                "--snapshot-every", str(args.snapshot_every)]
         if fail and stage == args.fail_stage and not replacement:
             cmd += ["--die-in-step", str(args.fail_at),
@@ -344,7 +350,7 @@ def finished_steps(args, name: str, stage: int, incarnation: str) -> list[int]:
 def stage_scope_run(args) -> dict:
     from bubblesnap.clients import plan_log_groups, trade_off
 
-    daemons, args.daemon = start_daemons(count=1)
+    daemons, args.daemons = start_daemons(count=STAGES)  # a host per stage
     everything = list(range(STAGES - 1))
     try:
         reference = run_pipeline(args, "reference", everything, None, fail=False)
@@ -404,11 +410,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_daemons(count: int = 2) -> tuple[list[subprocess.Popen], str]:
-    """Daemons in a ring, --replicas 1: the trainer's host and its neighbour (one
-    daemon: no ring). Returns them and the first one's address."""
+def start_daemons(count: int = 2) -> tuple[list[subprocess.Popen], list[str]]:
+    """Daemons in a ring, --replicas 1, one per simulated host (one daemon: no
+    ring). Returns them and their addresses."""
     peers = [f"127.0.0.1:{free_port()}" for _ in range(count)]
-    procs, address = [], ""
+    procs, addresses = [], []
     for index in range(count):
         ring = ["--peers", ",".join(peers), "--index", str(index), "--replicas", "1"]
         proc = subprocess.Popen(
@@ -420,8 +426,8 @@ def start_daemons(count: int = 2) -> tuple[list[subprocess.Popen], str]:
         if not line:
             raise SystemExit("a daemon did not start; run `bubblesnap daemon` to see why")
         procs.append(proc)
-        address = address or json.loads(line)["address"]
-    return procs, address
+        addresses.append(json.loads(line)["address"])
+    return procs, addresses
 
 
 def stop_daemons(daemons) -> None:
@@ -448,7 +454,8 @@ def completed(args, name: str) -> list[int]:
 
 
 def main_run(args) -> dict:
-    daemons, args.daemon = start_daemons()
+    daemons, addresses = start_daemons()
+    args.daemon = addresses[0]  # the trainer's host; the other holds the replicas
     try:
         if run(args, "reference") != 0:
             raise SystemExit("the reference run failed")
@@ -524,6 +531,7 @@ def parse_args():
     p.add_argument("--die-in-step", type=int, help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--daemon", help=argparse.SUPPRESS)
+    p.add_argument("--daemons", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("--die-after-replaying", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -21,10 +21,11 @@ def stream(key) -> str:
 class BoundaryLog:
     """The tensors crossing logged boundaries, in the senders' daemons."""
 
-    def __init__(self, client, job: str, stages: int, logged_boundaries, options):
+    def __init__(self, client, job: str, stages: int, logged_boundaries, options_of):
+        """``options_of(stage)``: the ClientOptions that reach that stage's daemon."""
         self.client = client  # this stage's: it logs what this stage sends
         self.logged_boundaries = frozenset(logged_boundaries)
-        self._job, self._stages, self._options = job, stages, options
+        self._job, self._stages, self._options_of = job, stages, options_of
         self._readers: dict = {}  # sender -> a client reading that rank's streams
         self.bytes_by_boundary: dict[int, int] = {}  # what this stage logged
 
@@ -43,7 +44,7 @@ class BoundaryLog:
         from bubblesnap.clients import NumpyClient
         if sender not in self._readers:
             self._readers[sender] = NumpyClient(self._job, rank=sender, world_size=self._stages,
-                                                options=self._options)
+                                                options=self._options_of(sender))
         step = key[1]
         deadline = time.monotonic() + RECORD_WAIT_SECONDS
         while True:
