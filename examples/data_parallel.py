@@ -348,8 +348,14 @@ class Worker:
         ahead = self.applied - resume_after
         report = {"ahead": ahead, "undone": False, "undo_check": None}
         state, reason = self.state, ""
+        undone = None
         if ahead == 1 and self.undo is not None:
-            params, opt = self.undo(self.state["params"], self.state["opt"], self.last_grads)
+            try:
+                undone = self.undo(self.state["params"], self.state["opt"], self.last_grads)
+            except ValueError as err:  # state the undo does not know (a mask, a schedule)
+                reason = str(err)
+        if undone is not None:
+            params, opt = undone
             check = check_undo(self.tx, params, opt, self.last_grads, self.state["params"],
                                self.state["opt"], self.args.undo_bound)
             state = {"params": params, "opt": opt}
@@ -362,7 +368,7 @@ class Worker:
             if not check.within_bound:
                 reason = f"undo error {check.max_rel_error:.3g} > bound {self.args.undo_bound}"
         elif ahead == 1:
-            reason = f"{self.args.optimizer} has no inverse update here"
+            reason = reason or f"{self.args.optimizer} has no inverse update here"
         elif ahead != 0:
             reason = f"worker 0 is {ahead} updates ahead of the job; only one can be undone"
         if reason:
@@ -428,6 +434,8 @@ def worker_main(args) -> int:
     worker.save(worker.path(f"rank{worker.rank}.final.npz"), worker.state)
     if worker.client:
         worker.client.close()
+        if worker.log_reader is not worker.client:
+            worker.log_reader.close()
     return 0
 
 
@@ -491,7 +499,8 @@ def errors(got: list, want: list) -> tuple[float, float]:
         if not b.size:
             continue
         a, b = a.astype(np.float64), b.astype(np.float64)
-        err = float(np.max(np.abs(a - b)))
+        err = float(np.max(np.abs(a - b)))  # NaN anywhere makes it NaN
+        err = err if np.isfinite(err) else float("inf")  # and max() would skip a NaN
         abs_err, rel_err = max(abs_err, err), max(rel_err, err / max(np.max(np.abs(b)), 1e-30))
     return abs_err, rel_err
 

@@ -60,3 +60,30 @@ def test_adamw_undo(steps):
     assert max_rel(s[0].mu, s0[0].mu) < 1e-5
     check = check_undo(opt, p, s, g, p1, s1)
     assert check.within_bound, check
+
+
+def test_a_non_finite_or_miscounted_undo_never_passes_the_check():
+    opt = optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
+    _, (p1, s1), g = run(opt, 5)
+    p, s = undo_adamw(p1, s1, g, 1e-3, 0.9, 0.999, 1e-8, 1e-4)
+    assert check_undo(opt, p, s, g, p1, s1).within_bound
+    broken = jax.tree.map(lambda x: x, p)
+    broken["embed"] = broken["embed"].at[3, 4].set(jnp.nan)
+    check = check_undo(opt, broken, s, g, p1, s1)
+    assert not check.within_bound and check.max_rel_error == float("inf")
+    uncounted = (s[0]._replace(count=s[0].count + 1), *s[1:])  # the step count not stepped back
+    assert not check_undo(opt, p, uncounted, g, p1, s1).within_bound
+
+
+def test_state_the_undo_does_not_step_back_is_refused():
+    params = tree(0)
+    masked = optax.adamw(1e-3, weight_decay=1e-2,
+                         mask=jax.tree.map(lambda x: x.ndim > 1, params))
+    with pytest.raises(ValueError, match="MaskedState"):
+        undo_adamw(params, masked.init(params), params, 1e-3, weight_decay=1e-2)
+    scheduled = optax.sgd(optax.linear_schedule(0.05, 0.0, 10), momentum=0.9)
+    with pytest.raises(ValueError, match="ScaleByScheduleState"):
+        undo_sgd_momentum(params, scheduled.init(params), params, 0.05, 0.9)
+    with pytest.raises(ValueError, match="schedule"):
+        undo_sgd_momentum(params, scheduled.init(params), params,
+                          optax.linear_schedule(0.05, 0.0, 10), 0.9)

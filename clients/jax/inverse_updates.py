@@ -17,10 +17,14 @@ be the one the update used (the all-reduced gradient every replica holds).
 
 The functions work on optax's own states: ``optax.sgd(lr, momentum)``
 (``(TraceState, EmptyState)``) and ``optax.adamw(...)`` / ``optax.adam``
-(``(ScaleByAdamState, ...)``), with the hyperparameters they were built with.
+(``(ScaleByAdamState, EmptyState, ...)``), with the hyperparameters they were
+built with. Any other state in the chain (a weight-decay mask, a learning-rate
+schedule's step count) is refused with ValueError: the undo would not step it
+back, so fall back instead.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +54,7 @@ def undo_sgd_momentum(params, opt_state, grads, learning_rate: float, momentum: 
     if not momentum:
         raise ValueError("SGD without momentum keeps no state: undo with params + lr * grads")
     trace_state, *rest = opt_state
+    _check_known(learning_rate, rest)
     trace = trace_state.trace
     params_before = jax.tree.map(lambda p, t: p + learning_rate * t, params, trace)
     trace_before = jax.tree.map(lambda t, g: (t - g) / momentum, trace, grads)
@@ -61,6 +66,7 @@ def undo_adamw(params, opt_state, grads, learning_rate: float, b1: float = 0.9,
     """(params, opt_state) before the ``optax.adamw`` update (``eps_root=0``, no mask,
     a constant learning rate) that used ``grads``; ``weight_decay=0`` is Adam."""
     adam, *rest = opt_state
+    _check_known(learning_rate, rest)
     count = adam.count
     mu_hat_scale = 1 / (1 - b1 ** count.astype(jnp.float32))
     nu_hat_scale = 1 / (1 - b2 ** count.astype(jnp.float32))
@@ -81,13 +87,17 @@ def undo_adamw(params, opt_state, grads, learning_rate: float, b1: float = 0.9,
 
 def check_undo(optimizer: optax.GradientTransformation, params_before, state_before, grads,
                params_after, state_after, bound: float = 1e-5) -> UndoCheck:
-    """Re-applies ``optimizer`` to an undone state and compares with where it came from."""
+    """Re-applies ``optimizer`` to an undone state and compares with where it came from.
+
+    A non-finite value where the original had a finite one, or a step count
+    that differs, is an infinite error: such an undo never passes."""
     updates, state_redo = optimizer.update(grads, state_before, params_before)
     params_redo = optax.apply_updates(params_before, updates)
-    got = jax.tree.leaves((params_redo, _arrays(state_redo)))
-    want = jax.tree.leaves((params_after, _arrays(state_after)))
+    got = jax.tree.leaves((params_redo, state_redo))
+    want = jax.tree.leaves((params_after, state_after))
     abs_err = rel_err = 0.0
     for a, b in zip(got, want, strict=True):
+        a, b = jnp.asarray(a), jnp.asarray(b)
         if not b.size:
             continue
         err, scale = relative_error(a, b)
@@ -96,11 +106,24 @@ def check_undo(optimizer: optax.GradientTransformation, params_before, state_bef
 
 
 def relative_error(a, b) -> tuple[float, float]:
-    """(max |a - b|, max |b| or a tiny floor) of two arrays."""
+    """(max |a - b|, max |b| or a tiny floor) of two arrays; integer arrays (step
+    counts) must be equal, and NaN or inf where ``b`` is finite is an infinite error."""
+    if not jnp.issubdtype(b.dtype, jnp.floating):
+        return (0.0 if bool(jnp.array_equal(a, b)) else math.inf), 1.0
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return float(jnp.max(jnp.abs(a - b))), max(float(jnp.max(jnp.abs(b))), 1e-30)
+    err = float(jnp.max(jnp.where(jnp.isfinite(b), jnp.abs(a - b), 0.0)))
+    if not bool(jnp.all(jnp.isfinite(a) | ~jnp.isfinite(b))):
+        err = math.inf
+    return err, max(float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))), 1e-30)
 
 
-def _arrays(state):
-    return [x for x in jax.tree.leaves(state) if jnp.issubdtype(jnp.asarray(x).dtype,
-                                                                 jnp.floating)]
+def _check_known(learning_rate, rest) -> None:
+    """Refuses what the undo would leave one step ahead."""
+    if callable(learning_rate):
+        raise ValueError("a learning-rate schedule is not undone here (its step count would "
+                         "stay ahead): fall back to the snapshot and the training log")
+    unknown = [type(s).__name__ for s in rest if not isinstance(s, optax.EmptyState)]
+    if unknown:
+        raise ValueError(f"optimizer state {unknown} is not undone here (a weight-decay mask, "
+                         "a schedule's count, ...): fall back to the snapshot and the "
+                         "training log")
