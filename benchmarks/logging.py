@@ -66,7 +66,7 @@ def run(args, daemon: str) -> dict:
     options = ClientOptions(daemon=daemon)
     clients = [SnapshotClient("logging-bench", s, STAGES, options) for s in range(STAGES)]
     boundary_logs = [BoundaryLog(clients[s], "logging-bench", STAGES, range(STAGES - 1),
-                                 options) for s in range(STAGES)]
+                                 lambda stage: options) for s in range(STAGES)]
     record_bytes = []
     current = [""] * STAGES  # each stage's mode in the iteration it runs
 

@@ -380,23 +380,26 @@ class Session:
             raise LogError(f"not logged by daemon {self.options.daemon}: {'; '.join(failed)}")
         return min(copies, default=0)
 
-    def read_log(self, after_step: int, stream: str = "") -> tuple[list[tuple[int, bytes]], str]:
-        """(step, payload) records after ``after_step`` without gaps, and their sources
-        (the daemon answers a page at a time)."""
+    def read_log(self, after_step: int, stream: str = "",
+                 until_step: int | None = None) -> tuple[list[tuple[int, bytes]], str]:
+        """(step, payload) records after ``after_step`` (through ``until_step``) without
+        gaps, and their sources (the daemon answers a page at a time)."""
         records, sources = [], set()
         while True:
             try:
                 answer = self._stub.ReadLog(pb.ReadLogRequest(job=self.job, rank=self.rank,
                                                               after_step=after_step,
-                                                              stream=stream),
+                                                              stream=stream,
+                                                              until_step=until_step),
                                             timeout=self.options.restore_timeout_seconds)
             except grpc.RpcError as err:
                 raise LogError(f"daemon {self.options.daemon}: {err.code().name}: "
                                f"{err.details()}") from None
-            if not answer.records:
+            if answer.records:
+                records += [(r.step, r.payload) for r in answer.records]
+                sources.add(answer.source)
+            if not answer.records or (until_step is not None and records[-1][0] >= until_step):
                 return records, ", ".join(sorted(sources)) or "memory"
-            records += [(r.step, r.payload) for r in answer.records]
-            sources.add(answer.source)
             after_step = records[-1][0]
 
     def status(self) -> pb.JobStatus:

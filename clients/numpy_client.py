@@ -63,9 +63,10 @@ class NumpyClient:
         """Waits for the last record; see SnapshotClient.wait_log."""
         return self._session.wait_log()
 
-    def read_log(self, after_step: int, stream: str = "") -> list[tuple[int, bytes]]:
+    def read_log(self, after_step: int, stream: str = "",
+                 until_step: int | None = None) -> list[tuple[int, bytes]]:
         """Logged records after ``after_step``; see SnapshotClient.read_log."""
-        return self._session.read_log(after_step, stream)[0]
+        return self._session.read_log(after_step, stream, until_step)[0]
 
     def status(self) -> pb.JobStatus:
         return self._session.status()

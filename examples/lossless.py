@@ -279,6 +279,7 @@ def stage_main(args) -> int:
     with open(os.path.join(args.workdir, args.run, f"stage{stage}.{incarnation}.json"),
               "w") as f:
         json.dump(report, f)
+    boundary_log.close()
     client.close()
     links.tell({"event": "done"})
     links.close()
@@ -296,7 +297,10 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
     os.makedirs(directory)
     relay = Relay(directory)
     procs: dict[int, list[subprocess.Popen]] = {}
-    status = NumpyClient(f"{JOB}-{name}", options=ClientOptions(daemon=args.daemons[0]))
+    # Each daemon frees snapshots and boundary records by its own view of what the
+    # group committed: the step to restore is one every daemon still keeps.
+    statuses = [NumpyClient(f"{JOB}-{name}", options=ClientOptions(daemon=address))
+                for address in args.daemons]
 
     def start(stage: int, replacement: bool = False) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", "stage", "--run", name,
@@ -315,13 +319,14 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
     for stage in range(STAGES):
         start(stage)
     coordinator = Coordinator(relay, STAGES, group_of,
-                              lambda: status.status().latest_committed_step,
+                              lambda: min(s.status().latest_committed_step for s in statuses),
                               lambda stage: start(stage, replacement=True))
     try:
         coordinator.run(args.timeout)
     finally:
         relay.close()
-        status.close()
+        for status in statuses:
+            status.close()
         for stage_procs in procs.values():
             for proc in stage_procs:
                 try:

@@ -503,16 +503,18 @@ class AppendLogsResponse(_message.Message):
     def __init__(self, logs: _Optional[_Iterable[_Union[AppendLogResponse, _Mapping]]] = ...) -> None: ...
 
 class ReadLogRequest(_message.Message):
-    __slots__ = ("job", "rank", "after_step", "stream")
+    __slots__ = ("job", "rank", "after_step", "stream", "until_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     after_step: int
     stream: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., after_step: _Optional[int] = ..., stream: _Optional[str] = ...) -> None: ...
+    until_step: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., after_step: _Optional[int] = ..., stream: _Optional[str] = ..., until_step: _Optional[int] = ...) -> None: ...
 
 class ReadLogResponse(_message.Message):
     __slots__ = ("records", "source")

@@ -82,5 +82,6 @@ class PeerServicer:
     def ReadLogReplica(self, request, context):
         return pb.ReadLogResponse(records=[
             pb.LogRecord(step=step, payload=payload)
-            for step, payload in self._logs.held_after(request.job, request.rank,
-                                                       request.after_step)])
+            for step, payload in self._logs.held_after(
+                request.job, request.rank, request.after_step,
+                until_step=request.until_step if request.HasField("until_step") else None)])

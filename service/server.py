@@ -148,8 +148,9 @@ class DaemonServicer:
 
     @rpc_errors
     def ReadLog(self, request, context):
-        records, source = self._tiers.read_log(request.job, request.rank, request.after_step,
-                                               request.stream)
+        records, source = self._tiers.read_log(
+            request.job, request.rank, request.after_step, request.stream,
+            request.until_step if request.HasField("until_step") else None)
         return pb.ReadLogResponse(records=[pb.LogRecord(step=s, payload=p) for s, p in records],
                                   source=source)
 

@@ -104,35 +104,41 @@ class Tiers:
         return [self.append_log(*log) for log in logs]
 
     def read_log(self, job: str, rank: int, after_step: int,
-                 stream: str = training_log.TRAINING) -> tuple[list, str]:
+                 stream: str = training_log.TRAINING,
+                 until_step: int | None = None) -> tuple[list, str]:
         """The rank's records after ``after_step``, without gaps. Training-log records
         are gathered from this daemon and every peer (a replacement host starts
         empty; records may have gone to different peers while one was down); a
         step held in several places is the same record: this daemon's copy wins."""
         if self._group is None or stream != training_log.TRAINING:
-            return self._logs.read(job, rank, after_step, stream=stream), "memory"
+            return self._logs.read(job, rank, after_step, stream=stream,
+                                   until_step=until_step), "memory"
         merged, sources = {}, {}
         for index in reversed(self._group.others()):
             try:
-                for step, payload in self._peer_records(index, job, rank, after_step):
+                for step, payload in self._peer_records(index, job, rank, after_step,
+                                                        until_step):
                     merged[step] = payload
                     sources[step] = f"peer {self._group.address(index)}"
             except grpc.RpcError as err:
                 log.warning("peer %d did not answer for the log of rank %d of %s: %s; the "
                             "records it holds are missing from this read", index, rank, job,
                             err.code().name)
-        for step, payload in self._logs.held_after(job, rank, after_step, max_bytes=None):
+        for step, payload in self._logs.held_after(job, rank, after_step, max_bytes=None,
+                                                   until_step=until_step):
             merged[step], sources[step] = payload, "memory"
         found = training_log.contiguous(merged, after_step)
         found = training_log.prefix(found, training_log.READ_BYTES)
         used = sorted({sources[step] for step, _ in found}) or ["memory"]
         return found, ", ".join(used)
 
-    def _peer_records(self, index: int, job: str, rank: int, after_step: int):
-        """Every record a peer holds after ``after_step``, asked for a page at a time."""
+    def _peer_records(self, index: int, job: str, rank: int, after_step: int,
+                      until_step: int | None):
+        """Every record a peer holds after ``after_step`` (through ``until_step``), asked
+        for a page at a time."""
         while True:
             answer = self._group.call(index, "ReadLogReplica", pb.ReadLogRequest(
-                job=job, rank=rank, after_step=after_step))
+                job=job, rank=rank, after_step=after_step, until_step=until_step))
             if not answer.records:
                 return
             for r in answer.records:

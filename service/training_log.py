@@ -175,18 +175,21 @@ class TrainingLogs:
             return sum(self._bytes.values())
 
     def read(self, job: str, rank: int, after_step: int, max_bytes: int = READ_BYTES,
-             stream: str = TRAINING) -> list[tuple[int, bytes]]:
-        """The records of steps after ``after_step``, up to the first missing step, at
-        most about ``max_bytes`` of them (read again after the last one for more)."""
-        return prefix(contiguous(self._copy(job, rank, after_step, stream), after_step),
-                      max_bytes)
+             stream: str = TRAINING, until_step: int | None = None) -> list[tuple[int, bytes]]:
+        """The records of steps after ``after_step`` (through ``until_step``), up to the
+        first missing step, at most about ``max_bytes`` of them (read again after the
+        last one for more)."""
+        return prefix(contiguous(self._copy(job, rank, after_step, stream, until_step),
+                                 after_step), max_bytes)
 
     def held_after(self, job: str, rank: int, after_step: int,
-                   max_bytes: int | None = READ_BYTES) -> list[tuple[int, bytes]]:
-        """Every training-log record of a step after ``after_step``, gaps and all, oldest
-        first (what a peer answers: the reader merges several peers' records before it
-        looks for gaps); ``max_bytes=None``: all of them."""
-        held = self._copy(job, rank, after_step, TRAINING)
+                   max_bytes: int | None = READ_BYTES,
+                   until_step: int | None = None) -> list[tuple[int, bytes]]:
+        """Every training-log record of a step after ``after_step`` (through
+        ``until_step``), gaps and all, oldest first (what a peer answers: the reader
+        merges several peers' records before it looks for gaps); ``max_bytes=None``:
+        all of them."""
+        held = self._copy(job, rank, after_step, TRAINING, until_step)
         return prefix(sorted(held.items()), max_bytes)
 
     def forget(self, job: str) -> None:
@@ -196,12 +199,17 @@ class TrainingLogs:
             self._oldest_kept.pop(job, None)
             self._warned = {w for w in self._warned if w[0] != job}
 
-    def _copy(self, job: str, rank: int, after_step: int, stream: str) -> dict[int, bytes]:
+    def _copy(self, job: str, rank: int, after_step: int, stream: str,
+              until_step: int | None) -> dict[int, bytes]:
         key = _key(job, rank, stream)
         if after_step < -1:
             raise InvalidArgument(f"after_step {after_step}: -1 reads the log from step 0")
+        if until_step is not None and until_step <= after_step:
+            raise InvalidArgument(f"until_step {until_step} must come after after_step "
+                                  f"{after_step}: the read is of steps after_step+1..until_step")
+        last = until_step if until_step is not None else float("inf")
         with self._lock:
-            return {s: p for s, p in self._logs.get(key, {}).items() if s > after_step}
+            return {s: p for s, p in self._logs.get(key, {}).items() if after_step < s <= last}
 
 
 def _key(job: str, rank: int, stream: str) -> tuple[str, int, str]:

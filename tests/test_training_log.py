@@ -59,6 +59,7 @@ def test_log_survives_the_loss_of_its_host(start_ring):
     records, source = fresh._session.read_log(step)
     assert records == [(s, record(1, s)) for s in range(2, 5)]
     assert source.startswith("peer ") and ring.peers[1] not in source
+    assert fresh.read_log(step, until_step=3) == [(s, record(1, s)) for s in (2, 3)]
 
 
 def test_a_long_log_is_read_back_whole_in_pages(daemon):
@@ -150,6 +151,9 @@ def test_bad_boundary_records_are_refused_and_nothing_is_lost(daemon):
             c.wait_log()
     with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*log stream"):
         c.read_log(-1, stream="../up")
+    with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*until_step 0 must come after"):
+        c._session.read_log(0, stream="act/mb0", until_step=0)
+    assert c.read_log(-1, stream="act/mb0", until_step=0) == [(0, b"kept")]
     # a step's boundary records go in one call: one bad record keeps none of them
     c.log(1, b"good", stream="act/mb0")
     c.log(1, b"bad", stream="no spaces")

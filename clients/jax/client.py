@@ -138,10 +138,12 @@ class SnapshotClient:
         :class:`LogError` when the daemon refused it or could not be reached."""
         return self._session.wait_log()
 
-    def read_log(self, after_step: int, stream: str = "") -> list[tuple[int, bytes]]:
+    def read_log(self, after_step: int, stream: str = "",
+                 until_step: int | None = None) -> list[tuple[int, bytes]]:
         """The logged ``(step, payload)`` records after ``after_step`` (the restored
-        step), in order and without gaps: the steps to replay after a restore."""
-        return self._session.read_log(after_step, stream)[0]
+        step), in order and without gaps: the steps to replay after a restore.
+        ``until_step``: none after it (one step's record: ``until_step=after_step+1``)."""
+        return self._session.read_log(after_step, stream, until_step)[0]
 
     def status(self):
         """This job's status as the daemon reports it (a ``JobStatus`` message)."""

@@ -29,6 +29,12 @@ class BoundaryLog:
         self._readers: dict = {}  # sender -> a client reading that rank's streams
         self.bytes_by_boundary: dict[int, int] = {}  # what this stage logged
 
+    def close(self) -> None:
+        """Closes the clients that read neighbours' logs (not this stage's own)."""
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
     def logged(self, sender: int, receiver: int) -> bool:
         return min(sender, receiver) in self.logged_boundaries
 
@@ -48,7 +54,8 @@ class BoundaryLog:
         step = key[1]
         deadline = time.monotonic() + RECORD_WAIT_SECONDS
         while True:
-            records = self._readers[sender].read_log(step - 1, stream=stream(key))
+            records = self._readers[sender].read_log(step - 1, stream=stream(key),
+                                                     until_step=step)
             if records and records[0][0] == step:
                 return np.load(io.BytesIO(records[0][1]), allow_pickle=False)
             if time.monotonic() > deadline:
