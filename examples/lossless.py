@@ -297,8 +297,6 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
     os.makedirs(directory)
     relay = Relay(directory)
     procs: dict[int, list[subprocess.Popen]] = {}
-    # Each daemon frees snapshots and boundary records by its own view of what the
-    # group committed: the step to restore is one every daemon still keeps.
     statuses = [NumpyClient(f"{JOB}-{name}", options=ClientOptions(daemon=address))
                 for address in args.daemons]
 
@@ -319,7 +317,7 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
     for stage in range(STAGES):
         start(stage)
     coordinator = Coordinator(relay, STAGES, group_of,
-                              lambda: min(s.status().latest_committed_step for s in statuses),
+                              lambda: newest_step_held_for_every_stage(statuses),
                               lambda stage: start(stage, replacement=True))
     try:
         coordinator.run(args.timeout)
@@ -341,6 +339,23 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
         with open(os.path.join(directory, f"stage{stage}.{incarnation}.json")) as f:
             reports[stage] = json.load(f)
     return {"stages": reports, "recoveries": coordinator.recoveries, "exit_codes": codes}
+
+
+def newest_step_held_for_every_stage(statuses) -> int:
+    """The newest step of which every stage has a finished copy on some daemon (-1: none).
+
+    Not the group's committed step (every stage with 1 + --replicas copies): the
+    daemons learn that a second or so late, and a stage that replays alone
+    needs only one copy. Every daemon keeps it and the boundary records after
+    it: each frees only steps older than what it saw committed, which is never
+    newer than this."""
+    from bubblesnap.protos import daemon_pb2 as pb
+    held: dict[int, set[int]] = {}
+    for status in statuses:
+        for step in status.status().steps:
+            held.setdefault(step.step, set()).update(
+                r.rank for r in step.ranks if r.state == pb.LOCAL)
+    return max((step for step, ranks in held.items() if len(ranks) == STAGES), default=-1)
 
 
 def finished_steps(args, name: str, stage: int, incarnation: str) -> list[int]:
