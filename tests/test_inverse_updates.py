@@ -87,3 +87,13 @@ def test_state_the_undo_does_not_step_back_is_refused():
     with pytest.raises(ValueError, match="schedule"):
         undo_sgd_momentum(params, scheduled.init(params), params,
                           optax.linear_schedule(0.05, 0.0, 10), 0.9)
+
+
+def test_bfloat16_moments_stay_bfloat16_and_their_rounding_is_measured():
+    opt = optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4,
+                      mu_dtype=jnp.bfloat16)
+    _, (p1, s1), g = run(opt, 5)
+    p, s = undo_adamw(p1, s1, g, 1e-3, 0.9, 0.999, 1e-8, 1e-4)
+    assert jax.tree.map(lambda x: x.dtype, s) == jax.tree.map(lambda x: x.dtype, s1)
+    check = check_undo(opt, p, s, g, p1, s1)
+    assert check.max_rel_error > 0  # bfloat16 rounding shows; the caller's bound decides

@@ -77,10 +77,14 @@ def undo_adamw(params, opt_state, grads, learning_rate: float, b1: float = 0.9,
             p.dtype)
 
     params_before = jax.tree.map(step_back, params, adam.mu, adam.nu)
-    mu_before = jax.tree.map(lambda m, g: (m - (1 - b1) * g) / b1, adam.mu, grads)
+    # Moments keep their dtype (optax's mu_dtype may be bfloat16): the undone state
+    # must fit the jitted update that made it.
+    mu_before = jax.tree.map(lambda m, g: ((m - (1 - b1) * g) / b1).astype(m.dtype),
+                             adam.mu, grads)
     # Rounding can leave a tiny negative second moment where it was ~0.
-    nu_before = jax.tree.map(lambda v, g: jnp.maximum((v - (1 - b2) * g * g) / b2, 0.0),
-                             adam.nu, grads)
+    nu_before = jax.tree.map(
+        lambda v, g: jnp.maximum((v - (1 - b2) * g * g) / b2, 0.0).astype(v.dtype),
+        adam.nu, grads)
     adam_before = adam._replace(count=count - 1, mu=mu_before, nu=nu_before)
     return params_before, (adam_before, *rest)
 
