@@ -168,8 +168,14 @@ def _durable_options(args):
 
 
 def _run_daemon(args) -> int:
-    from bubblesnap.service import (BubbleOptions, DaemonOptions, LogOptions, PlannerOptions,
-                                    StoreOptions, run)
+    from bubblesnap.service import (
+        BubbleOptions,
+        DaemonOptions,
+        LogOptions,
+        PlannerOptions,
+        StoreOptions,
+        run,
+    )
     from bubblesnap.service.training_log import MIN_BUDGET
     if args.keep < 1:
         raise SystemExit("--keep must be at least 1")

@@ -164,6 +164,8 @@ class TrainingLogs:
         and a stage replaying alone restores one of those and replays only what
         came after it. (A restore from the durable tier resumes the whole job.)"""
         with self._lock:
+            if self._oldest_kept.get(job) == step:  # every commit asks; most move nothing
+                return
             self._oldest_kept[job] = step
             for key in [k for k in self._logs if k[0] == job and k[2] != TRAINING]:
                 while self._order[key] and self._order[key][0] <= step:

@@ -115,10 +115,11 @@ def relative_error(a, b) -> tuple[float, float]:
     if not jnp.issubdtype(b.dtype, jnp.floating):
         return (0.0 if bool(jnp.array_equal(a, b)) else math.inf), 1.0
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    err = float(jnp.max(jnp.where(jnp.isfinite(b), jnp.abs(a - b), 0.0)))
-    if not bool(jnp.all(jnp.isfinite(a) | ~jnp.isfinite(b))):
-        err = math.inf
-    return err, max(float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0)))), 1e-30)
+    finite = jnp.isfinite(b)
+    if not bool(jnp.all(jnp.isfinite(a) | ~finite)):
+        return math.inf, 1.0
+    err = float(jnp.max(jnp.where(finite, jnp.abs(a - b), 0.0)))
+    return err, max(float(jnp.max(jnp.abs(jnp.where(finite, b, 0.0)))), 1e-30)
 
 
 def _check_known(learning_rate, rest) -> None:
