@@ -39,8 +39,8 @@ import json
 import statistics
 import time
 
-from bubblesnap.service import planner
-from bubblesnap.service.bubble_plans import BubbleOptions, BubblePlans
+from bubblesnap.service.bubbles import planner
+from bubblesnap.service.bubbles.plans import BubbleOptions, BubblePlans
 
 # (state kind, bytes per parameter) of the Adam training state, in slot order.
 STATE_KINDS = (("param_bf16", 2), ("master_fp32", 4), ("adam_m_fp32", 4), ("adam_v_fp32", 4))

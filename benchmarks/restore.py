@@ -92,8 +92,8 @@ from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc, peer_pb2_grpc
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.service import data_channel
-from bubblesnap.service.layout import build_layout
+from bubblesnap.service.peers import data_channel
+from bubblesnap.service.store.layout import build_layout
 
 MODES = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local", "restore_peer",
          "restore_durable", "orbax_restore")
@@ -493,7 +493,7 @@ class Bench:
 
     def _segment_matches(self, opened) -> bool:
         """Every slot of the pulled segment matches its checksum and the original shard."""
-        from bubblesnap.service import layout as layout_lib
+        from bubblesnap.service.store import layout as layout_lib
         layout = layout_lib.build_layout(opened.tensors)
         slots = layout.slots()
         if len(slots) != len(self.shards) or len(opened.checksums) != len(slots):

@@ -1,19 +1,19 @@
 """The bubblesnap daemon: holds snapshots in shared memory and serves them back.
 
-Public names: :class:`Daemon`, :func:`run` and the option dataclasses
-:class:`DaemonOptions`, :class:`StoreOptions`, :class:`BubbleOptions`,
-:class:`PlannerOptions`, :class:`PeerOptions`, :class:`PeerSecurity`,
-:class:`DurableOptions`, :class:`LogOptions`. Everything else is internal to the daemon.
+Public names: :class:`Daemon`, :func:`run`, :class:`DaemonStartError` and
+the option dataclasses :class:`DaemonOptions`, :class:`StoreOptions`,
+:class:`BubbleOptions`, :class:`PlannerOptions`, :class:`PeerOptions`,
+:class:`PeerSecurity`, :class:`DurableOptions`, :class:`LogOptions`.
+Everything else is internal to the daemon; ARCHITECTURE.md maps it.
 """
 
-from bubblesnap.service.bubble_plans import BubbleOptions
-from bubblesnap.service.daemon import Daemon, DaemonOptions, run
+from bubblesnap.service.bubbles import BubbleOptions, PlannerOptions
+from bubblesnap.service.daemon import Daemon, DaemonOptions, DaemonStartError, run
 from bubblesnap.service.durable import DurableOptions
-from bubblesnap.service.peer_security import PeerSecurity
-from bubblesnap.service.peers import PeerOptions
-from bubblesnap.service.planner import PlannerOptions
+from bubblesnap.service.logs import LogOptions
+from bubblesnap.service.peers.group import PeerOptions
+from bubblesnap.service.peers.security import PeerSecurity
 from bubblesnap.service.store import StoreOptions
-from bubblesnap.service.training_log import LogOptions
 
-__all__ = ["BubbleOptions", "Daemon", "DaemonOptions", "DurableOptions", "LogOptions",
-           "PeerOptions", "PeerSecurity", "PlannerOptions", "StoreOptions", "run"]
+__all__ = ["BubbleOptions", "Daemon", "DaemonOptions", "DaemonStartError", "DurableOptions",
+           "LogOptions", "PeerOptions", "PeerSecurity", "PlannerOptions", "StoreOptions", "run"]

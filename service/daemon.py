@@ -1,4 +1,4 @@
-"""Starting and stopping one daemon: gRPC server, health, reflection, metrics, signals."""
+"""One daemon: its options, and the wiring of its parts (build from options, start, stop)."""
 
 import dataclasses
 import json
@@ -13,21 +13,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from bubblesnap.options import require
 from bubblesnap.protos import daemon_pb2, peer_pb2
-from bubblesnap.service.bubble_plans import BubbleOptions, BubblePlans
-from bubblesnap.service.data_channel import DataServer
-from bubblesnap.service.durable import DurableOptions, DurableTier
+from bubblesnap.service.bubbles import BubbleOptions, BubblePlans
+from bubblesnap.service.durable import DurableOptions, DurableReader, DurableWriter
+from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
-from bubblesnap.service.peer_security import TokenInterceptor
-from bubblesnap.service.peer_server import PeerServicer
-from bubblesnap.service.peers import PeerGroup, PeerOptions
-from bubblesnap.service.replicator import Replicator
-from bubblesnap.service.segments import shm_free_bytes
-from bubblesnap.service.server import DaemonServicer
+from bubblesnap.service.peers.data_channel import DataServer
+from bubblesnap.service.peers.group import PeerGroup, PeerOptions
+from bubblesnap.service.peers.log_replication import LogReplication
+from bubblesnap.service.peers.replicator import Replicator
+from bubblesnap.service.peers.security import TokenInterceptor
+from bubblesnap.service.peers.transfers import Transfers
+from bubblesnap.service.restore import Restorer
+from bubblesnap.service.rpc.handlers import generic_handler
+from bubblesnap.service.rpc.peer import PeerServicer
+from bubblesnap.service.rpc.trainer import DaemonServicer
+from bubblesnap.service.status import Status
 from bubblesnap.service.store import SnapshotStore, StoreOptions
-from bubblesnap.service.tiers import Tiers
-from bubblesnap.service.training_log import LogOptions, TrainingLogs
-from bubblesnap.service.wire import generic_handler
+from bubblesnap.service.store.segments import shm_free_bytes
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -38,24 +42,28 @@ PEER_SERVICE = peer_pb2.DESCRIPTOR.services_by_name["Peer"]
 #: default /dev/shm (64 MiB in Docker) and the budget is capped with a warning.
 _SHM_HEADROOM = 0.9
 
-#: gRPC worker threads: one per open Bubbles stream (a pipeline stage on this
-#: host) plus room for the unary calls.
-_RPC_THREADS = 96
 
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DaemonOptions:
-    """Everything ``bubblesnap daemon`` can be told.
+    """Everything ``bubblesnap daemon`` can be told (its flags in brackets).
 
     Attributes:
-      listen: gRPC address for trainers and tools. Default loopback only.
-      metrics: ``host:port`` of the Prometheus endpoint; empty disables it.
-      shm_dir: tmpfs directory for snapshot segments. Default /dev/shm.
+      listen: gRPC address for trainers and tools (``--listen``). Default
+        loopback only.
+      metrics: ``host:port`` of the Prometheus endpoint; empty disables it
+        (``--metrics``).
+      shm_dir: tmpfs directory for snapshot segments (``--shm-dir``). Default
+        /dev/shm.
       store: memory budget, retention and checksum options.
       bubbles: bubble profiling and planning options.
-      max_message_bytes: largest gRPC message accepted (layouts of huge
-        pytrees); larger ones get RESOURCE_EXHAUSTED. Default 64 MiB.
+      max_message_bytes: largest gRPC message accepted or sent, on the
+        trainer port and between peers (layouts of huge pytrees); larger
+        ones get RESOURCE_EXHAUSTED (``--max-message``). Default 64 MiB.
+      rpc_threads: threads answering trainer calls; every pipeline stage's
+        Bubbles stream holds one for its life. Default 96.
       grace_seconds: how long SIGTERM lets in-flight RPCs finish. Default 5 s.
+      nice: niceness added to the daemon's process so training processes win
+        every contended core (``--nice``, 0..19). Default 10.
       peers: the ring of daemons this one replicates to. Default: alone.
       durable: the durable tier (Orbax checkpoints). Default: off.
       logs: limits of the training logs.
@@ -67,10 +75,23 @@ class DaemonOptions:
     store: StoreOptions = StoreOptions()
     bubbles: BubbleOptions = BubbleOptions()
     max_message_bytes: int = 64 << 20
+    rpc_threads: int = 96
     grace_seconds: float = 5.0
+    nice: int = 10
     peers: PeerOptions = PeerOptions()
     durable: DurableOptions = DurableOptions()
     logs: LogOptions = LogOptions()
+
+    def __post_init__(self):
+        require(self, "max_message_bytes", self.max_message_bytes >= 1 << 20, "at least 1 MiB",
+                "--max-message")
+        require(self, "rpc_threads", self.rpc_threads >= 1, "at least 1")
+        require(self, "grace_seconds", self.grace_seconds >= 0, ">= 0")
+        require(self, "nice", 0 <= self.nice <= 19, "between 0 and 19", "--nice")
+
+
+class DaemonStartError(RuntimeError):
+    """The daemon cannot start as configured (a port taken, a directory missing, ...)."""
 
 
 def _fit_budget_to_shm(options: DaemonOptions) -> StoreOptions:
@@ -85,7 +106,7 @@ def _fit_budget_to_shm(options: DaemonOptions) -> StoreOptions:
         "to %.1f MiB so writes fail cleanly instead of crashing the trainer with SIGBUS. In a "
         "container, raise its shared memory (docker run --shm-size=16g) or pass --shm-dir.",
         options.shm_dir, free / 2**20, budget / 2**20, capped / 2**20)
-    return dataclasses.replace(options.store, memory_budget_bytes=capped)
+    return dataclasses.replace(options.store, memory_budget_bytes=max(1, capped))
 
 
 def _filesystem_type(path: str) -> str:
@@ -98,56 +119,60 @@ def _filesystem_type(path: str) -> str:
     return fstype
 
 
+def _server(threads: int, max_message_bytes: int, name: str, interceptors=()) -> grpc.Server:
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name),
+                       interceptors=interceptors,
+                       options=[("grpc.max_receive_message_length", max_message_bytes),
+                                ("grpc.max_send_message_length", max_message_bytes),
+                                # a second daemon on a taken port must fail, not share it
+                                ("grpc.so_reuseport", 0)])
+
+
+def _bind(add_port, address: str, what: str) -> int:
+    try:
+        port = add_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise DaemonStartError(f"cannot listen {what} on {address}: address in use or invalid")
+    return port
+
+
 class Daemon:
-    """A running daemon; :meth:`stop` shuts it down and frees its shared memory."""
+    """A running daemon; :meth:`stop` shuts it down and frees its shared memory.
+
+    Raises DaemonStartError when it cannot start as configured.
+    """
 
     def __init__(self, options: DaemonOptions = DaemonOptions()):
         if not os.path.isdir(options.shm_dir):
-            raise SystemExit(f"--shm-dir {options.shm_dir} does not exist")
+            raise DaemonStartError(f"--shm-dir {options.shm_dir} does not exist")
         if _filesystem_type(options.shm_dir) not in ("tmpfs", "ramfs", "unknown"):
             log.warning("%s is not a tmpfs: snapshots will go through the page cache to disk",
                         options.shm_dir)
         self.options = options
-        server_options = [("grpc.max_receive_message_length", options.max_message_bytes),
-                          ("grpc.max_send_message_length", options.max_message_bytes),
-                          # a second daemon on a taken port must fail, not share it
-                          ("grpc.so_reuseport", 0)]
-        # Every pipeline stage holds one thread with its Bubbles stream.
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=_RPC_THREADS,
-                                                              thread_name_prefix="rpc"),
-                                   options=server_options)
-        try:  # bind first: a daemon that cannot listen must not take shared memory
-            self.port = self._server.add_insecure_port(options.listen)
-        except RuntimeError:
-            self.port = 0
-        if self.port == 0:
-            raise SystemExit(f"cannot listen on {options.listen}: address in use or invalid")
+        self._server = _server(options.rpc_threads, options.max_message_bytes, "rpc")
+        # Bind first: a daemon that cannot listen must not take shared memory.
+        self.port = _bind(self._server.add_insecure_port, options.listen, "for trainers")
         self.address = f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
-        self.group = PeerGroup(options.peers) if options.peers.enabled else None
+        self.group = PeerGroup(options.peers, options.max_message_bytes) \
+            if options.peers.enabled else None
         self._peer_server = self._bind_peer_port() if self.group else None
         self.logs = TrainingLogs(options.logs)
         self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options),
-                                   grouped=self.group is not None,
-                                   on_retained=self.logs.drop_boundary_through)
+                                   grouped=self.group is not None)
         self.plans = BubblePlans(self.store.slot_bytes, options.bubbles)
         self.metrics = DaemonMetrics(self.store)
-        self.data = self.replicator = None
-        if self.group is not None:
-            security = options.peers.security
-            data_listen = options.peers.data_listen or \
-                f"{self.group.address(self.group.index).rsplit(':', 1)[0]}:0"
-            self.data = DataServer(data_listen, security.server_ssl_context())
-            self.replicator = Replicator(self.store, self.group, self.data)
-        self.durable = DurableTier(options.durable, self.store) \
-            if options.durable.enabled else None
-        self.tiers = Tiers(self.store, self.logs, self.group, self.replicator, self.durable)
-        if self.group is not None:
-            self._peer_server.add_generic_rpc_handlers((generic_handler(
-                PEER_SERVICE, PeerServicer(self.store, self.logs, self.group, self.data,
-                                           self.metrics, self.tiers)),))
+        for forget in (self.plans.forget, self.logs.forget):
+            self.store.listen(on_job_deleted=forget)
+        self.store.listen(on_retained=self.logs.drop_boundary_through)
+        self._build_tiers()
+        status = Status(self.store, self.plans, self.logs, self.restorer, self.replicator,
+                        options.peers.replicas if self.group else 0)
         self._server.add_generic_rpc_handlers((generic_handler(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
-            DaemonServicer(self.store, self.plans, self.metrics, self.tiers, self.logs)),))
+            DaemonServicer(self.store, self.plans, self.restorer,
+                           LogReplication(self.logs, self.group), status, self.metrics)),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
@@ -155,22 +180,40 @@ class Daemon:
         self.metrics_address = ""
         self._stopped = threading.Event()
 
+    def _build_tiers(self) -> None:
+        """Peers (data channel, transfers, replicator) and the durable tier, as configured;
+        what a trainer commits here fans out to them."""
+        options = self.options
+        self.data = self.transfers = self.replicator = None
+        if self.group is not None:
+            data_listen = options.peers.data_listen or \
+                f"{self.group.address(self.group.index).rsplit(':', 1)[0]}:0"
+            self.data = DataServer(data_listen, options.peers.security.server_ssl_context())
+            self.transfers = Transfers(self.store, self.group, self.data)
+            self.replicator = Replicator(self.store, self.group, self.transfers)
+            self.store.listen(on_local=self.replicator.committed)
+        reader = self.durable = None
+        if options.durable.enabled:
+            reader = DurableReader(options.durable.directory)
+            try:
+                self.durable = DurableWriter(options.durable, self.store, reader)
+            except ImportError as err:
+                raise DaemonStartError(str(err)) from err
+            self.store.listen(on_local=self.durable.committed)
+        self.restorer = Restorer(self.store, self.group, self.replicator, self.transfers,
+                                 reader, self.durable)
+        if self.group is not None:
+            self._peer_server.add_generic_rpc_handlers((generic_handler(
+                PEER_SERVICE, PeerServicer(self.store, self.logs, self.group, self.transfers,
+                                           self.restorer, self.metrics)),))
+
     def _bind_peer_port(self) -> grpc.Server:
         peers = self.options.peers
         interceptors = [TokenInterceptor(peers.security.token)] if peers.security.token else []
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16,
-                                                        thread_name_prefix="peer"),
-                             interceptors=interceptors,
-                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20),
-                                      ("grpc.so_reuseport", 0)])
+        server = _server(peers.server_threads, self.options.max_message_bytes, "peer",
+                         interceptors)
         listen = peers.listen or peers.peers[peers.index]
-        try:
-            port = peers.security.add_port(server, listen)
-        except RuntimeError:
-            port = 0
-        if port == 0:
-            raise SystemExit(f"cannot listen for peers on {listen}: address in use or invalid")
+        _bind(lambda address: peers.security.add_port(server, address), listen, "for peers")
         return server
 
     def start(self) -> None:
@@ -224,6 +267,8 @@ class Daemon:
 
 def run(options: DaemonOptions) -> int:
     """Runs a daemon until SIGTERM or SIGINT; prints one JSON ready line on stdout."""
+    if options.nice:
+        os.nice(options.nice)
     daemon = Daemon(options)
     daemon.start()
     done = threading.Event()

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.service.layout import ITEMSIZE
+from bubblesnap.service.store.layout import ITEMSIZE
 
 
 def tensor_spec(name: str, shape, dtype: str = "float32", nbytes: int | None = None):

@@ -1,6 +1,6 @@
 """The group's view of its copies: pure functions, no daemons."""
 
-from bubblesnap.service.group_view import (
+from bubblesnap.service.peers.group_view import (
     Holding,
     committed_steps,
     re_replication,

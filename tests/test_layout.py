@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.errors import InvalidArgument
-from bubblesnap.service.layout import ITEMSIZE, build_layout, check_job_name
+from bubblesnap.service.store.layout import ITEMSIZE, build_layout, check_job_name
 
 
 @st.composite

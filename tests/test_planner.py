@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubblesnap.service.planner import (
+from bubblesnap.service.bubbles.planner import (
     Chunk,
     PlannerOptions,
     RankPlan,

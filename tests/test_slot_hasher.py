@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bubblesnap.protos.checksum import SlotHasher, checksum
-from bubblesnap.service.data_channel import split
+from bubblesnap.service.peers.data_channel import split
 
 
 @settings(max_examples=60, deadline=None)

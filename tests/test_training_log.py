@@ -72,7 +72,7 @@ def test_a_long_log_is_read_back_whole_in_pages(daemon):
 
 
 def test_peers_answer_every_record_and_the_reader_finds_the_gaps():
-    from bubblesnap.service.training_log import LogOptions, TrainingLogs, contiguous
+    from bubblesnap.service.logs import LogOptions, TrainingLogs, contiguous
     one, two = TrainingLogs(), TrainingLogs()
     one.append("j", 0, [(s, b"a") for s in (1, 2, 3, 6, 7)])  # down while 4 and 5 were logged
     two.append("j", 0, [(4, b"a"), (5, b"a")])
@@ -85,7 +85,7 @@ def test_peers_answer_every_record_and_the_reader_finds_the_gaps():
 
 
 def test_a_ranks_boundary_streams_share_one_bound_and_the_oldest_steps_go_first():
-    from bubblesnap.service.training_log import LogOptions, TrainingLogs
+    from bubblesnap.service.logs import LogOptions, TrainingLogs
     logs = TrainingLogs(LogOptions(max_boundary_rank_bytes=(100 + 64) * 10))
     for step in range(8):
         for stream in ("act/mb0", "grad/mb0"):
@@ -100,7 +100,7 @@ def test_a_ranks_boundary_streams_share_one_bound_and_the_oldest_steps_go_first(
 
 
 def test_a_budget_that_drops_records_a_replay_needs_says_so_once(caplog):
-    from bubblesnap.service.training_log import LogOptions, TrainingLogs
+    from bubblesnap.service.logs import LogOptions, TrainingLogs
     logs = TrainingLogs(LogOptions(max_boundary_rank_bytes=(100 + 64) * 10))
     logs.drop_boundary_through("j", 2)  # snapshots from step 2 on are kept
     with caplog.at_level("WARNING", logger="bubblesnap.daemon"):

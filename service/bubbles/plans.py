@@ -7,7 +7,7 @@ reported two iterations; the first plan waits for that. Afterwards a report
 that moves the rank's profile by more than ``replan_change`` (a stage got
 slower, a bubble appeared) marks the job for replanning, done once at the next
 bubble start. Answering a start is a lookup. The planning itself is
-:mod:`bubblesnap.service.planner`, pure functions.
+:mod:`bubblesnap.service.bubbles.planner`, pure functions.
 """
 
 import dataclasses
@@ -15,14 +15,15 @@ import math
 import random
 import threading
 
-from bubblesnap.service import planner as planning
+from bubblesnap.options import require
+from bubblesnap.service.bubbles import planner as planning
 from bubblesnap.service.errors import InvalidArgument
 
 _MAX_POSITION = 1 << 16
 _SWITCH_AHEAD = 2
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BubbleOptions:
     """How profiles are kept and when the daemon replans.
 
@@ -40,6 +41,33 @@ class BubbleOptions:
     smoothing: float = 0.3
     replan_change: float = 0.25
     initial_copy_bytes_per_second: float = 1e9
+
+    def __post_init__(self):
+        require(self, "smoothing", 0 < self.smoothing <= 1, "in (0, 1]")
+        require(self, "replan_change", self.replan_change > 0, "positive")
+        require(self, "initial_copy_bytes_per_second", self.initial_copy_bytes_per_second > 0,
+                "positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BubbleEvent:
+    """One message of a stage's Bubbles stream, as the planner reads it.
+
+    ``start``: the stage is in a bubble of ``iteration`` and holds plan
+    ``plan_version``. Otherwise a report: the bubbles of ``iteration`` that
+    ended, as (position, measured seconds), the iteration's length, and the
+    bytes the stage fetched in ``copy_seconds``.
+    """
+
+    job: str
+    rank: int
+    iteration: int
+    start: bool = False
+    plan_version: int = 0
+    reports: tuple[tuple[int, float], ...] = ()
+    iteration_seconds: float = 0.0
+    copied_bytes: int = 0
+    copy_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +126,18 @@ class BubblePlans:
         # Plan versions start at a random point, so a client of a restarted daemon
         # never mistakes a new plan for the one it holds.
         self._first_version = random.getrandbits(40) << 16
+
+    def handle(self, event: BubbleEvent) -> RankAssignments | None:
+        """Folds a report into the rank's profile, or answers a start with the rank's plan
+        if it holds an older one (None: nothing to send). The rank must be registered."""
+        self._slot_bytes(event.job, event.rank)
+        if event.start:
+            return self.answer_start(event.job, event.rank, event.plan_version, event.iteration)
+        for position, measured in event.reports:
+            self.record_end(event.job, event.rank, event.iteration, position, measured,
+                            event.iteration_seconds)
+        self.record_bandwidth(event.job, event.rank, event.copied_bytes, event.copy_seconds)
+        return None
 
     def record_bandwidth(self, job: str, rank: int, copied_bytes: int,
                          copy_seconds: float) -> None:

@@ -15,16 +15,16 @@ copies lost a holder (a dead peer), which this daemon then pushes again.
 """
 
 import logging
-import queue
 import threading
 import time
 
 import grpc
 
 from bubblesnap.protos import peer_pb2 as ppb
-from bubblesnap.service import group_view
+from bubblesnap.service.background import CoalescingWorker
 from bubblesnap.service.errors import DaemonError
-from bubblesnap.service.layout_messages import tensor_specs
+from bubblesnap.service.peers import group_view
+from bubblesnap.service.rpc.messages import tensor_specs
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -32,31 +32,26 @@ log = logging.getLogger("bubblesnap.daemon")
 class Replicator:
     """The background thread that replicates and tracks the group's copies."""
 
-    def __init__(self, store, group, data_server):
+    def __init__(self, store, group, transfers):
         self._store = store
         self._group = group
-        self._data = data_server
-        self._queue: queue.Queue = queue.Queue()  # wake-ups; the work is in _waiting
-        self._waiting: dict[tuple[str, int], set[int]] = {}
+        self._transfers = transfers
         self._views: dict[str, list[group_view.Holding]] = {}
         self._probed: dict[int, float] = {}  # when a peer believed dead was last asked
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="replicator", daemon=True)
+        self._worker = CoalescingWorker("replicator", self._replicate_batch,
+                                        tick=lambda: self._refresh(None),
+                                        every_seconds=group.options.refresh_seconds)
 
     def start(self) -> None:
-        self._thread.start()
+        self._worker.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._queue.put(None)
-        self._thread.join(timeout=5)
+        self._worker.stop(timeout=5)
 
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here: replicate it soon."""
-        with self._lock:
-            self._waiting.setdefault((job, rank), set()).add(step)
-        self._queue.put(job)
+        self._worker.submit((job, rank), step)
 
     def copies(self, job: str) -> dict[tuple[int, int], int]:
         """(rank, step) -> live copies in the group, as last gathered."""
@@ -69,8 +64,7 @@ class Replicator:
         what is known of the group's copies is gathered afresh."""
         with self._lock:
             self._views.pop(job, None)
-            for key in [k for k in self._waiting if k[0] == job]:
-                self._waiting[key] = {s for s in self._waiting[key] if s <= step}
+        self._worker.drop(lambda key, waiting: key[0] != job or waiting <= step)
         self._group.forget_holdings(job)
 
     def view(self, job: str) -> list[group_view.Holding]:
@@ -82,34 +76,13 @@ class Replicator:
 
     # -- the thread -----------------------------------------------------------
 
-    def _run(self) -> None:
-        next_refresh = 0.0
-        while not self._stop.is_set():
-            timeout = max(0.0, next_refresh - time.monotonic())
-            try:
-                job = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                job = ""
-            if job is None:
-                return
-            try:
-                for job_, rank, step in self._take_waiting():
-                    self._replicate_new(job_, rank, step)
-                if time.monotonic() >= next_refresh:  # every job, re-replication too
-                    self._refresh(None)
-                    next_refresh = time.monotonic() + self._group.options.refresh_seconds
-                elif job:  # just what this job's new commits changed
-                    self._refresh(job)
-            except Exception:  # a bug must not end replication for good
-                log.exception("replication round failed")
-
-    def _take_waiting(self) -> list[tuple[str, int, int]]:
-        """One step per (job, rank) to replicate now; older waiting steps are dropped."""
-        with self._lock:
-            waiting, self._waiting = self._waiting, {}
-        return [(job, rank, group_view.roundest(steps))
-                for (job, rank), steps in sorted(waiting.items())]
-
+    def _replicate_batch(self, batch: dict) -> None:
+        """One step per (job, rank) is replicated now, the roundest; the others are
+        dropped. Then what these commits changed is gathered."""
+        for (job, rank), steps in sorted(batch.items()):
+            self._replicate_new(job, rank, group_view.roundest(steps))
+        for job in sorted({job for job, _ in batch}):
+            self._refresh(job)
     def _replicate_new(self, job: str, rank: int, step: int) -> None:
         # The next k daemons that answer, in ring order. One believed dead is
         # asked first with a short call: daemons start one after another, and a
@@ -160,20 +133,19 @@ class Replicator:
 
     def _push(self, job: str, rank: int, step: int, target: int) -> bool:
         try:
-            pinned = self._store.pin(job, rank, step)
+            pinned, ticket = self._transfers.offer(job, rank, step)
         except DaemonError:
             return False  # freed meanwhile: a newer step replaced it
-        ticket = self._data.offer(pinned.segment.path, pinned.segment.nbytes,
-                                  lambda: self._store.unpin(pinned))
         request = ppb.ReplicateRequest(
             job=job, world_size=pinned.world_size, rank=rank, step=step,
             tensors=tensor_specs(pinned.layout), checksums=pinned.checksums,
-            data_address=self._data.address, ticket=ticket, replica_group=pinned.group)
+            data_address=self._transfers.data_address, ticket=ticket,
+            replica_group=pinned.group)
         try:
             self._group.call(target, "Replicate", request,
                              timeout=self._group.options.transfer_timeout_seconds)
         except grpc.RpcError as err:
-            self._data.cancel(ticket)  # never redeemed, or broken off: unpin now
+            self._transfers.cancel(ticket)  # never redeemed, or broken off: unpin now
             log.warning("peer %d did not take step %d of rank %d of %s: %s: %s", target, step,
                         rank, job, err.code().name, err.details())
             return False

@@ -14,7 +14,7 @@ import ssl
 import grpc
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PeerSecurity:
     """How peer calls are protected. Default: plain TCP, no token (loopback tests).
 
@@ -37,11 +37,14 @@ class PeerSecurity:
 
     def __post_init__(self):
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("--peer-tls-cert and --peer-tls-key go together")
+            raise ValueError("PeerSecurity.tls_cert, tls_key: --peer-tls-cert and "
+                             "--peer-tls-key go together")
         if self.tls_cert and not self.tls_ca:
-            raise ValueError("TLS between peers needs --peer-tls-ca to verify the other daemons")
+            raise ValueError("PeerSecurity.tls_ca: TLS between peers needs --peer-tls-ca to "
+                             "verify the other daemons")
         if self.require_client_cert and not self.tls_cert:
-            raise ValueError("--peer-tls-client-auth needs --peer-tls-cert/--peer-tls-key")
+            raise ValueError("PeerSecurity.require_client_cert: --peer-tls-client-auth needs "
+                             "--peer-tls-cert and --peer-tls-key")
 
     @property
     def tls(self) -> bool:
@@ -58,12 +61,12 @@ class PeerSecurity:
             require_client_auth=self.require_client_cert)
         return server.add_secure_port(address, creds)
 
-    def channel(self, address: str) -> grpc.Channel:
+    def channel(self, address: str, max_message_bytes: int) -> grpc.Channel:
         # gRPC waits out a reconnect backoff (1 s, growing to 2 min) before it
         # dials a peer that was down again; a replacement host must be reached
         # at once.
-        options = [("grpc.max_receive_message_length", 64 << 20),
-                   ("grpc.max_send_message_length", 64 << 20),
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]

@@ -23,6 +23,7 @@ import time
 
 from bubblesnap.protos.checksum import SlotHasher
 from bubblesnap.service.errors import Aborted, InvalidArgument
+from bubblesnap.sockets import recv_exact, recv_exact_into
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -36,9 +37,6 @@ PULL_STREAMS = min(4, os.cpu_count() or 1)
 
 #: A ticket nobody redeems is dropped (and its copy unpinned) after this long.
 TICKET_SECONDS = 120.0
-
-_RECV_CHUNK = 8 << 20
-
 
 #: Connections served at once; more wait in the listen backlog.
 _MAX_CONNECTIONS = 64
@@ -147,7 +145,7 @@ class DataServer:
             conn.settimeout(30)
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(conn, server_side=True)
-            ticket, start, stop = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+            ticket, start, stop = _HEADER.unpack(recv_exact(conn, _HEADER.size))
             with self._lock:
                 offer = self._offers.get(ticket)
                 if offer is not None and 0 <= start < stop <= offer.nbytes:
@@ -215,16 +213,12 @@ def _pull_range(address, ticket, view, start, stop, ssl_context, timeout, receiv
         if ssl_context is not None:
             conn = ssl_context.wrap_socket(raw, server_hostname=host)
         conn.sendall(_HEADER.pack(ticket, start, stop))
-        target = memoryview(view).cast("B")
-        got = start
-        while got < stop:
-            n = conn.recv_into(target[got:stop], min(stop - got, _RECV_CHUNK))
-            if n == 0:
-                raise ConnectionError(f"{address} closed the data channel after "
-                                      f"{got - start} of {stop - start} bytes")
-            if received is not None:
-                received(got, got + n)
-            got += n
+        try:
+            recv_exact_into(conn, memoryview(view).cast("B")[start:stop],
+                            None if received is None else
+                            lambda a, b: received(start + a, start + b))
+        except ConnectionError as err:
+            raise ConnectionError(f"{address} closed the data channel: {err}") from None
 
 
 def split(slots, nbytes: int, streams: int) -> list[list[tuple[int, int]]]:
@@ -241,7 +235,7 @@ def split(slots, nbytes: int, streams: int) -> list[list[tuple[int, int]]]:
 
 def puller(address: str, ticket: bytes, ssl_context, timeout: float, what: str,
            streams: int = PULL_STREAMS):
-    """A ``fill`` for :meth:`SnapshotStore.install`: pulls a whole segment over up
+    """A ``fill`` for ``SnapshotStore.install``: pulls a whole segment over up
     to ``streams`` connections and hashes each slot as its bytes land. ``what``
     names the copy in errors."""
 
@@ -268,13 +262,3 @@ def _send_file(conn, path: str, offset: int, nbytes: int) -> None:
         sent = conn.sendfile(f, offset, nbytes)
     if sent != nbytes:
         raise ConnectionError(f"{path} ended after {sent} of {nbytes} bytes")
-
-
-def _recv_exact(conn, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("peer closed before sending its ticket")
-        data += chunk
-    return bytes(data)

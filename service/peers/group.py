@@ -8,29 +8,34 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from bubblesnap.options import require
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
-from bubblesnap.service import group_view
-from bubblesnap.service.group_view import Holding
-from bubblesnap.service.peer_security import PeerSecurity
+from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.peers import group_view
+from bubblesnap.service.peers.group_view import Holding
+from bubblesnap.service.peers.security import PeerSecurity
 
 log = logging.getLogger("bubblesnap.daemon")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PeerOptions:
-    """Where this daemon sits among its peers.
+    """Where this daemon sits among its peers (``bubblesnap daemon`` flags in brackets).
 
     Attributes:
       peers: peer gRPC addresses of every daemon of the group, in ring order,
-        this one's included. Empty: a lone daemon (no replication).
-      index: this daemon's position in ``peers``.
-      listen: address the peer port binds; default ``peers[index]``. Set it
-        to bind another interface (0.0.0.0:PORT) than the one peers dial.
+        this one's included (``--peers``). Empty: a lone daemon (no
+        replication).
+      index: this daemon's position in ``peers`` (``--index``). Default 0.
+      listen: address the peer port binds; default ``peers[index]``
+        (``--peer-listen``). Set it to bind another interface (0.0.0.0:PORT)
+        than the one peers dial.
       data_listen: address of the bulk data channel; default the peer
-        host with a free port (peers learn it from each call).
-      replicas: copies pushed to the next daemons in the ring (k). A step is
-        committed when every rank holds it 1 + k times. Default 1.
+        host with a free port, peers learn it from each call (``--data-listen``).
+      replicas: copies pushed to the next daemons in the ring, k
+        (``--replicas``). A step is committed when every rank holds it 1 + k
+        times. Default 1.
       security: TLS and token of peer calls.
       call_timeout_seconds: deadline of small peer calls. Default 2 s.
       transfer_timeout_seconds: deadline of a replica or restore transfer.
@@ -40,6 +45,7 @@ class PeerOptions:
       dead_after_seconds: a peer that has not answered for this long is
         dead: its copies are made again elsewhere. Shorter would copy
         needlessly whenever a busy peer misses one call. Default 5 s.
+      server_threads: threads answering peer calls. Default 16.
     """
 
     peers: tuple[str, ...] = ()
@@ -52,15 +58,18 @@ class PeerOptions:
     transfer_timeout_seconds: float = 120.0
     refresh_seconds: float = 1.0
     dead_after_seconds: float = 5.0
+    server_threads: int = 16
 
     def __post_init__(self):
-        if self.peers and not 0 <= self.index < len(self.peers):
-            raise ValueError(f"--index {self.index} is outside the {len(self.peers)} peers")
-        if self.replicas < 0:
-            raise ValueError("--replicas must be 0 or more")
-        if self.peers and self.replicas > len(self.peers) - 1:
-            raise ValueError(f"--replicas {self.replicas} needs at least {self.replicas + 1} "
-                             f"daemons in --peers; there are {len(self.peers)}")
+        require(self, "index", not self.peers or 0 <= self.index < len(self.peers),
+                f"a position in the {len(self.peers)} peers", "--index")
+        require(self, "replicas", self.replicas >= 0, "0 or more", "--replicas")
+        require(self, "replicas", not self.peers or self.replicas < len(self.peers),
+                f"less than the {len(self.peers)} daemons in --peers", "--replicas")
+        for name in ("call_timeout_seconds", "transfer_timeout_seconds", "refresh_seconds",
+                     "dead_after_seconds"):
+            require(self, name, getattr(self, name) > 0, "positive")
+        require(self, "server_threads", self.server_threads >= 1, "at least 1")
 
     @property
     def enabled(self) -> bool:
@@ -74,8 +83,9 @@ class PeerOptions:
 class PeerGroup:
     """Calls to the other daemons, with the token; remembers which answered."""
 
-    def __init__(self, options: PeerOptions):
+    def __init__(self, options: PeerOptions, max_message_bytes: int):
         self.options = options
+        self._max_message_bytes = max_message_bytes
         self.index = options.index
         self._addresses = list(options.peers)
         self._stubs: dict[int, peer_pb2_grpc.PeerStub] = {}
@@ -108,8 +118,12 @@ class PeerGroup:
     def others(self) -> list[int]:
         return [i for i in range(self.size) if i != self.index]
 
-    def set_address(self, index: int, address: str) -> None:
+    def join(self, index: int, address: str) -> None:
         """A replacement daemon took ring position ``index`` at ``address``."""
+        if not 0 <= index < self.size or index == self.index:
+            raise InvalidArgument(
+                f"ring index {index} is not another member of this {self.size}-daemon group; "
+                "check --index and --peers")
         with self._lock:
             if self._addresses[index] != address:
                 log.info("peer %d is now at %s (was %s)", index, address, self._addresses[index])
@@ -196,7 +210,8 @@ class PeerGroup:
         with self._lock:
             stub = self._stubs.get(index)
             if stub is None:
-                channel = self.options.security.channel(self._addresses[index])
+                channel = self.options.security.channel(self._addresses[index],
+                                                         self._max_message_bytes)
                 stub = self._stubs[index] = peer_pb2_grpc.PeerStub(channel)
             return stub
 

@@ -15,8 +15,10 @@ tested on crafted profiles.
 import dataclasses
 from collections.abc import Mapping
 
+from bubblesnap.options import require
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PlannerOptions:
     """Knobs of the planner.
 
@@ -31,7 +33,7 @@ class PlannerOptions:
         Default 256 KiB.
       max_interval: the longest interval the plan may choose; what does not
         fit into that many iterations' bubbles is spilled. 1 forces a snapshot
-        every iteration. Default 8.
+        every iteration (``--max-interval``). Default 8.
     """
 
     safety: float = 0.85
@@ -39,6 +41,13 @@ class PlannerOptions:
     min_bubble_seconds: float = 1e-3
     min_chunk_bytes: int = 256 << 10
     max_interval: int = 8
+
+    def __post_init__(self):
+        require(self, "safety", 0 < self.safety <= 1, "in (0, 1]")
+        for name in ("per_bubble_seconds", "min_bubble_seconds"):
+            require(self, name, getattr(self, name) >= 0, ">= 0")
+        require(self, "min_chunk_bytes", self.min_chunk_bytes >= 1, "at least 1")
+        require(self, "max_interval", self.max_interval >= 1, "at least 1", "--max-interval")
 
 
 @dataclasses.dataclass(frozen=True)

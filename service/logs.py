@@ -3,7 +3,7 @@
 The training log (stream "") says what redoing a step exactly needs (the
 batch's identity, RNG keys, a data-loader position); the daemon never reads
 it. Its records live in the daemon's memory beside the snapshots and are
-handed to the same peers before a record is acknowledged (tiers.py), so
+handed to the same peers before a record is acknowledged (peers/log_replication.py), so
 after a crash the trainer restores a snapshot and replays the logged steps
 after it up to the failure point (TranLogs).
 
@@ -24,13 +24,14 @@ import logging
 import re
 import threading
 
-from bubblesnap.service import layout as layout_lib
+from bubblesnap.options import require
 from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.store import layout as layout_lib
 
 log = logging.getLogger("bubblesnap.daemon")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LogOptions:
     """Limits of the training and boundary logs (``bubblesnap daemon
     --training-log-budget/--boundary-log-budget``).
@@ -56,13 +57,12 @@ class LogOptions:
     max_boundary_rank_bytes: int = 1 << 30
 
     def __post_init__(self):
-        for name in ("max_rank_bytes", "max_boundary_rank_bytes"):
-            if getattr(self, name) < MIN_BUDGET:
-                raise ValueError(f"{name} is {getattr(self, name)} bytes; a log budget must "
-                                 f"hold a record: at least {MIN_BUDGET} bytes")
+        for name, flag in (("max_rank_bytes", "--training-log-budget"),
+                           ("max_boundary_rank_bytes", "--boundary-log-budget")):
+            require(self, name, getattr(self, name) >= MIN_BUDGET,
+                    f"at least 1.0 KiB ({MIN_BUDGET} bytes, to hold a record)", flag)
         for name in ("max_record_bytes", "max_boundary_record_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1 byte")
+            require(self, name, getattr(self, name) >= 1, "at least 1 byte")
 
 
 #: The smallest log budget (per job and rank) the daemon accepts.
@@ -215,8 +215,6 @@ class TrainingLogs:
 
 
 def _key(job: str, rank: int, stream: str) -> tuple[str, int, str]:
-    layout_lib.check_job_name(job)
-    layout_lib.check_rank(rank)
     if stream != TRAINING and not _STREAM_NAME.fullmatch(stream):
         raise InvalidArgument(
             f"log stream {stream!r} is not allowed: use 1-64 characters from "

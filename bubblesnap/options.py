@@ -1,0 +1,12 @@
+"""Validating option dataclasses: one message shape that names the option and its flag."""
+
+
+def require(options, field: str, ok: bool, what: str, flag: str = "") -> None:
+    """Raises ValueError unless ``ok``: "Class.field: --flag must be <what>, got <value>".
+
+    Called from an options dataclass's ``__post_init__``; ``flag`` is the
+    command-line flag that sets the field, if one does.
+    """
+    if not ok:
+        name = f"{type(options).__name__}.{field}" + (f": {flag}" if flag else "")
+        raise ValueError(f"{name} must be {what}, got {getattr(options, field)!r}")

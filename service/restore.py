@@ -1,0 +1,263 @@
+"""Restore: one rule for which step, and one order for where from (memory -> peer -> durable).
+
+The step: the latest one every rank of the job can get back from some tier
+(group_view.restorable_steps over every daemon's holdings and the durable
+tier's whole steps), so all ranks restore the same step. A lone daemon's
+holdings are its own copies. The bytes: this daemon's memory, else a peer
+that holds the copy (pulled over the data channel), else the durable tier.
+Every copy is verified against its checksums before it is served; one that
+fails is dropped, recorded (status and log) and the next is tried.
+
+With peers or a durable tier, restoring step k resumes the job from k:
+later copies belong to an abandoned run and are dropped everywhere first,
+unless the rank goes back alone (a stage replaying from boundary logs). A
+lone daemon keeps them.
+"""
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+
+import grpc
+
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service.errors import (
+    DaemonError,
+    DataLoss,
+    FailedPrecondition,
+    NotFound,
+    Unavailable,
+)
+from bubblesnap.service.peers import group_view
+from bubblesnap.service.store import layout as layout_lib
+from bubblesnap.service.store.views import Restorable
+
+log = logging.getLogger("bubblesnap.daemon")
+
+_CORRUPT_KEPT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    found: Restorable
+    source: str    # "memory", "peer" or "durable"
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CorruptCopy:
+    job: str
+    rank: int
+    step: int
+    source: str
+    detail: str
+    unix_time: float
+
+
+class Restorer:
+    """Finds the step to restore and serves it from the fastest tier that holds it intact."""
+
+    def __init__(self, store, group=None, replicator=None, transfers=None,
+                 durable_reader=None, durable_writer=None):
+        self._store = store
+        self._group = group
+        self._replicator = replicator
+        self._transfers = transfers
+        self._durable = durable_reader
+        self._writer = durable_writer
+        self._corrupt: collections.deque = collections.deque(maxlen=_CORRUPT_KEPT)
+        self._lock = threading.Lock()
+
+    @property
+    def resumes_job(self) -> bool:
+        """Whether a restore resumes the whole job (drops later copies everywhere)."""
+        return self._group is not None or self._durable is not None
+
+    def restore(self, job: str, rank: int, step: int | None = None,
+                replica_group=(), alone: bool = False) -> Restored:
+        """The rank's copy of ``step`` (default: the latest the whole job can restore).
+
+        A member of a replica group gets its copier's copy. With peers or a
+        durable tier the rank need not be registered here: a replacement
+        host's trainer restores first, naming its ``replica_group``, and
+        registers after.
+        """
+        holdings = self.holdings(job)
+        world = self._world_size(job, holdings)
+        layout_lib.check_rank(rank, world)
+        asked = layout_lib.check_replica_group(rank, world, replica_group) \
+            if replica_group else ()
+        copier, group = self._store.copier_of(job, rank, asked)
+        if copier != rank:  # the copier's word, not the caller's, says whom its copies hold
+            for declared in {h.group for h in holdings if h.rank == copier and h.group}:
+                layout_lib.check_held_for(job, rank, copier, declared)
+        durable = self.durable_steps(job, world)
+        step = _chosen(job, world, holdings, group_view.restorable_steps(world, holdings,
+                                                                          durable), step)
+        if self.resumes_job and not alone:
+            self._roll_back(job, step, holdings, durable)
+        return self._fetch(job, world, rank, copier, step, group, holdings, durable)
+
+    def holdings(self, job: str) -> list[group_view.Holding]:
+        """The committed copies of ``job`` in the group (this daemon's alone, without peers)."""
+        if self._replicator is not None:
+            return self._replicator.view(job)
+        return [group_view.Holding(0, h.rank, h.step, h.replica, h.world_size, h.group)
+                for h in self._store.holdings(job)]
+
+    def durable_steps(self, job: str, world_size: int) -> list[int]:
+        return self._durable.steps(job, world_size) if self._durable is not None else []
+
+    def corrupt_copies(self, job: str) -> list[CorruptCopy]:
+        with self._lock:
+            return [c for c in reversed(self._corrupt) if c.job == job]
+
+    def roll_back_here(self, job: str, step: int) -> int:
+        """Drops this daemon's copies of ``job`` after ``step``, and queued work on them."""
+        if self._replicator is not None:
+            self._replicator.forget_after(job, step)
+        if self._writer is not None:
+            self._writer.forget_after(job, step)
+        return self._store.rollback(job, step)
+
+    def _fetch(self, job: str, world: int, rank: int, copier: int, step: int,
+               group: tuple[int, ...], holdings, durable) -> Restored:
+        tried, corrupt = [], False
+
+        def served():
+            return self._store.serve(job, rank, step, group)
+
+        try:
+            return Restored(served(), "memory", "")
+        except DataLoss as err:
+            self._record(job, copier, step, "memory", str(err))
+            tried.append(f"memory: {err}")
+            corrupt = True
+        except NotFound:
+            pass
+        for index in sorted(group_view.holders(holdings).get((copier, step), ())):
+            if self._group is None or index == self._group.index:
+                continue
+            address = self._group.address(index)
+            try:
+                self._transfers.fetch(index, job, world, copier, step, group)
+                return Restored(served(), "peer", address)
+            except DataLoss as err:
+                self._record(job, copier, step, f"peer {address}", str(err))
+                tried.append(f"peer {address}: {err}")
+                corrupt = True
+            except (DaemonError, grpc.RpcError, OSError) as err:
+                tried.append(f"peer {address}: {_reason(err)}")
+        if step in durable:
+            try:
+                self._load_durable(job, world, rank, step, group)
+                return Restored(served(), "durable", self._durable.directory)
+            except DataLoss as err:
+                self._record(job, copier, step, "durable", str(err))
+                tried.append(f"durable: {err}")
+                corrupt = True
+        if corrupt:
+            raise DataLoss(f"no intact copy of step {step} of rank {rank} of job {job!r}; "
+                           f"tried: {'; '.join(tried)}")
+        if tried:
+            raise Unavailable(f"the copies of step {step} of rank {rank} of job {job!r} could "
+                              f"not be fetched now; tried: {'; '.join(tried)}. Try again")
+        raise NotFound(f"step {step} of rank {rank} of job {job!r} is held nowhere")
+
+    def _roll_back(self, job: str, step: int, holdings, durable) -> None:
+        """Restoring ``step`` resumes the job from it: later copies, here, at every peer
+        and in the durable tier, belong to an abandoned run. Dropped before anything
+        is installed, so a resumed run never mixes with them."""
+        if not any(h.step > step for h in holdings) and not any(s > step for s in durable):
+            return
+        log.info("job %s resumes from step %d: dropping later copies in the group", job, step)
+        self.roll_back_here(job, step)
+        if self._writer is not None:
+            self._writer.discard_after(job, step)
+        if self._group is not None:
+            request = ppb.RollbackRequest(job=job, step=step)
+            for index in self._group.others():
+                try:
+                    self._group.call(index, "Rollback", request)
+                except grpc.RpcError as err:
+                    log.warning("peer %d did not roll back %s to step %d: %s; a copy of a "
+                                "later step it holds may be from the abandoned run", index, job,
+                                step, err.code().name)
+
+    def _load_durable(self, job: str, world: int, rank: int, step: int,
+                      group: tuple[int, ...]) -> None:
+        """Installs the copy of ``rank`` (its group's copier's, ``group[0]``) from disk,
+        cut into the layout the copier registered here (whole tensors if none did),
+        once the copier's written group names ``rank``."""
+        copier = group[0]
+        if copier != rank:
+            layout_lib.check_held_for(job, rank, copier,
+                                      self._durable.replica_group(job, copier, step))
+        try:
+            layout = self._store.layout_of(job, copier)
+        except NotFound:  # not registered here yet: whole tensors, the client reshards
+            layout = self._durable.whole_layout(job, copier, step)
+        fill, checksums = self._durable.load(job, copier, step, layout)
+        self._store.install(job, world, copier, step, layout, checksums, fill, for_restore=True,
+                            group=group)
+
+    def _world_size(self, job: str, holdings) -> int:
+        try:
+            return self._store.world_size(job)
+        except NotFound:
+            pass
+        sizes = {h.world_size for h in holdings if h.world_size}
+        if self._durable is not None and not sizes:
+            sizes = {self._durable.world_size(job)} - {0}
+        if len(sizes) != 1:
+            raise NotFound(f"no job {job!r} is registered with this daemon, and no peer or "
+                           "durable checkpoint knows it" if not sizes else
+                           f"peers disagree on the world size of job {job!r}: {sorted(sizes)}")
+        return sizes.pop()
+
+    def _record(self, job: str, rank: int, step: int, source: str, detail: str) -> None:
+        log.warning("corrupt copy skipped: step %d of rank %d of %s from %s: %s", step, rank,
+                    job, source, detail)
+        with self._lock:
+            self._corrupt.append(CorruptCopy(job, rank, step, source, detail, time.time()))
+
+
+def _chosen(job: str, world: int, holdings, steps: list[int], asked: int | None) -> int:
+    """The step to restore: ``asked``, or the latest restorable one; refused with what
+    is missing when it cannot be restored for every rank."""
+    if asked is None:
+        if not steps:
+            raise NotFound(f"job {job!r} has no committed step that every rank can restore "
+                           f"yet: {_describe(holdings, world)}")
+        return steps[-1]
+    if asked in steps:
+        return asked
+    restorable = f"restorable steps: {steps[-20:] or 'none'}"
+    if any(h.step == asked for h in holdings):
+        found, copier = group_view.holders(holdings), group_view.copiers(holdings)
+        waiting = [r for r in range(world) if (copier.get(r, r), asked) not in found]
+        raise FailedPrecondition(f"step {asked} of job {job!r} is not committed: ranks "
+                                 f"{waiting[:16]}{' ...' if len(waiting) > 16 else ''} have not "
+                                 f"finished it; {restorable}")
+    raise NotFound(f"job {job!r} holds no step {asked}; {restorable}")
+
+
+def _reason(err) -> str:
+    if isinstance(err, grpc.RpcError):
+        return f"{err.code().name}: {err.details()}"
+    return str(err)
+
+
+def _describe(holdings, world: int) -> str:
+    """Which ranks hold nothing (themselves or through their replica group's copier),
+    and what the others hold; bounded for huge jobs."""
+    per_rank: dict[int, list[int]] = {}
+    for rank, step in group_view.holders(holdings):
+        per_rank.setdefault(rank, []).append(step)
+    copier = group_view.copiers(holdings)
+    empty = [r for r in range(min(world, 1 << 16)) if copier.get(r, r) not in per_rank]
+    held = {r: sorted(per_rank[r])[-4:] for r in sorted(per_rank)[:8]}
+    return (f"{len(empty)} of {world} ranks hold no copy (e.g. {empty[:10]}); newest steps "
+            f"held: {held}{' ...' if len(per_rank) > 8 else ''}")

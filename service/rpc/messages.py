@@ -1,0 +1,188 @@
+"""Wire messages <-> the daemon's values, and validation of what enters from the wire.
+
+Requests are checked here, once, as they enter (names, ranks, steps,
+layouts, replica groups); the parts below trust what they are handed.
+Answers are built here from the parts' plain values.
+"""
+
+import dataclasses
+
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.bubbles.plans import BubbleEvent
+from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.store import layout as layout_lib
+from bubblesnap.service.store.model import BubbleUsage, CopyState
+
+_STATES = {CopyState.STAGING: pb.STAGING, CopyState.LOCAL: pb.LOCAL}
+
+
+# -- what enters -----------------------------------------------------------------------------
+
+def job(name: str, optional: bool = False) -> str:
+    """A job name as the parts may use it (empty allowed when ``optional``: all jobs)."""
+    if name or not optional:
+        layout_lib.check_job_name(name)
+    return name
+
+
+def job_rank(request) -> tuple[str, int]:
+    layout_lib.check_job_name(request.job)
+    layout_lib.check_rank(request.rank)
+    return request.job, request.rank
+
+
+def job_rank_step(request) -> tuple[str, int, int]:
+    layout_lib.check_step(request.step)
+    return (*job_rank(request), request.step)
+
+
+def optional_step(request) -> int | None:
+    if not request.HasField("step"):
+        return None
+    layout_lib.check_step(request.step)
+    return request.step
+
+
+def registration(request) -> tuple:
+    """(job, rank, world size, layout, replica group) of a RegisterRequest."""
+    layout_lib.check_job_name(request.job)
+    layout_lib.check_world(request.rank, request.world_size)
+    layout = layout_lib.build_layout(request.tensors)
+    group = layout_lib.check_replica_group(request.rank, request.world_size,
+                                           request.replica_group)
+    return request.job, request.rank, request.world_size, layout, group
+
+
+def replica(request) -> tuple:
+    """(job, world size, rank, step, layout, replica group) of a ReplicateRequest."""
+    layout_lib.check_job_name(request.job)
+    layout_lib.check_world(request.rank, request.world_size)
+    layout_lib.check_step(request.step)
+    layout = layout_lib.build_layout(request.tensors)
+    group = layout_lib.check_replica_group(request.rank, request.world_size,
+                                           request.replica_group)
+    return request.job, request.world_size, request.rank, request.step, layout, group
+
+
+def usage(u: pb.BubbleUsage) -> BubbleUsage:
+    return BubbleUsage(u.offered_seconds, u.used_seconds, u.spilled_seconds, u.spilled_bytes,
+                       u.bubbles, u.iterations, u.overrun_seconds)
+
+
+def log_records(request) -> tuple[str, int, list[tuple[int, bytes]], str]:
+    """(job, rank, records, stream) of an AppendLogRequest."""
+    return (*job_rank(request), records(request), request.stream)
+
+
+def records(request) -> list[tuple[int, bytes]]:
+    return [(r.step, r.payload) for r in request.records]
+
+
+def until_step(request) -> int | None:
+    return request.until_step if request.HasField("until_step") else None
+
+
+def bubble_event(event: pb.BubbleEvent) -> BubbleEvent:
+    """An END is a report of the one bubble that ended."""
+    job_rank(event)
+    common = dict(job=event.job, rank=event.rank, iteration=event.iteration)
+    if event.kind == pb.BubbleEvent.START:
+        return BubbleEvent(start=True, plan_version=event.plan_version, **common)
+    if event.kind == pb.BubbleEvent.END:
+        reports = ((event.position, event.measured_seconds),)
+    elif event.kind == pb.BubbleEvent.REPORT:
+        reports = tuple((r.position, r.measured_seconds) for r in event.reports)
+    else:
+        raise InvalidArgument("bubble event without a kind: send START, END or REPORT")
+    return BubbleEvent(reports=reports, iteration_seconds=event.iteration_seconds,
+                       copied_bytes=event.copied_bytes, copy_seconds=event.copy_seconds,
+                       **common)
+
+
+# -- what goes out ---------------------------------------------------------------------------
+
+def tensor_specs(layout) -> list[pb.TensorSpec]:
+    """A validated layout as the wire describes it (daemon and peer protos share it)."""
+    return [pb.TensorSpec(
+        name=t.name, dtype=t.dtype, global_shape=t.global_shape,
+        shards=[pb.ShardSpec(index=[pb.Slice(start=a, stop=b) for a, b in s.index],
+                             nbytes=s.nbytes) for s in t.shards])
+        for t in layout.tensors]
+
+
+def slots(slot_tuples) -> list[pb.Slot]:
+    return [pb.Slot(tensor=t, shard=s, offset=o, nbytes=n) for t, s, o, n in slot_tuples]
+
+
+def staging(found) -> pb.BeginStepResponse:
+    return pb.BeginStepResponse(segment_path=found.segment_path,
+                                segment_bytes=found.segment_bytes, slots=slots(found.slots))
+
+
+def restored(answer) -> pb.RestoreResponse:
+    found = answer.found
+    return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
+                              slots=slots(found.slots), checksums=found.checksums,
+                              tensors=tensor_specs(found.layout), source=answer.source,
+                              source_detail=answer.detail)
+
+
+def fetch_plan(found) -> pb.FetchPlan:
+    return pb.FetchPlan(interval=found.interval, plan_version=found.version,
+                        first_step=found.first_step, assignments=[
+        pb.Assignment(offset=offset, position=position,
+                      commit=(offset, position) == found.commit_at,
+                      chunks=[pb.Chunk(tensor=t, shard=s, start=a, stop=b)
+                              for t, s, a, b in chunks])
+        for (offset, position), chunks in sorted(found.chunks.items())])
+
+
+def snapshot_summaries(jobs) -> list[pb.SnapshotSummary]:
+    return [pb.SnapshotSummary(
+        job=view.job, step=step.step, committed=step.committed,
+        local_ranks=[r.rank for r in step.ranks if r.state is CopyState.LOCAL],
+        nbytes=sum(r.nbytes for r in step.ranks))
+        for view in jobs for step in view.steps]
+
+
+def daemon_status(status) -> pb.StatusResponse:
+    memory = status.memory
+    return pb.StatusResponse(
+        jobs=[_job_status(job) for job in status.jobs],
+        memory=pb.MemoryStatus(budget_bytes=memory.budget_bytes, used_bytes=memory.used_bytes,
+                               pooled_bytes=memory.pooled_bytes, shm_dir=memory.shm_dir,
+                               shm_free_bytes=memory.shm_free_bytes,
+                               log_bytes=status.log_bytes))
+
+
+def _job_status(status) -> pb.JobStatus:
+    job, durable = status.job, status.durable_steps
+    return pb.JobStatus(
+        job=job.job, world_size=job.world_size, registered_ranks=job.registered_ranks,
+        latest_committed_step=job.latest_committed_step,
+        steps=[pb.StepStatus(step=s.step, committed=s.committed, ranks=[
+            pb.RankStepStatus(rank=r.rank, state=_STATES[r.state], nbytes=r.nbytes, shards=[
+                pb.ShardStatus(tensor=sh.tensor, shard=sh.shard, nbytes=sh.nbytes,
+                               checksum=sh.checksum) for sh in r.shards],
+                usage=pb.BubbleUsage(**dataclasses.asdict(r.usage)), replica=r.replica,
+                copies=status.copies.get((r.rank, s.step), 0), durable=s.step in durable,
+                held_for=r.held_for)
+            for r in s.ranks]) for s in job.steps],
+        plan=_plan_status(status.plan, status.profiles, status.plan_version),
+        replicas=status.replicas, durable_steps=durable, corrupt_copies=[
+            pb.CorruptCopy(rank=c.rank, step=c.step, source=c.source, detail=c.detail,
+                           unix_time=c.unix_time)
+            for c in status.corrupt_copies])
+
+
+def _plan_status(plan, profiles, version) -> pb.PlanStatus:
+    if plan is None:
+        return pb.PlanStatus()
+    return pb.PlanStatus(
+        interval=plan.interval, version=version, predicted_overhead=plan.predicted_overhead,
+        ranks=[pb.RankPlan(rank=rank, bubbles=rp.usable_bubbles, bubble_seconds=rp.bubble_seconds,
+                           copy_bytes_per_second=profiles[rank].copy_bytes_per_second,
+                           step_bytes=profiles[rank].step_bytes,
+                           predicted_overhead=rp.predicted_overhead,
+                           planned_spill_bytes=rp.spill_bytes)
+               for rank, rp in sorted(plan.ranks.items())])

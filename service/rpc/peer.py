@@ -1,0 +1,68 @@
+"""The gRPC face daemons show each other (``bubblesnap.v1.Peer``): convert, call, convert back."""
+
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service.rpc import messages
+from bubblesnap.service.rpc.status_codes import unary
+from bubblesnap.service.store import layout as layout_lib
+
+
+class PeerServicer:
+    """Implements ``bubblesnap.v1.Peer`` over the store, the group, transfers and the logs."""
+
+    def __init__(self, store, logs, group, transfers, restorer, metrics):
+        self._store = store
+        self._logs = logs  # logs.TrainingLogs: replicas of training logs are this daemon's
+        self._group = group
+        self._transfers = transfers
+        self._restorer = restorer
+        self.metrics = metrics
+
+    @unary
+    def Join(self, request, context):
+        self._group.join(request.index, request.address)
+        return ppb.JoinResponse()
+
+    @unary
+    def Holdings(self, request, context):
+        return ppb.HoldingsResponse(index=self._group.index, copies=[
+            ppb.HeldCopy(job=h.job, rank=h.rank, step=h.step,
+                         role=ppb.REPLICA if h.replica else ppb.PRIMARY,
+                         world_size=h.world_size, replica_group=h.group)
+            for h in self._store.holdings(messages.job(request.job, optional=True))])
+
+    @unary
+    def Replicate(self, request, context):
+        job, world, rank, step, layout, group = messages.replica(request)
+        self._transfers.pull(request.data_address, request.ticket, job, world, rank, step,
+                             layout, request.checksums, group)
+        return ppb.ReplicateResponse()
+
+    @unary
+    def OpenRead(self, request, context):
+        pinned, ticket = self._transfers.offer(*messages.job_rank_step(request))
+        return ppb.OpenReadResponse(ticket=ticket, data_address=self._transfers.data_address,
+                                    segment_bytes=pinned.segment.nbytes,
+                                    checksums=pinned.checksums,
+                                    tensors=messages.tensor_specs(pinned.layout),
+                                    world_size=pinned.world_size)
+
+    @unary
+    def Rollback(self, request, context):
+        layout_lib.check_step(request.step)
+        return ppb.RollbackResponse(dropped_copies=self._restorer.roll_back_here(
+            messages.job(request.job), request.step))
+
+    @unary
+    def AppendLogReplica(self, request, context):
+        self._logs.append(*messages.job_rank(request),
+                          messages.records(request))
+        return ppb.LogReplicaResponse()
+
+    @unary
+    def ReadLogReplica(self, request, context):
+        return pb.ReadLogResponse(records=[
+            pb.LogRecord(step=step, payload=payload)
+            for step, payload in self._logs.held_after(*messages.job_rank(request),
+                                                       request.after_step,
+                                                       until_step=messages.until_step(request))])

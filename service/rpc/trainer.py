@@ -1,0 +1,89 @@
+"""The gRPC face trainers and tools see (``bubblesnap.v1.Daemon``): convert, call, convert back."""
+
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.rpc import messages
+from bubblesnap.service.rpc.status_codes import streaming, unary
+
+
+class DaemonServicer:
+    """Each method converts its request, calls one method of a part, converts the answer."""
+
+    def __init__(self, store, plans, restorer, logs, status, metrics):
+        self._store = store
+        self._plans = plans
+        self._restorer = restorer
+        self._logs = logs  # peers.log_replication.LogReplication
+        self._status = status
+        self.metrics = metrics
+
+    @unary
+    def Register(self, request, context):
+        reg = self._store.register(*messages.registration(request))
+        return pb.RegisterResponse(reattached=reg.reattached,
+                                   latest_local_step=reg.latest_local_step,
+                                   step_bytes=reg.step_bytes)
+
+    @unary
+    def BeginStep(self, request, context):
+        return messages.staging(self._store.begin_step(*messages.job_rank_step(request)))
+
+    @unary
+    def CommitStep(self, request, context):
+        commit = self._store.commit_step(
+            *messages.job_rank_step(request), tuple(request.checksums),
+            messages.usage(request.usage),
+            request.next_step if request.HasField("next_step") else None)
+        return pb.CommitStepResponse(
+            job_committed=commit.job_committed, latest_committed_step=commit.latest_committed_step,
+            next=messages.staging(commit.next) if commit.next else None)
+
+    @unary
+    def AbortStep(self, request, context):
+        self._store.abort_step(*messages.job_rank(request), request.step)
+        return pb.AbortStepResponse()
+
+    @unary
+    def Restore(self, request, context):
+        restored = self._restorer.restore(*messages.job_rank(request),
+                                          messages.optional_step(request),
+                                          tuple(request.replica_group), request.alone)
+        self.metrics.restores.labels(restored.source).inc()
+        return messages.restored(restored)
+
+    @unary
+    def Status(self, request, context):
+        return messages.daemon_status(
+            self._status.status(messages.job(request.job, optional=True)))
+
+    @unary
+    def ListSnapshots(self, request, context):
+        return pb.ListSnapshotsResponse(snapshots=messages.snapshot_summaries(
+            self._store.jobs(messages.job(request.job, optional=True))))
+
+    @unary
+    def DeleteSnapshots(self, request, context):
+        return pb.DeleteSnapshotsResponse(deleted_steps=self._store.delete(
+            messages.job(request.job), tuple(request.steps)))
+
+    @unary
+    def AppendLog(self, request, context):
+        [(last, copies)] = self._logs.append([messages.log_records(request)])
+        return pb.AppendLogResponse(last_step=last, copies=copies)
+
+    @unary
+    def AppendLogs(self, request, context):
+        answers = self._logs.append([messages.log_records(log) for log in request.logs])
+        return pb.AppendLogsResponse(logs=[pb.AppendLogResponse(last_step=last, copies=copies)
+                                           for last, copies in answers])
+
+    @unary
+    def ReadLog(self, request, context):
+        records, source = self._logs.read(*messages.job_rank(request), request.after_step,
+                                          request.stream, messages.until_step(request))
+        return pb.ReadLogResponse(records=[pb.LogRecord(step=s, payload=p) for s, p in records],
+                                  source=source)
+
+    @streaming
+    def Bubbles(self, event, context):
+        found = self._plans.handle(messages.bubble_event(event))
+        return messages.fetch_plan(found) if found is not None else None

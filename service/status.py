@@ -1,0 +1,61 @@
+"""Status: what each job's snapshots look like, assembled from the parts that know.
+
+The store knows the copies held here; the bubble plans know the plan and
+its profiles; the replicator knows how many copies the group holds; the
+durable tier knows which steps are on disk; restore knows which copies
+failed their checksums. Nothing here changes anything.
+"""
+
+import dataclasses
+
+from bubblesnap.service.bubbles.planner import Plan
+from bubblesnap.service.restore import CorruptCopy
+from bubblesnap.service.store.views import JobView, MemoryView
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStatus:
+    job: JobView
+    plan: Plan | None
+    profiles: dict      # rank -> planner.RankProfile the plan was made from
+    plan_version: int
+    copies: dict[tuple[int, int], int]  # (rank, step) -> copies in the group's memory
+    durable_steps: list[int]
+    replicas: int
+    corrupt_copies: list[CorruptCopy]
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonStatus:
+    jobs: list[JobStatus]
+    memory: MemoryView
+    log_bytes: int
+
+
+class Status:
+    """Answers Status for one job or all of them."""
+
+    def __init__(self, store, plans, logs, restorer, replicator=None, replicas: int = 0):
+        self._store = store
+        self._plans = plans
+        self._logs = logs
+        self._restorer = restorer
+        self._replicator = replicator
+        self._replicas = replicas
+
+    def status(self, job: str = "") -> DaemonStatus:
+        """NotFound when ``job`` is named and not registered here."""
+        return DaemonStatus([self._job(view) for view in self._store.jobs(job)],
+                            self._store.memory(), self._logs.bytes_held())
+
+    def copies(self, job: str) -> dict[tuple[int, int], int]:
+        """(rank, step) -> copies in the group's memory (1 for a lone daemon's own)."""
+        if self._replicator is not None:
+            return self._replicator.copies(job)
+        return {(h.rank, h.step): 1 for h in self._store.holdings(job)}
+
+    def _job(self, view: JobView) -> JobStatus:
+        plan, profiles, version = self._plans.plan_of(view.job)
+        return JobStatus(view, plan, profiles, version, self.copies(view.job),
+                         self._restorer.durable_steps(view.job, view.world_size),
+                         self._replicas, self._restorer.corrupt_copies(view.job))

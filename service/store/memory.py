@@ -1,0 +1,73 @@
+"""The store's shared memory: segments taken from a pool within a budget, pins, release.
+
+Every byte the store holds is a segment: a step's copy, a copy freed while a
+reader outside the lock still pins it (lingering), or a freed segment kept
+warm in the pool. All three count against the budget. Called with the
+store's lock held.
+"""
+
+from bubblesnap.service.errors import ResourceExhausted
+from bubblesnap.service.store.model import CopyState, Rank, RankStep
+from bubblesnap.service.store.segments import Segment, SegmentPool
+
+
+class Memory:
+    """Segments within ``budget_bytes``: acquire, free, pin and unpin them."""
+
+    def __init__(self, shm_dir: str, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.pool = SegmentPool(shm_dir)
+        self._in_use = 0  # bytes of segments handed to copies, lingering ones included
+        self._lingering: list[RankStep] = []  # freed, but a pinned reader still has it
+
+    @property
+    def used_bytes(self) -> int:
+        return self._in_use
+
+    def acquire(self, nbytes: int, what: str) -> Segment:
+        """A segment of ``nbytes`` for ``what`` (a step of a rank, for messages);
+        ResourceExhausted, with everything held kept, when the budget has no room."""
+        over = self._in_use + self.pool.pooled_bytes + nbytes - self.budget_bytes
+        if over > 0 and not self.pool.has(nbytes):
+            self.pool.trim(over)
+            if self._in_use + self.pool.pooled_bytes + nbytes > self.budget_bytes:
+                raise ResourceExhausted(
+                    f"no room for {what}: it needs {nbytes} bytes and the daemon holds "
+                    f"{self._in_use} of its {self.budget_bytes}-byte memory budget. "
+                    "Raise --memory-budget, lower --keep, or delete snapshots; "
+                    "everything already held is kept")
+        segment = self.pool.acquire(nbytes)
+        self._in_use += segment.nbytes
+        return segment
+
+    def free(self, held: Rank, step: int) -> None:
+        """Drops ``held``'s copy of ``step``; a pinned copy lingers until its last unpin."""
+        rank_step = held.steps.pop(step)
+        if rank_step.pins:
+            rank_step.released = True
+            self._lingering.append(rank_step)
+            return
+        self._dispose(rank_step)
+
+    def free_all(self, held: Rank) -> None:
+        for step in list(held.steps):
+            self.free(held, step)
+
+    def unpin(self, rank_step: RankStep) -> None:
+        rank_step.pins -= 1
+        if rank_step.released and rank_step.pins == 0:
+            self._lingering.remove(rank_step)
+            self._dispose(rank_step)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def _dispose(self, rank_step: RankStep) -> None:
+        segment = rank_step.segment
+        self._in_use -= segment.nbytes
+        # A segment someone may still write into (an unfinished copy) or read from
+        # (a restore) is never handed to another step: it is unlinked instead.
+        if segment.handed_out or rank_step.state is CopyState.STAGING:
+            segment.destroy()
+        else:
+            self.pool.release(segment)

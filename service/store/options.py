@@ -1,0 +1,38 @@
+"""What the store may hold and for how long."""
+
+import dataclasses
+
+from bubblesnap.options import require
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """How much the store may hold and for how long (``bubblesnap daemon`` flags in brackets).
+
+    Attributes:
+      memory_budget_bytes: shared memory the store may use, pooled segments
+        included (``--memory-budget``). Default 4 GiB.
+      keep_steps: committed steps kept per job; older ones are freed once a
+        newer step commits (``--keep``). Default 2, so the step before the
+        newest survives while the newest is restored. With peers, a rank also
+        keeps at most ``keep_steps + 2`` uncommitted copies (retention.py).
+      checksum_threads: threads that hash shards in parallel
+        (``--checksum-threads``). Default 2.
+      verify_on_commit: re-hash a commit's bytes even when the client sent
+        checksums (``--verify-on-commit``). Off by default: the client hashes
+        the bytes it wrote into shared memory inside its bubbles, where the
+        core is idle anyway, and every copy is verified again before it is
+        served.
+    """
+
+    memory_budget_bytes: int = 4 << 30
+    keep_steps: int = 2
+    checksum_threads: int = 2
+    verify_on_commit: bool = False
+
+    def __post_init__(self):
+        require(self, "memory_budget_bytes", self.memory_budget_bytes >= 1, "positive",
+                "--memory-budget")
+        require(self, "keep_steps", self.keep_steps >= 1, "at least 1", "--keep")
+        require(self, "checksum_threads", self.checksum_threads >= 1, "at least 1",
+                "--checksum-threads")

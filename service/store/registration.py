@@ -1,0 +1,108 @@
+"""Registration: a rank declares its layout and replica group; who holds whose state.
+
+A data-parallel replica group is a set of ranks with identical state; its
+lowest rank (the copier) copies it, and the others are held through its
+copies. Every member must declare the same group and the same layout.
+Called with the store's lock held.
+"""
+
+from bubblesnap.service.errors import AlreadyExists, FailedPrecondition, NotFound
+from bubblesnap.service.store import layout as layout_lib
+from bubblesnap.service.store.layout import Layout
+from bubblesnap.service.store.model import Job, Rank, describe_difference, lookup
+from bubblesnap.service.store.state import StoreState
+from bubblesnap.service.store.views import Registration
+
+
+def register(state: StoreState, job: str, rank: int, world_size: int, layout: Layout,
+             group: tuple[int, ...]) -> Registration:
+    """Declares one rank's layout and replica group (see RegisterRequest)."""
+    entry = state.jobs.get(job)
+    if entry is not None and entry.world_size != world_size:
+        raise FailedPrecondition(
+            f"job {job!r} is registered with world_size {entry.world_size}, "
+            f"not {world_size}; delete the job's snapshots to start it over")
+    if entry is not None:
+        _check_group_agrees(job, entry, rank, group, layout)
+    else:
+        entry = state.new_job(job, world_size)
+    held = entry.ranks.get(rank)
+    if held is not None and held.replica:
+        # A trainer takes over a rank this daemon held replicas of
+        # (a replacement host): the replicas become its own copies.
+        if held.layout != layout:
+            state.memory.free_all(held)
+            held = entry.ranks[rank] = Rank.of(layout, group)
+        held.replica = False
+        held.group = group
+    if held is not None:
+        if held.layout != layout:
+            raise AlreadyExists(
+                f"rank {rank} of job {job!r} is already registered with a different "
+                f"state layout ({describe_difference(held.layout, layout)}); use a new "
+                "job name or delete this job's snapshots first")
+        # A restarted trainer: keep what is committed, drop its unfinished copies.
+        for step in [s for s, rs in held.steps.items() if not rs.local]:
+            state.memory.free(held, step)
+        return Registration(True, held.latest_local(), layout.segment_bytes)
+    entry.ranks[rank] = Rank.of(layout, group)
+    return Registration(False, -1, layout.segment_bytes)
+
+
+def agreed_group(job: str, entry: Job | None, rank: int,
+                 asked: tuple[int, ...]) -> tuple[int, ...]:
+    """The replica group of ``rank``: as declared here, else ``asked``, else alone."""
+    known = entry.group_of(rank) if entry is not None else None
+    if known and asked and known != asked:
+        raise FailedPrecondition(
+            f"rank {rank} of job {job!r} is asked for with replica group {list(asked)}, but it "
+            f"was registered with {list(known)}; pass the group the trainers register")
+    return known or asked or (rank,)
+
+
+def copier(state: StoreState, job: str, rank: int,
+           asked: tuple[int, ...] = ()) -> tuple[Job, Rank]:
+    """The job and the held rank whose copies serve ``rank`` (itself, or the copier of
+    its replica group, which must have the layout ``rank`` registered here).
+    ``asked``: the caller's replica group (validated), for a rank not registered here."""
+    entry = state.jobs.get(job)
+    if entry is None:
+        raise NotFound(f"no job {job!r} is registered with this daemon; call Register first")
+    group = agreed_group(job, entry, rank, asked)
+    if group[0] == rank:
+        return lookup(state.jobs, job, rank)
+    held = entry.ranks.get(group[0])
+    if held is None:
+        raise NotFound(f"rank {rank} of job {job!r} is held through rank {group[0]}'s copies "
+                       f"(replica group {list(group)}), and this daemon holds no copy of "
+                       f"rank {group[0]}; registered ranks: {sorted(entry.ranks)}")
+    layout_lib.check_held_for(job, rank, group[0], held.group)
+    own = entry.ranks.get(rank)
+    if own is not None and own.layout != held.layout:
+        raise FailedPrecondition(
+            f"rank {rank} of job {job!r} registered a layout that differs from the copy of "
+            f"rank {group[0]} it is held through ({describe_difference(held.layout, own.layout)})"
+            "; replicas hold identical state: check the replica group or the shardings")
+    return entry, held
+
+
+def _check_group_agrees(job: str, entry: Job, rank: int, group: tuple[int, ...],
+                        layout: Layout) -> None:
+    """Ranks registered here that share a replica group with ``rank`` (itself
+    included) declared the same group and, being replicas, the same layout."""
+    for other, held in sorted(entry.ranks.items()):
+        if held.replica or not set(held.group) & set(group):
+            continue
+        if held.group != group:
+            who = "it was" if other == rank else f"rank {other} was"
+            raise FailedPrecondition(
+                f"rank {rank} of job {job!r} declares replica group {list(group)}, but {who} "
+                f"registered with replica group {list(held.group)}; every member of a "
+                "data-parallel group must declare the same ranks. Fix the groups, or delete "
+                "the job's snapshots to change them")
+        if other != rank and held.layout != layout:
+            raise FailedPrecondition(
+                f"rank {rank} of job {job!r} declares rank {other} a replica (group "
+                f"{list(group)}), but their state layouts differ "
+                f"({describe_difference(held.layout, layout)}); replicas hold identical "
+                "state: check the replica group or the shardings")

@@ -1,0 +1,50 @@
+"""What the store's parts share: the jobs, the memory, the options. Used with the lock held."""
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+from bubblesnap.protos.checksum import checksum
+from bubblesnap.service.store import retention
+from bubblesnap.service.store.memory import Memory
+from bubblesnap.service.store.model import Job
+from bubblesnap.service.store.options import StoreOptions
+from bubblesnap.service.store.segments import Segment
+
+
+@dataclasses.dataclass
+class StoreState:
+    """The store's state; every function of store/ that takes it runs under the store's lock.
+
+    ``grouped``: peers decide what is committed (``Job.group_committed``).
+    ``on_retained(job, step)`` hear the oldest committed step retention keeps,
+    each time it runs, with the lock held: they must not call the store.
+    """
+
+    options: StoreOptions
+    memory: Memory
+    grouped: bool
+    hashers: ThreadPoolExecutor
+    jobs: dict[str, Job] = dataclasses.field(default_factory=dict)
+    on_retained: list = dataclasses.field(default_factory=list)
+
+    def new_job(self, name: str, world_size: int) -> Job:
+        entry = self.jobs[name] = Job(world_size,
+                                      group_committed=[] if self.grouped else None)
+        return entry
+
+    def retain(self, name: str, entry: Job) -> None:
+        """Frees what retention lets go of ``entry``'s copies."""
+        committed = entry.committed_steps()
+        keep = self.options.keep_steps
+        for held in entry.ranks.values():
+            for step in retention.steps_to_free(held.steps, committed, keep, self.grouped):
+                self.memory.free(held, step)
+        floor = retention.oldest_kept(committed, keep)
+        if floor >= 0:
+            for listener in self.on_retained:
+                listener(name, floor)
+
+    def hash(self, segment: Segment, slots) -> tuple[int, ...]:
+        """Checksums of ``slots`` of ``segment``, one task per slot."""
+        views = [segment.view[off:off + n] for _, _, off, n in slots]
+        return tuple(self.hashers.map(checksum, views))

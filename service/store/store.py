@@ -1,0 +1,236 @@
+"""The daemon's snapshot store: one lock over jobs, ranks, steps, segments and the budget.
+
+Each public method takes the lock and calls one function of the part that
+owns the decision (registration, staging, reads, arrivals; retention is
+pure). Checksums are computed under the lock too (on a small thread pool,
+one task per shard): it keeps a segment from being recycled while it is
+read, at the cost of other calls waiting for one hash (~20 ms per 256 MB on
+the dev VM). Inputs are validated where the request enters (rpc/); names
+reaching the store are well formed.
+
+Listeners hear what other parts react to: ``on_local(job, rank, step)``
+after a trainer's copy became LOCAL (replication, the durable tier),
+``on_job_deleted(job)`` after a whole job was deleted (plans, logs), both
+outside the lock; ``on_retained(job, step)`` with the oldest committed step
+retention keeps, under the lock (it must not call the store).
+"""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from bubblesnap.service.errors import NotFound
+from bubblesnap.service.store import arrivals, reads, registration, staging
+from bubblesnap.service.store.layout import Layout
+from bubblesnap.service.store.memory import Memory
+from bubblesnap.service.store.model import BubbleUsage, lookup
+from bubblesnap.service.store.options import StoreOptions
+from bubblesnap.service.store.segments import shm_free_bytes
+from bubblesnap.service.store.state import StoreState
+from bubblesnap.service.store.views import (
+    Commit,
+    HeldCopy,
+    JobView,
+    MemoryView,
+    PinnedCopy,
+    Registration,
+    Restorable,
+    Staging,
+    held_copies,
+    job_view,
+)
+
+
+class SnapshotStore:
+    """Holds every job's snapshots in shared memory, within a memory budget."""
+
+    def __init__(self, shm_dir: str, options: StoreOptions = StoreOptions(),
+                 grouped: bool = False):
+        """``grouped``: peers decide which steps are committed (the replicator tells)."""
+        self.options = options
+        self.shm_dir = shm_dir
+        self._state = StoreState(options, Memory(shm_dir, options.memory_budget_bytes), grouped,
+                                 ThreadPoolExecutor(options.checksum_threads,
+                                                    thread_name_prefix="checksum"))
+        self._on_local: list = []
+        self._on_job_deleted: list = []
+        self._lock = threading.Lock()
+
+    def listen(self, on_local=None, on_job_deleted=None, on_retained=None) -> None:
+        """Adds listeners (see the module docstring)."""
+        for listeners, listener in ((self._on_local, on_local),
+                                    (self._on_job_deleted, on_job_deleted),
+                                    (self._state.on_retained, on_retained)):
+            if listener is not None:
+                listeners.append(listener)
+
+    # -- a trainer's copies ---------------------------------------------------
+
+    def register(self, job: str, rank: int, world_size: int, layout: Layout,
+                 group: tuple[int, ...]) -> Registration:
+        with self._lock:
+            return registration.register(self._state, job, rank, world_size, layout, group)
+
+    def begin_step(self, job: str, rank: int, step: int) -> Staging:
+        with self._lock:
+            return staging.begin(self._state, job, rank, step)
+
+    def commit_step(self, job: str, rank: int, step: int, checksums=(),
+                    usage: BubbleUsage = BubbleUsage(), next_step: int | None = None) -> Commit:
+        with self._lock:
+            commit = staging.commit(self._state, job, rank, step, checksums, usage, next_step)
+        if commit.newly_local:
+            for listener in self._on_local:
+                listener(job, rank, step)
+        return commit
+
+    def abort_step(self, job: str, rank: int, step: int) -> None:
+        with self._lock:
+            staging.abort(self._state, job, rank, step)
+
+    def serve(self, job: str, rank: int, step: int, asked_group=()) -> Restorable:
+        """Verifies this daemon's copy of ``step`` and hands it to a trainer (reads.serve)."""
+        with self._lock:
+            return reads.serve(self._state, job, rank, step, asked_group)
+
+    # -- copies for and from peers and the durable tier ------------------------
+
+    def copier_of(self, job: str, rank: int, asked_group=()) -> tuple[int, tuple[int, ...]]:
+        """The rank whose copies hold ``rank``'s state, and its replica group, as
+        registrations here declare it or else as the caller does (``asked_group``)."""
+        with self._lock:
+            group = registration.agreed_group(job, self._state.jobs.get(job), rank,
+                                              asked_group)
+        return group[0], group
+
+    def holdings(self, job: str = "") -> list[HeldCopy]:
+        """Every LOCAL copy held, of one job or all."""
+        with self._lock:
+            return [copy for name, entry in sorted(self._state.jobs.items())
+                    if not job or name == job for copy in held_copies(name, entry)]
+
+    def pin(self, job: str, rank: int, step: int) -> PinnedCopy:
+        with self._lock:
+            return reads.pin(self._state, job, rank, step)
+
+    def unpin(self, pinned: PinnedCopy) -> None:
+        with self._lock:
+            self._state.memory.unpin(pinned._held)
+
+    def install(self, job: str, world_size: int, rank: int, step: int, layout: Layout,
+                checksums, fill, for_restore: bool = False, group=()) -> int:
+        """Stores a copy that arrives from elsewhere (arrivals.py); returns the bytes stored.
+
+        ``fill(view, slots)`` writes the segment's bytes, outside the lock,
+        and may return the checksums of the (offset, nbytes) ``slots`` it
+        computed on the way (else the store hashes them). DataLoss, and
+        nothing kept, when they do not match ``checksums``.
+        """
+        checksums = tuple(checksums)
+        with self._lock:
+            arrival = arrivals.reserve(self._state, job, world_size, rank, step, layout,
+                                       checksums, tuple(group) or (rank,))
+        if arrival is None:
+            return 0
+        slots = layout.slots()
+        try:
+            computed = fill(arrival.rank_step.segment.view, [(o, n) for _, _, o, n in slots]) \
+                or self._state.hash(arrival.rank_step.segment, slots)
+        except BaseException:
+            with self._lock:
+                arrivals.abandon(self._state, arrival)
+            raise
+        with self._lock:
+            return arrivals.land(self._state, arrival, computed, for_restore)
+
+    def rollback(self, job: str, step: int) -> int:
+        with self._lock:
+            return arrivals.rollback(self._state, job, step)
+
+    def mark_replicated(self, job: str, rank: int, step: int) -> None:
+        """A peer acknowledged its copy: retention keeps the step until the group commits."""
+        with self._lock:
+            entry = self._state.jobs.get(job)
+            held = entry.ranks.get(rank) if entry else None
+            rank_step = held.steps.get(step) if held else None
+            if rank_step is not None:
+                rank_step.replicated = True
+
+    def set_group_committed(self, job: str, steps) -> None:
+        """The peer group's committed steps of ``job``; frees what retention lets go."""
+        with self._lock:
+            entry = self._state.jobs.get(job)
+            if entry is not None:
+                entry.group_committed = sorted(steps)
+                self._state.retain(job, entry)
+
+    # -- listing and deleting -------------------------------------------------
+
+    def delete(self, job: str, steps=()) -> int:
+        """Deletes the given steps of ``job``; no steps: the whole job. Returns steps deleted."""
+        with self._lock:
+            deleted = self._delete(job, set(steps))
+        if not steps:
+            for listener in self._on_job_deleted:
+                listener(job)
+        return deleted
+
+    def _delete(self, job: str, steps: set[int]) -> int:
+        entry = self._state.jobs.get(job)
+        if entry is None:
+            raise NotFound(f"no job {job!r} is registered with this daemon")
+        held_steps = {s for r in entry.ranks.values() for s in r.steps}
+        if not steps:
+            for held in entry.ranks.values():
+                self._state.memory.free_all(held)
+            del self._state.jobs[job]
+            return len(held_steps)
+        missing = sorted(steps - held_steps)
+        if missing:
+            raise NotFound(f"job {job!r} holds no step {missing}; held: {sorted(held_steps)}")
+        for held in entry.ranks.values():
+            for step in steps & set(held.steps):
+                self._state.memory.free(held, step)
+        return len(steps)
+
+    def world_size(self, job: str) -> int:
+        with self._lock:
+            entry = self._state.jobs.get(job)
+            if entry is None:
+                raise NotFound(f"no job {job!r} is registered with this daemon; "
+                               "call Register first")
+            return entry.world_size
+
+    def layout_of(self, job: str, rank: int) -> Layout:
+        with self._lock:
+            return lookup(self._state.jobs, job, rank)[1].layout
+
+    def slot_bytes(self, job: str, rank: int) -> tuple[tuple[int, int, int], ...]:
+        """(tensor, shard, nbytes) of each slot of a registered rank, in slot order."""
+        with self._lock:
+            _, held = lookup(self._state.jobs, job, rank)
+            return tuple((t, s, n) for t, s, _, n in held.slots)
+
+    def job_names(self) -> list[str]:
+        """Every job registered or held here, sorted."""
+        with self._lock:
+            return sorted(self._state.jobs)
+
+    def jobs(self, job: str = "") -> list[JobView]:
+        with self._lock:
+            if job and job not in self._state.jobs:
+                raise NotFound(f"no job {job!r} is registered with this daemon")
+            names = [job] if job else sorted(self._state.jobs)
+            return [job_view(name, self._state.jobs[name]) for name in names]
+
+    def memory(self) -> MemoryView:
+        with self._lock:
+            memory = self._state.memory
+            used, pooled = memory.used_bytes, memory.pool.pooled_bytes
+        return MemoryView(memory.budget_bytes, used, pooled, memory.pool.directory,
+                          shm_free_bytes(self.shm_dir))
+
+    def close(self) -> None:
+        with self._lock:
+            self._state.jobs.clear()
+            self._state.memory.close()
+        self._state.hashers.shutdown(wait=False)

@@ -1,0 +1,152 @@
+"""What the store answers: immutable views of its state, safe to use outside its lock."""
+
+import dataclasses
+
+from bubblesnap.service.store.layout import Layout
+from bubblesnap.service.store.model import BubbleUsage, CopyState, Job, Rank, RankStep
+from bubblesnap.service.store.segments import Segment
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    reattached: bool
+    latest_local_step: int
+    step_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Staging:
+    """Where a step's shards go: the segment file and one slot per shard."""
+
+    segment_path: str
+    segment_bytes: int
+    slots: tuple[tuple[int, int, int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    job_committed: bool
+    latest_committed_step: int
+    next: Staging | None = None  # the next step, begun as the commit asked
+    newly_local: bool = False    # this call made the copy LOCAL (not a repeated commit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restorable:
+    """A verified copy handed over to a trainer."""
+
+    step: int
+    segment_path: str
+    slots: tuple[tuple[int, int, int, int], ...]
+    checksums: tuple[int, ...]
+    layout: Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardView:
+    tensor: str
+    shard: int
+    nbytes: int
+    checksum: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStepView:
+    rank: int
+    state: CopyState
+    nbytes: int
+    shards: tuple[ShardView, ...]
+    usage: BubbleUsage
+    replica: bool
+    held_for: tuple[int, ...] = ()  # the rest of its replica group, held through this copy
+
+
+@dataclasses.dataclass(frozen=True)
+class StepView:
+    step: int
+    committed: bool
+    ranks: tuple[RankStepView, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    job: str
+    world_size: int
+    registered_ranks: tuple[int, ...]
+    latest_committed_step: int
+    steps: tuple[StepView, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldCopy:
+    """A committed (LOCAL) copy this daemon holds, as peers see it."""
+
+    job: str
+    rank: int
+    step: int
+    replica: bool
+    world_size: int
+    group: tuple[int, ...] = ()  # the ranks this copy holds (its replica group)
+
+
+@dataclasses.dataclass(frozen=True)
+class PinnedCopy:
+    """A LOCAL copy that stays intact (not recycled) until ``SnapshotStore.unpin``."""
+
+    job: str
+    rank: int
+    step: int
+    world_size: int
+    segment: Segment
+    layout: Layout
+    slots: tuple[tuple[int, int, int, int], ...]
+    checksums: tuple[int, ...]
+    group: tuple[int, ...] = ()
+    _held: RankStep | None = dataclasses.field(repr=False, compare=False, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryView:
+    budget_bytes: int
+    used_bytes: int
+    pooled_bytes: int
+    shm_dir: str
+    shm_free_bytes: int
+
+
+def staging_of(held: Rank, rank_step: RankStep) -> Staging:
+    return Staging(rank_step.segment.path, rank_step.segment.nbytes, tuple(held.slots))
+
+
+def job_view(name: str, entry: Job) -> JobView:
+    committed = set(entry.committed_steps())
+    steps = sorted({s for r in entry.ranks.values() for s in r.steps})
+    views = []
+    for step in steps:
+        ranks = []
+        for rank, held in sorted(entry.ranks.items()):
+            rank_step = held.steps.get(step)
+            if rank_step is None:
+                continue
+            shards = tuple(
+                ShardView(held.layout.tensors[t].name, s, n,
+                          rank_step.checksums[i] if rank_step.checksums else 0)
+                for i, (t, s, _, n) in enumerate(held.slots))
+            ranks.append(RankStepView(rank, rank_step.state, held.layout.nbytes, shards,
+                                      rank_step.usage, held.replica,
+                                      tuple(m for m in held.group if m != rank)))
+        views.append(StepView(step, step in committed, tuple(ranks)))
+    return JobView(name, entry.world_size, tuple(sorted(entry.ranks)),
+                   max(committed, default=-1), tuple(views))
+
+
+def held_copies(name: str, entry: Job) -> list[HeldCopy]:
+    return [HeldCopy(name, rank, step, held.replica, entry.world_size, held.group)
+            for rank, held in sorted(entry.ranks.items())
+            for step, rank_step in sorted(held.steps.items()) if rank_step.local]
+
+
+def pinned(name: str, entry: Job, rank: int, held: Rank, step: int,
+           rank_step: RankStep) -> PinnedCopy:
+    return PinnedCopy(name, rank, step, entry.world_size, rank_step.segment, held.layout,
+                      tuple(held.slots), rank_step.checksums, held.group, rank_step)
