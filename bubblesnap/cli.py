@@ -29,8 +29,9 @@ def _human(nbytes: int) -> str:
 
 
 def _daemon_parser(sub):
-    from bubblesnap.service import DaemonOptions, PlannerOptions, StoreOptions
-    d, s = DaemonOptions(), StoreOptions()
+    from bubblesnap.service import DaemonOptions
+    d = DaemonOptions()
+    s, planner, peer, durable_d = d.store, d.bubbles.planner, d.peers, d.durable
     p = sub.add_parser(
         "daemon", help="run the per-host snapshot daemon",
         description="Run the per-host bubblesnap daemon. It holds training snapshots in shared "
@@ -65,15 +66,15 @@ def _daemon_parser(sub):
                    f"{_human(d.max_message_bytes)})")
     p.add_argument("--checksum-threads", type=int, default=s.checksum_threads, metavar="N",
                    help=f"threads hashing shards (default {s.checksum_threads})")
-    p.add_argument("--max-interval", type=int, default=PlannerOptions().max_interval,
+    p.add_argument("--max-interval", type=int, default=planner.max_interval,
                    metavar="N", help="longest snapshot interval the bubble planner may choose; "
                    "what does not fit into N iterations' bubbles is copied at the end of the "
                    "interval while training waits. 1: a snapshot every iteration "
-                   f"(default {PlannerOptions().max_interval})")
-    p.add_argument("--nice", type=int, default=10, metavar="N",
-                   help="raise the daemon's niceness by N so training processes win every "
-                        "contended core and the daemon runs in their idle time (default 10; "
-                        "0 keeps the inherited priority)")
+                   f"(default {planner.max_interval})")
+    p.add_argument("--nice", type=int, default=d.nice, metavar="N",
+                   help="raise the daemon's niceness by N (0..19) so training processes win "
+                        "every contended core and the daemon runs in their idle time (default "
+                        f"{d.nice}; 0 keeps the inherited priority)")
     p.add_argument("--verify-on-commit", action="store_true",
                    help="re-hash committed bytes even when the client sent checksums (by default "
                         "client checksums are trusted at commit and every copy is verified "
@@ -87,14 +88,14 @@ def _daemon_parser(sub):
                        help="peer addresses of all daemons in ring order, this one's included")
     peers.add_argument("--peers-file", default="", metavar="FILE",
                        help="the same, one address per line ('#' starts a comment)")
-    peers.add_argument("--index", type=int, default=0, metavar="N",
-                       help="this daemon's position in the peer list (default 0)")
-    peers.add_argument("--replicas", type=int, default=1, metavar="K",
+    peers.add_argument("--index", type=int, default=peer.index, metavar="N",
+                       help=f"this daemon's position in the peer list (default {peer.index})")
+    peers.add_argument("--replicas", type=int, default=peer.replicas, metavar="K",
                        help="copies pushed to the next K daemons; a step is committed when "
-                            "every rank has 1+K copies (default 1)")
-    peers.add_argument("--peer-listen", default="", metavar="HOST:PORT",
+                            f"every rank has 1+K copies (default {peer.replicas})")
+    peers.add_argument("--peer-listen", default=peer.listen, metavar="HOST:PORT",
                        help="bind the peer port here instead of at this daemon's --peers entry")
-    peers.add_argument("--data-listen", default="", metavar="HOST:PORT",
+    peers.add_argument("--data-listen", default=peer.data_listen, metavar="HOST:PORT",
                        help="bulk data channel (default: the peer host, a free port)")
     peers.add_argument("--peer-token-file", default="", metavar="FILE",
                        help="file holding the shared token every peer call must carry; calls "
@@ -111,14 +112,16 @@ def _daemon_parser(sub):
         "durable tier", "Write some committed steps as standard Orbax checkpoints (loadable "
         "with orbax.checkpoint.StandardCheckpointer().restore(path), no daemon needed), in "
         "the background; the last resort of a restore.")
-    durable.add_argument("--durable-dir", default="", metavar="DIR",
+    durable.add_argument("--durable-dir", default=durable_d.directory, metavar="DIR",
                          help="where to write (shared storage every host sees); empty: off")
-    durable.add_argument("--durable-every-steps", type=int, default=0, metavar="N",
+    durable.add_argument("--durable-every-steps", type=int, default=durable_d.every_steps,
+                         metavar="N",
                          help="write steps that are multiples of N (all hosts pick the same)")
-    durable.add_argument("--durable-every-seconds", type=float, default=0.0, metavar="T",
+    durable.add_argument("--durable-every-seconds", type=float,
+                         default=durable_d.every_seconds, metavar="T",
                          help="also write the next committed step once T seconds passed")
-    durable.add_argument("--durable-keep", type=int, default=2, metavar="N",
-                         help="durable steps kept per rank (default 2)")
+    durable.add_argument("--durable-keep", type=int, default=durable_d.keep, metavar="N",
+                         help=f"durable steps kept per rank (default {durable_d.keep})")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run_daemon)
 
@@ -140,14 +143,11 @@ def _peer_options(args):
                        (args.peer_tls_key, "--peer-tls-key"), (args.peer_tls_ca, "--peer-tls-ca")):
         if path:
             _read_text(path, flag)
-    try:
-        security = PeerSecurity(token, args.peer_tls_cert, args.peer_tls_key, args.peer_tls_ca,
-                                args.peer_tls_client_auth)
-        return PeerOptions(peers=tuple(addresses), index=args.index, listen=args.peer_listen,
-                           data_listen=args.data_listen, replicas=args.replicas,
-                           security=security)
-    except ValueError as err:
-        raise SystemExit(str(err)) from err
+    security = PeerSecurity(token=token, tls_cert=args.peer_tls_cert, tls_key=args.peer_tls_key,
+                            tls_ca=args.peer_tls_ca,
+                            require_client_cert=args.peer_tls_client_auth)
+    return PeerOptions(peers=tuple(addresses), index=args.index, listen=args.peer_listen,
+                       data_listen=args.data_listen, replicas=args.replicas, security=security)
 
 
 def _read_text(path: str, flag: str) -> str:
@@ -158,60 +158,54 @@ def _read_text(path: str, flag: str) -> str:
         raise SystemExit(f"{flag} {path}: {err.strerror}") from err
 
 
-def _durable_options(args):
-    from bubblesnap.service import DurableOptions
-    try:
-        return DurableOptions(args.durable_dir, args.durable_every_steps,
-                              args.durable_every_seconds, args.durable_keep)
-    except ValueError as err:
-        raise SystemExit(str(err)) from err
-
-
-def _run_daemon(args) -> int:
+def daemon_options(args):
+    """The DaemonOptions the parsed ``daemon`` flags ask for; ValueError if they are bad."""
     from bubblesnap.service import (
         BubbleOptions,
         DaemonOptions,
+        DurableOptions,
         LogOptions,
         PlannerOptions,
         StoreOptions,
-        run,
     )
-    from bubblesnap.service.training_log import MIN_BUDGET
-    if args.keep < 1:
-        raise SystemExit("--keep must be at least 1")
-    if args.max_interval < 1:
-        raise SystemExit("--max-interval must be at least 1")
-    for flag, value in (("--training-log-budget", args.training_log_budget),
-                        ("--boundary-log-budget", args.boundary_log_budget)):
-        if value < MIN_BUDGET:
-            raise SystemExit(f"{flag} must be at least {_human(MIN_BUDGET)}")
-    if not 0 <= args.nice <= 19:
-        raise SystemExit("--nice must be between 0 and 19")
-    if args.nice:
-        os.nice(args.nice)
+    return DaemonOptions(
+        listen=args.listen, metrics=args.metrics, shm_dir=args.shm_dir, nice=args.nice,
+        store=StoreOptions(memory_budget_bytes=args.memory_budget, keep_steps=args.keep,
+                           checksum_threads=args.checksum_threads,
+                           verify_on_commit=args.verify_on_commit),
+        bubbles=BubbleOptions(planner=PlannerOptions(max_interval=args.max_interval)),
+        max_message_bytes=args.max_message,
+        logs=LogOptions(max_rank_bytes=args.training_log_budget,
+                        max_boundary_rank_bytes=args.boundary_log_budget),
+        peers=_peer_options(args),
+        durable=DurableOptions(directory=args.durable_dir, every_steps=args.durable_every_steps,
+                               every_seconds=args.durable_every_seconds,
+                               keep=args.durable_keep))
+
+
+def _run_daemon(args) -> int:
+    from bubblesnap.service import DaemonStartError, run
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    store = StoreOptions(memory_budget_bytes=args.memory_budget, keep_steps=args.keep,
-                         checksum_threads=max(1, args.checksum_threads),
-                         verify_on_commit=args.verify_on_commit)
-    bubbles = BubbleOptions(planner=PlannerOptions(max_interval=args.max_interval))
-    return run(DaemonOptions(listen=args.listen, metrics=args.metrics, shm_dir=args.shm_dir,
-                             store=store, bubbles=bubbles, max_message_bytes=args.max_message,
-                             logs=LogOptions(max_rank_bytes=args.training_log_budget,
-                                             max_boundary_rank_bytes=args.boundary_log_budget),
-                             peers=_peer_options(args), durable=_durable_options(args)))
+    try:
+        return run(daemon_options(args))
+    except (ValueError, DaemonStartError) as err:
+        raise SystemExit(f"bubblesnap daemon: {err}") from None
 
 
 def _status_parser(sub):
+    from bubblesnap.clients import ClientOptions
+    c = ClientOptions()
     p = sub.add_parser(
         "status", help="show what a daemon holds",
         description="Show the snapshots a daemon holds: per job, step and rank, whether the "
                     "step is committed (every rank holds it) and how much memory it uses.")
-    p.add_argument("--daemon", default="127.0.0.1:7070", metavar="HOST:PORT",
-                   help="daemon address (default 127.0.0.1:7070)")
+    p.add_argument("--daemon", default=c.daemon, metavar="HOST:PORT",
+                   help=f"daemon address (default {c.daemon})")
     p.add_argument("--job", default="", help="only this job")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.add_argument("--timeout", type=float, default=c.rpc_timeout_seconds,
+                   help=f"seconds to wait (default {c.rpc_timeout_seconds:g})")
     p.set_defaults(func=_run_status)
 
 
@@ -282,12 +276,17 @@ def format_status(status) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    """The ``bubblesnap`` command line: ``daemon`` and ``status``."""
+    top = argparse.ArgumentParser(
         prog="bubblesnap",
         description="Snapshots of JAX training state in pipeline bubbles, held in host memory.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = top.add_subparsers(dest="command", required=True)
     _daemon_parser(sub)
     _status_parser(sub)
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     return args.func(args)

@@ -1,0 +1,57 @@
+"""Options: frozen, keyword-only, validated with messages that name the option; the CLI's
+defaults are theirs."""
+
+import dataclasses
+
+import pytest
+
+from bubblesnap import cli
+from bubblesnap.service import (
+    BubbleOptions,
+    DaemonOptions,
+    DurableOptions,
+    LogOptions,
+    PeerOptions,
+    PeerSecurity,
+    PlannerOptions,
+    StoreOptions,
+)
+
+ALL = [BubbleOptions, DaemonOptions, DurableOptions, LogOptions, PeerOptions, PeerSecurity,
+       PlannerOptions, StoreOptions]
+
+
+@pytest.mark.parametrize("options", ALL)
+def test_options_are_frozen_and_keyword_only(options):
+    default = options()
+    first = dataclasses.fields(options)[0]
+    with pytest.raises(TypeError):
+        options(getattr(default, first.name))  # positional
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(default, first.name, getattr(default, first.name))
+
+
+@pytest.mark.parametrize("options, kwargs, words", [
+    (StoreOptions, dict(keep_steps=0), "StoreOptions.keep_steps: --keep"),
+    (StoreOptions, dict(checksum_threads=0), "StoreOptions.checksum_threads"),
+    (StoreOptions, dict(memory_budget_bytes=0), "StoreOptions.memory_budget_bytes"),
+    (PlannerOptions, dict(safety=1.5), "PlannerOptions.safety"),
+    (PlannerOptions, dict(max_interval=0), "PlannerOptions.max_interval: --max-interval"),
+    (BubbleOptions, dict(smoothing=0.0), "BubbleOptions.smoothing"),
+    (BubbleOptions, dict(replan_change=-1.0), "BubbleOptions.replan_change"),
+    (PeerOptions, dict(peers=("a:1", "b:2"), index=2), "PeerOptions.index: --index"),
+    (PeerOptions, dict(peers=("a:1", "b:2"), replicas=2), "PeerOptions.replicas"),
+    (PeerOptions, dict(refresh_seconds=0.0), "PeerOptions.refresh_seconds"),
+    (PeerSecurity, dict(tls_cert="c.pem"), "--peer-tls-key"),
+    (LogOptions, dict(max_rank_bytes=10), "LogOptions.max_rank_bytes: --training-log-budget"),
+    (DaemonOptions, dict(nice=20), "DaemonOptions.nice: --nice"),
+    (DaemonOptions, dict(rpc_threads=0), "DaemonOptions.rpc_threads"),
+])
+def test_bad_options_are_refused_naming_the_option(options, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        options(**kwargs)
+
+
+def test_the_daemon_flags_default_to_the_options_defaults():
+    args = cli.parser().parse_args(["daemon"])
+    assert cli.daemon_options(args) == DaemonOptions()

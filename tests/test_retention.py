@@ -1,0 +1,60 @@
+"""Retention and durable-tier policies are pure: tested on crafted holdings, no daemon."""
+
+import pytest
+
+from bubblesnap.service.durable.policy import (
+    DurableOptions,
+    is_whole,
+    should_write,
+    steps_to_retire,
+)
+from bubblesnap.service.store.retention import HeldStep, beyond_cap, oldest_kept, steps_to_free
+
+LOCAL, STAGING, REPLICATED = HeldStep(True), HeldStep(False), HeldStep(True, replicated=True)
+
+
+def test_committed_steps_below_the_kept_ones_go_unfinished_copies_too():
+    steps = {1: LOCAL, 2: LOCAL, 3: STAGING, 4: LOCAL, 5: STAGING}
+    assert oldest_kept([1, 2, 4], 2) == 2
+    assert steps_to_free(steps, [1, 2, 4], keep_steps=2, capped=False) == {1}
+    assert steps_to_free(steps, [1, 2, 4], keep_steps=1, capped=False) == {1, 2, 3}
+    assert steps_to_free(steps, [], keep_steps=1, capped=False) == set()
+    assert oldest_kept([], 2) == -1
+
+
+def test_a_group_that_commits_nothing_cannot_grow_a_ranks_memory():
+    steps = {s: LOCAL for s in range(10)}
+    # keep_steps + 2 newest LOCAL copies stay when nothing is committed
+    assert beyond_cap(steps, 2) == set(range(6))
+    assert steps_to_free(steps, [], keep_steps=2, capped=True) == set(range(6))
+    # the newest replicated ones stay too: they may still be committed
+    steps.update({1: REPLICATED, 3: REPLICATED})
+    assert beyond_cap(steps, 2) == {0, 2, 4, 5}
+    # and the group's kept committed steps are never capped away
+    assert steps_to_free(steps, [0, 2], keep_steps=2, capped=True) == {4, 5}
+
+
+def test_unfinished_copies_are_not_capped():
+    steps = {s: STAGING for s in range(10)}
+    assert beyond_cap(steps, 1) == set()
+
+
+def test_durable_writes_common_steps_and_keeps_whole_ones():
+    options = DurableOptions(directory="/x", every_steps=4, every_seconds=10.0)
+    assert should_write(8, 0.0, options) and not should_write(9, 0.0, options)
+    assert should_write(9, 10.0, options)
+    # a replica group is written once, by its copier
+    assert is_whole(3, {0: (0, 1), 2: ()})
+    assert not is_whole(3, {0: (0,), 2: ()})
+    assert steps_to_retire([0, 2, 4, 6], whole_steps=[2, 6], keep=2) == [0]
+    assert steps_to_retire([0, 2], whole_steps=[], keep=1) == []
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(every_steps=-1), "DurableOptions.every_steps: --durable-every-steps must be >= 0"),
+    (dict(keep=0), "DurableOptions.keep: --durable-keep must be at least 1"),
+    (dict(directory="/x"), "DurableOptions.directory: --durable-dir must be given with"),
+])
+def test_durable_options_name_the_option(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        DurableOptions(**kwargs)
