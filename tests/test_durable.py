@@ -51,10 +51,11 @@ def test_persisted_step_loads_with_plain_orbax_and_through_a_new_daemon(start_da
         assert client.snapshot(step, state_at(step, ROWS), wait=True).taken
     client.close()
     deadline = time.monotonic() + 60
-    while durable_steps(daemon, "dur") != [4]:
+    # --durable-keep 1 removes 0 and 2 (the sidecar first, then the files, so the wait
+    # covers both)
+    while durable_steps(daemon, "dur") != [4] or os.listdir(durable / "dur") != ["step_4"]:
         assert time.monotonic() < deadline, durable_steps(daemon, "dur")
         time.sleep(0.2)
-    assert os.listdir(durable / "dur") == ["step_4"]  # --durable-keep 1 removed 0 and 2
 
     # No daemon involved: Orbax alone, into another sharding on other devices.
     path = durable / "dur" / "step_4" / "rank_0"
