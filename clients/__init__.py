@@ -1,14 +1,23 @@
 """Libraries used inside training to talk to the local bubblesnap daemon.
 
 ``bubblesnap.clients.jax`` snapshots and restores JAX pytrees;
-:class:`NumpyClient` does the same for plain numpy arrays.
+:class:`NumpyClient` does the same for plain numpy arrays. Both are a
+:class:`DaemonClient` (the training log, waiting, status, closing), built on
+a :class:`Session` (the calls to the daemon, with deadlines and back-off),
+and take :class:`ClientOptions`; snapshots answer a :class:`SnapshotResult`,
+failures raise :class:`RestoreError` or :class:`LogError`.
+
 :func:`plan_log_groups` chooses which pipeline boundaries to log under a
-budget (Swift's selective logging) for stage-local replay.
+budget (Swift's selective logging, :class:`LogPlan`; :func:`trade_off`
+lists every choice) for stage-local replay.
 """
 
-from bubblesnap.clients._session import ClientOptions, LogError, RestoreError, SnapshotResult
+from bubblesnap.clients.daemon_client import DaemonClient
 from bubblesnap.clients.log_groups import LogPlan, plan_log_groups, trade_off
 from bubblesnap.clients.numpy_client import NumpyClient
+from bubblesnap.clients.options import ClientOptions
+from bubblesnap.clients.results import LogError, RestoreError, SnapshotResult
+from bubblesnap.clients.session import Session
 
-__all__ = ["ClientOptions", "LogError", "LogPlan", "NumpyClient", "RestoreError",
-           "SnapshotResult", "plan_log_groups", "trade_off"]
+__all__ = ["ClientOptions", "DaemonClient", "LogError", "LogPlan", "NumpyClient", "RestoreError",
+           "Session", "SnapshotResult", "plan_log_groups", "trade_off"]

@@ -8,7 +8,6 @@ of optimizer updates for data-parallel survivors (:func:`undo_sgd_momentum`,
 :class:`LogError`.
 """
 
-from bubblesnap.clients._session import ClientOptions, LogError, RestoreError, SnapshotResult
 from bubblesnap.clients.jax.bubbles import BubbleSnapshotOptions, BubbleSnapshotter
 from bubblesnap.clients.jax.client import Restored, SnapshotClient
 from bubblesnap.clients.jax.inverse_updates import (
@@ -17,6 +16,8 @@ from bubblesnap.clients.jax.inverse_updates import (
     undo_adamw,
     undo_sgd_momentum,
 )
+from bubblesnap.clients.options import ClientOptions
+from bubblesnap.clients.results import LogError, RestoreError, SnapshotResult
 
 __all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "ClientOptions", "LogError",
            "RestoreError", "Restored", "SnapshotClient", "SnapshotResult", "UndoCheck",
