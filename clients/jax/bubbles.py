@@ -39,29 +39,44 @@ import grpc
 import numpy as np
 
 from bubblesnap.clients.jax import _layout, _transfer
+from bubblesnap.clients.options import check_option, is_number
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos.checksum import copy_hashing, new_hasher
 
 log = logging.getLogger("bubblesnap.client")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BubbleSnapshotOptions:
     """How a stage uses its bubbles.
 
     Attributes:
       warmup_iterations: iterations not reported at all (JIT compilation makes
-        their bubbles meaningless). Default 2.
+        their bubbles meaningless), >= 0. Default 2.
       eager: ignore bubbles and copy the whole state right after the step
         (CheckFreq-style); the baseline bubbles are measured against.
         Default False.
       min_report_seconds: waits shorter than this, at positions that have
-        never waited longer, are not reported. Default 1 ms.
+        never waited longer, are not reported, >= 0. Default 1 ms.
+      smoothing: the weight of the newest wait in each position's moving
+        average (which decides whether a short wait is reported), in (0, 1];
+        1 keeps only the newest. Default 0.3.
     """
 
     warmup_iterations: int = 2
     eager: bool = False
     min_report_seconds: float = 1e-3
+    smoothing: float = 0.3
+
+    def __post_init__(self):
+        check_option(self, "warmup_iterations", isinstance(self.warmup_iterations, int)
+                     and not isinstance(self.warmup_iterations, bool)
+                     and self.warmup_iterations >= 0, "a whole number >= 0")
+        check_option(self, "eager", isinstance(self.eager, bool), "True or False")
+        check_option(self, "min_report_seconds",
+                     is_number(self.min_report_seconds) and self.min_report_seconds >= 0, ">= 0")
+        check_option(self, "smoothing",
+                     is_number(self.smoothing) and 0 < self.smoothing <= 1, "in (0, 1]")
 
 
 @dataclasses.dataclass
@@ -410,6 +425,7 @@ class BubbleSnapshotter:
         known = self._lengths.get(position, 0.0)
         if measured < floor and known < floor:
             return
-        self._lengths[position] = 0.7 * known + 0.3 * measured if known else measured
+        weight = self.options.smoothing
+        self._lengths[position] = (1 - weight) * known + weight * measured if known else measured
         self._reports.append(pb.BubbleReport(position=position, measured_seconds=measured,
                                              copied_bytes=copied, copy_seconds=seconds))
