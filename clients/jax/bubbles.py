@@ -93,8 +93,9 @@ class BubbleSnapshotter:
     """Snapshots one stage's state in its pipeline bubbles through the local daemon.
 
     ``client`` is the stage's ``SnapshotClient`` (any DaemonClient: only its
-    :attr:`~bubblesnap.clients.DaemonClient.session` is used). None of the
-    hooks raises for daemon trouble.
+    :attr:`~bubblesnap.clients.DaemonClient.session` is used). The hooks are
+    :class:`~bubblesnap.clients.PipelineHooks`; none of them raises for daemon
+    trouble.
     """
 
     def __init__(self, client, stage: int,

@@ -9,5 +9,6 @@ coordinator.py     decides who replays what after a stage fails; runs beside the
 boundary_log.py    the tensors sent across logged boundaries, in the senders' daemons
 data_loader.py     a shuffling loader whose position is logged and replayed
 stage.py      one stage's loop: compute, wait (bubbles), snapshot hooks, timing
+snapshot_modes.py  the ways a stage checkpoints, as pipeline hooks, to interleave them
 timeline.py   the picture: one lane per stage, compute, bubbles, snapshot chunks
 """
