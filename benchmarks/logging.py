@@ -52,9 +52,8 @@ def run(args, daemon: str) -> dict:
     import numpy as np
     from lossless import MICROBATCHES
 
-    from bubblesnap.clients import LoggedSteps, NoSnapshots
+    from bubblesnap.clients import BoundaryLog, LoggedSteps, NoSnapshots
     from bubblesnap.clients.jax import ClientOptions, SnapshotClient
-    from pipeline.boundary_log import BoundaryLog
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
@@ -65,8 +64,8 @@ def run(args, daemon: str) -> dict:
     loader = DataLoader(config, MICROBATCHES)
     options = ClientOptions(daemon=daemon)
     clients = [SnapshotClient("logging-bench", s, STAGES, options) for s in range(STAGES)]
-    boundary_logs = [BoundaryLog(clients[s], "logging-bench", STAGES, range(STAGES - 1),
-                                 lambda stage: options) for s in range(STAGES)]
+    boundary_logs = [BoundaryLog(clients[s], range(STAGES - 1), lambda stage: options)
+                     for s in range(STAGES)]
     record_bytes = []
     current = [""] * STAGES  # each stage's mode in the iteration it runs
 

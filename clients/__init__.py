@@ -11,11 +11,13 @@ Pipelines: :class:`PipelineHooks` is what a pipeline runtime calls each
 iteration (``BubbleSnapshotter`` in ``bubblesnap.clients.jax`` implements
 it, :class:`NoSnapshots` does nothing); :class:`LoggedSteps` wraps hooks so
 each step's log records are sent as it begins and held before it ends.
-:func:`plan_log_groups` chooses which boundaries to log for stage-local
-replay under a budget (Swift's selective logging, :class:`LogPlan`;
+:class:`BoundaryLog` logs the tensors crossing pipeline boundaries for
+stage-local replay, and :func:`plan_log_groups` chooses which boundaries
+to log under a budget (Swift's selective logging, :class:`LogPlan`;
 :func:`trade_off` lists every choice).
 """
 
+from bubblesnap.clients.boundary_log import BoundaryLog
 from bubblesnap.clients.daemon_client import DaemonClient
 from bubblesnap.clients.log_groups import LogPlan, plan_log_groups, trade_off
 from bubblesnap.clients.numpy_client import NumpyClient
@@ -24,6 +26,6 @@ from bubblesnap.clients.pipeline_hooks import LoggedSteps, NoSnapshots, Pipeline
 from bubblesnap.clients.results import LogError, RestoreError, SnapshotResult
 from bubblesnap.clients.session import Session
 
-__all__ = ["ClientOptions", "DaemonClient", "LogError", "LogPlan", "LoggedSteps",
+__all__ = ["BoundaryLog", "ClientOptions", "DaemonClient", "LogError", "LogPlan", "LoggedSteps",
            "NoSnapshots", "NumpyClient", "PipelineHooks", "RestoreError", "Session",
            "SnapshotResult", "plan_log_groups", "trade_off"]

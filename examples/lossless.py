@@ -208,10 +208,9 @@ def stage_main(args) -> int:
                                " --xla_force_host_platform_device_count=1")
     import jax
 
-    from bubblesnap.clients import LoggedSteps
+    from bubblesnap.clients import BoundaryLog, LoggedSteps
     from bubblesnap.clients.jax import ClientOptions, SnapshotClient
     from bubblesnap.protos.checksum import checksum
-    from pipeline.boundary_log import BoundaryLog
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
@@ -235,7 +234,7 @@ def stage_main(args) -> int:
     mode = LoggedSteps(client, loader.record, PeriodicSnapshots(
         client, args.snapshot_every,
         os.path.join(args.workdir, args.run, f"stage{stage}.{incarnation}.progress")))
-    boundary_log = BoundaryLog(client, job, STAGES, json.loads(args.logged), options_of)
+    boundary_log = BoundaryLog(client, json.loads(args.logged), options_of)
 
     def make_runner(inbox, send, mode):
         return StageRunner(program, SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage), stage,

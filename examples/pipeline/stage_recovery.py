@@ -3,8 +3,8 @@
 Stage processes train through the relay (relay.py). Each logs, every step,
 its data loader's record to its daemon (the training log, through
 bubblesnap.clients.LoggedSteps) and the tensors it sends across a logged
-boundary (boundary logs, one stream per kind and microbatch), and snapshots
-its state every few steps. When a stage fails:
+boundary (bubblesnap.clients.BoundaryLog, one stream per kind and
+microbatch), and snapshots its state every few steps. When a stage fails:
 
   1. waits for its tensors raise NeighbourLost; each survivor tells the
      coordinator the last step it finished and stops. The coordinator
@@ -31,8 +31,7 @@ import time
 
 import numpy as np
 
-from bubblesnap.clients import NoSnapshots, PipelineHooks
-from pipeline.boundary_log import BoundaryLog
+from bubblesnap.clients import BoundaryLog, NoSnapshots, PipelineHooks
 from pipeline.coordinator import Recovery
 from pipeline.transport import NeighbourLost
 
