@@ -77,6 +77,8 @@ import sys
 import tempfile
 import time
 
+from bubblesnap.sockets import recv_exact
+
 JOB = "data-parallel"
 WORLD = 2
 FEATURES = 32
@@ -141,22 +143,12 @@ class Link:
         except OSError as err:  # BrokenPipe, ConnectionReset, timeout
             raise PeerLost(f"send: {err!r}") from None
 
-    def receive(self) -> bytes:
-        (size,) = struct.unpack("!Q", self._exactly(8))
-        return self._exactly(size)
-
-    def _exactly(self, size: int) -> bytes:
-        chunks, left = [], size
+    def receive(self) -> bytearray:
         try:
-            while left:
-                chunk = self._sock.recv(min(left, 1 << 20))
-                if not chunk:
-                    raise PeerLost("the peer closed the connection")
-                chunks.append(chunk)
-                left -= len(chunk)
-        except OSError as err:
+            (size,) = struct.unpack("!Q", recv_exact(self._sock, 8))
+            return recv_exact(self._sock, size)
+        except OSError as err:  # the peer closed the connection (ConnectionError), timeout
             raise PeerLost(f"receive: {err!r}") from None
-        return b"".join(chunks)
 
     def close(self) -> None:
         self._sock.close()
