@@ -52,12 +52,11 @@ def run(args, daemon: str) -> dict:
     import numpy as np
     from lossless import MICROBATCHES
 
+    from bubblesnap.clients import BoundaryLog, LoggedSteps, NoSnapshots
     from bubblesnap.clients.jax import ClientOptions, SnapshotClient
-    from pipeline.boundary_log import BoundaryLog
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
-    from pipeline.snapshot_modes import NoSnapshots
     from pipeline.stage import StageRunner
     from pipeline.transport import ThreadLinks
 
@@ -65,26 +64,31 @@ def run(args, daemon: str) -> dict:
     loader = DataLoader(config, MICROBATCHES)
     options = ClientOptions(daemon=daemon)
     clients = [SnapshotClient("logging-bench", s, STAGES, options) for s in range(STAGES)]
-    boundary_logs = [BoundaryLog(clients[s], "logging-bench", STAGES, range(STAGES - 1),
-                                 lambda stage: options) for s in range(STAGES)]
+    boundary_logs = [BoundaryLog(clients[s], range(STAGES - 1), lambda stage: options)
+                     for s in range(STAGES)]
     record_bytes = []
     current = [""] * STAGES  # each stage's mode in the iteration it runs
 
     class Mode(NoSnapshots):
+        """Tells the senders which mode the stage's iteration runs in."""
+
         def __init__(self, stage: int, mode: str):
-            super().__init__()
             self.stage, self.mode = stage, mode
 
         def begin_iteration(self, iteration: int) -> None:
             current[self.stage] = self.mode
-            record = loader.record(iteration)
-            if self.mode != "none" and self.stage == 0:  # one data order for all stages
-                clients[0].log(iteration, record)
-                record_bytes.append(len(record))
 
-        def end_iteration(self, iteration: int, state) -> None:
-            if self.mode != "none":
-                clients[self.stage].wait_log()
+    def record(iteration: int) -> bytes:
+        payload = loader.record(iteration)
+        record_bytes.append(len(payload))
+        return payload
+
+    def hooks(stage: int, mode: str):
+        """A logging mode's step sends the record as it begins (stage 0: one data order
+        for all stages) and waits for it and the boundary records as it ends."""
+        if mode == "none":
+            return Mode(stage, mode)
+        return LoggedSteps(clients[stage], record if stage == 0 else None, Mode(stage, mode))
 
     def sender(stage: int, send):
         def logged_send(to: int, key, value) -> None:
@@ -107,7 +111,7 @@ def run(args, daemon: str) -> dict:
         runners.append(StageRunner(
             StageProgram(config, STAGES, s, [devices[s]]),
             SCHEDULES["1f1b"](STAGES, MICROBATCHES, s), s, STAGES, inbox, sender(s, send),
-            {m: Mode(s, m) for m in modes}, batch=loader.batch))
+            {m: hooks(s, m) for m in modes}, batch=loader.batch))
     threads = [threading.Thread(target=r.run, args=(plan,)) for r in runners]
     started = time.perf_counter()
     for t in threads:

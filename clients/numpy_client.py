@@ -6,8 +6,10 @@ protocol to copy for another framework.
 
 import numpy as np
 
-from bubblesnap.clients._session import ClientOptions, Session, SnapshotResult
 from bubblesnap.clients._shared_memory import as_bytes
+from bubblesnap.clients.daemon_client import DaemonClient
+from bubblesnap.clients.options import ClientOptions
+from bubblesnap.clients.results import SnapshotResult
 from bubblesnap.protos import daemon_pb2 as pb
 
 try:  # bfloat16 and float8 names, when ml_dtypes is installed (it comes with JAX)
@@ -22,20 +24,23 @@ def _spec(name: str, array: np.ndarray) -> pb.TensorSpec:
                      nbytes=array.nbytes, device="host")])
 
 
-class NumpyClient:
+class NumpyClient(DaemonClient):
     """Snapshots a flat ``{name: ndarray}`` dict; each array is one unsharded tensor.
 
     ``replica_group``: the ranks holding the same arrays as this one (data
-    parallel); only the lowest of them copies, as in :class:`Session`.
+    parallel); only the lowest of them copies, as in :class:`DaemonClient`.
+    The training log, ``wait``, ``status`` and ``close`` are DaemonClient's.
     """
 
     def __init__(self, job: str, rank: int = 0, world_size: int = 1,
                  options: ClientOptions = ClientOptions(), replica_group=()):
-        self._session = Session(job, rank, world_size, options, replica_group)
+        super().__init__(job, rank, world_size, options, replica_group)
         self.last_restore_source = ""
 
     def snapshot(self, step: int, arrays: dict[str, np.ndarray],
                  wait: bool = True) -> SnapshotResult:
+        """Copies ``arrays`` (step ``step``) into the daemon's memory; with ``wait`` (the
+        default) until the daemon committed them. Never raises for daemon trouble."""
         names = sorted(arrays)
         specs = [_spec(name, np.asarray(arrays[name])) for name in names]
         return self._session.snapshot(
@@ -54,22 +59,3 @@ class NumpyClient:
         return raw.step, {
             t.name: raw.shards[(i, 0)].view(np.dtype(t.dtype)).reshape(tuple(t.global_shape)).copy()
             for i, t in enumerate(raw.tensors)}
-
-    def log(self, step: int, payload: bytes, stream: str = "") -> None:
-        """Records what redoing ``step`` needs; see SnapshotClient.log."""
-        self._session.log(step, payload, stream)
-
-    def wait_log(self) -> int:
-        """Waits for the last record; see SnapshotClient.wait_log."""
-        return self._session.wait_log()
-
-    def read_log(self, after_step: int, stream: str = "",
-                 until_step: int | None = None) -> list[tuple[int, bytes]]:
-        """Logged records after ``after_step``; see SnapshotClient.read_log."""
-        return self._session.read_log(after_step, stream, until_step)[0]
-
-    def status(self) -> pb.JobStatus:
-        return self._session.status()
-
-    def close(self) -> None:
-        self._session.close()

@@ -65,6 +65,7 @@ no lost steps.
 """
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -75,6 +76,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from bubblesnap.sockets import recv_exact
 
 JOB = "data-parallel"
 WORLD = 2
@@ -140,22 +143,12 @@ class Link:
         except OSError as err:  # BrokenPipe, ConnectionReset, timeout
             raise PeerLost(f"send: {err!r}") from None
 
-    def receive(self) -> bytes:
-        (size,) = struct.unpack("!Q", self._exactly(8))
-        return self._exactly(size)
-
-    def _exactly(self, size: int) -> bytes:
-        chunks, left = [], size
+    def receive(self) -> bytearray:
         try:
-            while left:
-                chunk = self._sock.recv(min(left, 1 << 20))
-                if not chunk:
-                    raise PeerLost("the peer closed the connection")
-                chunks.append(chunk)
-                left -= len(chunk)
-        except OSError as err:
+            (size,) = struct.unpack("!Q", recv_exact(self._sock, 8))
+            return recv_exact(self._sock, size)
+        except OSError as err:  # the peer closed the connection (ConnectionError), timeout
             raise PeerLost(f"receive: {err!r}") from None
-        return b"".join(chunks)
 
     def close(self) -> None:
         self._sock.close()
@@ -339,7 +332,7 @@ class Worker:
     def recover_peer(self) -> int:
         """Survivor (worker 0): waits for the replacement, steps back to the job's step,
         and hands it the state, or sends both to the snapshot. Returns the next step."""
-        from bubblesnap.clients.jax import check_undo
+        from bubblesnap.clients.jax import undo_or_restore
         self.link.close()
         log(f"worker 0: peer lost after applying step {self.applied}; waiting for a "
             "replacement")
@@ -347,30 +340,16 @@ class Worker:
         resume_after = json.loads(self.link.receive())["resume_after"]
         ahead = self.applied - resume_after
         report = {"ahead": ahead, "undone": False, "undo_check": None}
-        state, reason = self.state, ""
-        undone = None
-        if ahead == 1 and self.undo is not None:
-            try:
-                undone = self.undo(self.state["params"], self.state["opt"], self.last_grads)
-            except ValueError as err:  # state the undo does not know (a mask, a schedule)
-                reason = str(err)
-        if undone is not None:
-            params, opt = undone
-            check = check_undo(self.tx, params, opt, self.last_grads, self.state["params"],
-                               self.state["opt"], self.args.undo_bound)
-            state = {"params": params, "opt": opt}
+        decision = undo_or_restore(self.tx, self.undo, self.state["params"], self.state["opt"],
+                                   self.last_grads, ahead, self.args.undo_bound)
+        state = {"params": decision.params, "opt": decision.opt_state}
+        reason = decision.fallback_reason
+        if decision.undone:
+            check = decision.check
             self.save(self.path("undone.npz"), state)
-            report.update(undone=True, undo_check={
-                "max_abs_error": check.max_abs_error, "max_rel_error": check.max_rel_error,
-                "within_bound": check.within_bound})
+            report.update(undone=True, undo_check=dataclasses.asdict(check))
             log(f"worker 0: undid step {self.applied}: check_undo max_rel "
                 f"{check.max_rel_error:.3g}, max_abs {check.max_abs_error:.3g}")
-            if not check.within_bound:
-                reason = f"undo error {check.max_rel_error:.3g} > bound {self.args.undo_bound}"
-        elif ahead == 1:
-            reason = reason or f"{self.args.optimizer} has no inverse update here"
-        elif ahead != 0:
-            reason = f"worker 0 is {ahead} updates ahead of the job; only one can be undone"
         if reason:
             log(f"worker 0: falling back to the snapshot: {reason}")
             self.link.send(json.dumps({"recovery": "snapshot"}).encode())

@@ -75,13 +75,25 @@ def train_main(args) -> int:
                                f" --xla_force_host_platform_device_count={STAGES}")
     import jax
 
+    from bubblesnap.clients import LoggedSteps, NoSnapshots
     from bubblesnap.protos.checksum import checksum
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
-    from pipeline.snapshot_modes import DaemonSnapshots, NoSnapshots
+    from pipeline.snapshot_modes import DaemonSnapshots
     from pipeline.stage import StageRunner
     from pipeline.transport import ThreadLinks
+
+    class DiesMidFetch(DaemonSnapshots):
+        """Stage 0 of a failing run with --fail-point bubble: SIGKILLed inside a bubble of
+        step --fail-at or later, while it fetches a snapshot."""
+
+        def bubble(self, position, receive, arrived=None):
+            if self.iteration >= args.fail_at:
+                def arrived_then_die():  # polled between the fetch's 1 MiB blocks
+                    die(f"SIGKILL inside a bubble of step {self.iteration}, mid-fetch")
+                arrived = arrived_then_die
+            return super().bubble(position, receive, arrived)
 
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
     loader = DataLoader(config, MICROBATCHES)
@@ -89,10 +101,16 @@ def train_main(args) -> int:
     devices = jax.devices()
     programs = [StageProgram(config, STAGES, s, [devices[s]]) for s in range(STAGES)]
     snapshotting = args.run != "reference"
-    modes = [DaemonSnapshots(args.daemon, JOB, s, STAGES, eager=False) if snapshotting
-             else NoSnapshots() for s in range(STAGES)]
-    progress = os.path.join(args.workdir, f"{args.run}.progress")
     failing = args.run == "failing"
+
+    def mode(stage: int):
+        if not snapshotting:
+            return NoSnapshots()
+        dies = failing and args.fail_point == "bubble" and stage == 0
+        return (DiesMidFetch if dies else DaemonSnapshots)(args.daemon, JOB, stage, STAGES,
+                                                            eager=False)
+    modes = [mode(s) for s in range(STAGES)]
+    progress = os.path.join(args.workdir, f"{args.run}.progress")
 
     first, replayed = 0, []
     if args.run.startswith("resume"):
@@ -131,7 +149,7 @@ def train_main(args) -> int:
                     and stage == 0:
                 # the first acknowledged commit of the step before (fetched in this
                 # iteration's bubbles, acknowledged a moment later)
-                acked = modes[0].snap.commits_acknowledged
+                acked = modes[0].commits_acknowledged
                 deadline = time.monotonic() + 0.5
                 while not (acked and acked[-1] >= iteration - 1) and \
                         time.monotonic() < deadline:
@@ -141,38 +159,10 @@ def train_main(args) -> int:
                         f"{acked[-1]} was acknowledged")
         return hook
 
-    class Logged:
-        """Logs each step's record before the step runs, then behaves like ``mode``."""
-
-        def __init__(self, stage: int, mode):
-            self.stage, self.mode = stage, mode
-
-        def __getattr__(self, name):
-            return getattr(self.mode, name)
-
-        # The stages share one data order: stage 0 logs it, all replay from it.
-        def begin_iteration(self, iteration: int) -> None:
-            record = loader.record(iteration)
-            if snapshotting and self.stage == 0:  # held by the daemons while the step runs
-                modes[0].client.log(iteration, record)
-            self.mode.begin_iteration(iteration)
-
-        def end_iteration(self, iteration: int, state) -> None:
-            if snapshotting and self.stage == 0:  # the step is done once its record is held
-                modes[0].client.wait_log()
-            self.mode.end_iteration(iteration, state)
-
-        def bubble(self, position, receive, arrived=None):
-            if failing and args.fail_point == "bubble" and self.stage == 0 and \
-                    self._iteration >= args.fail_at:
-                def arrived_then_die():  # polled between the fetch's 1 MiB blocks
-                    die(f"SIGKILL inside a bubble of step {self._iteration}, mid-fetch")
-                return self.mode.bubble(position, receive, arrived_then_die)
-            return self.mode.bubble(position, receive, arrived)
-
-        @property
-        def _iteration(self):
-            return self.mode.snap._iteration if snapshotting else -1
+    # The stages share one data order: stage 0 logs it (held by the daemons while the
+    # step runs, waited for as it ends), all replay from it.
+    hooks = [LoggedSteps(modes[0].client, loader.record, modes[0]) if snapshotting else modes[0],
+             *modes[1:]]
 
     errors = []
 
@@ -180,7 +170,7 @@ def train_main(args) -> int:
         try:
             inbox, send = links.endpoint(stage)
             runner = StageRunner(programs[stage], SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage),
-                                 stage, STAGES, inbox, send, {"m": Logged(stage, modes[stage])},
+                                 stage, STAGES, inbox, send, {"m": hooks[stage]},
                                  batch=loader.batch)
             runner.run(["m"] * (args.steps - first), first_iteration=first,
                        after_iteration=after(stage))
@@ -218,14 +208,14 @@ def stage_main(args) -> int:
                                " --xla_force_host_platform_device_count=1")
     import jax
 
+    from bubblesnap.clients import BoundaryLog, LoggedSteps
     from bubblesnap.clients.jax import ClientOptions, SnapshotClient
     from bubblesnap.protos.checksum import checksum
-    from pipeline.boundary_log import BoundaryLog
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
     from pipeline.schedules import SCHEDULES
     from pipeline.stage import StageRunner
-    from pipeline.stage_recovery import Logged, StageProcess
+    from pipeline.stage_recovery import PeriodicSnapshots, StageProcess
     from pipeline.transport import RelayLinks
 
     stage, job = args.stage, f"{JOB}-{args.run}"
@@ -239,9 +229,12 @@ def stage_main(args) -> int:
     client = SnapshotClient(job, rank=stage, world_size=STAGES, options=options_of(stage))
     links = RelayLinks(os.path.join(args.workdir, args.run, "relay.sock"), stage)
     incarnation = "replacement" if args.replacement else "initial"
-    mode = Logged(client, loader, args.snapshot_every, os.path.join(
-        args.workdir, args.run, f"stage{stage}.{incarnation}.progress"))
-    boundary_log = BoundaryLog(client, job, STAGES, json.loads(args.logged), options_of)
+    # Each step logs its loader's record; it ends once that and the boundary tensors
+    # it sent are held, before it is snapshotted or counted as finished.
+    mode = LoggedSteps(client, loader.record, PeriodicSnapshots(
+        client, args.snapshot_every,
+        os.path.join(args.workdir, args.run, f"stage{stage}.{incarnation}.progress")))
+    boundary_log = BoundaryLog(client, json.loads(args.logged), options_of)
 
     def make_runner(inbox, send, mode):
         return StageRunner(program, SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage), stage,

@@ -68,7 +68,7 @@ def make_modes(args, stage: int, stages: int) -> dict:
     made = {}
     for name in set(args.modes.split(",")):
         if name == "none":
-            made[name] = snapshot_modes.NoSnapshots()
+            made[name] = snapshot_modes.NoCheckpoints()
         elif name in ("bubblesnap", "eager"):
             made[name] = snapshot_modes.DaemonSnapshots(args.daemon, f"{args.job}-{name}", stage,
                                                         stages, eager=name == "eager")

@@ -1,11 +1,14 @@
 """Undoing one SGD-momentum or AdamW update recovers the previous state closely."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from bubblesnap.clients.jax import UndoDecision, undo_or_restore
 from bubblesnap.clients.jax.inverse_updates import (
     check_undo,
     relative_error,
@@ -97,3 +100,63 @@ def test_bfloat16_moments_stay_bfloat16_and_their_rounding_is_measured():
     assert jax.tree.map(lambda x: x.dtype, s) == jax.tree.map(lambda x: x.dtype, s1)
     check = check_undo(opt, p, s, g, p1, s1)
     assert check.max_rel_error > 0  # bfloat16 rounding shows; the caller's bound decides
+
+
+SGD = {"learning_rate": 0.05, "momentum": 0.9}
+
+
+def test_one_update_ahead_is_undone_and_checked():
+    opt = optax.sgd(**SGD)
+    (p0, _), (p1, s1), g = run(opt, 5)
+    decision = undo_or_restore(opt, functools.partial(undo_sgd_momentum, **SGD), p1, s1, g,
+                               updates_ahead=1, bound=1e-5)
+    assert isinstance(decision, UndoDecision)
+    assert decision.undone and not decision.falls_back and decision.fallback_reason == ""
+    assert decision.check == check_undo(opt, decision.params, decision.opt_state, g, p1, s1)
+    assert decision.check.within_bound
+    assert max_rel(decision.params, p0) < 1e-6
+
+
+def test_an_undo_past_the_bound_is_kept_for_measuring_but_falls_back():
+    opt = optax.sgd(**SGD)
+    _, (p1, s1), g = run(opt, 5)
+    decision = undo_or_restore(opt, functools.partial(undo_sgd_momentum, **SGD), p1, s1, g,
+                               updates_ahead=1, bound=0.0)
+    assert decision.undone and decision.falls_back
+    assert not decision.check.within_bound and decision.check.max_rel_error > 0
+    assert decision.fallback_reason == (f"undo error {decision.check.max_rel_error:.3g} > "
+                                        "bound 0.0")
+    undone_params, _ = undo_sgd_momentum(p1, s1, g, **SGD)
+    assert max_rel(decision.params, undone_params) == 0
+
+
+def test_nothing_ahead_keeps_the_state_as_it_is():
+    opt = optax.sgd(**SGD)
+    _, (p1, s1), g = run(opt, 3)
+    decision = undo_or_restore(opt, None, p1, s1, g, updates_ahead=0)
+    assert (decision.params, decision.opt_state) == (p1, s1)
+    assert not decision.undone and not decision.falls_back and decision.check is None
+
+
+@pytest.mark.parametrize("ahead", [2, -1])
+def test_more_than_one_update_ahead_falls_back(ahead):
+    opt = optax.sgd(**SGD)
+    _, (p1, s1), g = run(opt, 3)
+    decision = undo_or_restore(opt, functools.partial(undo_sgd_momentum, **SGD), p1, s1, g,
+                               updates_ahead=ahead)
+    assert decision.falls_back and not decision.undone and decision.check is None
+    assert f"{ahead} updates ahead" in decision.fallback_reason
+    assert (decision.params, decision.opt_state) == (p1, s1)
+
+
+def test_no_inverse_or_a_refused_state_falls_back_without_an_undo():
+    opt = optax.adafactor(1e-2)
+    params = tree(0)
+    decision = undo_or_restore(opt, None, params, opt.init(params), params, updates_ahead=1)
+    assert decision.falls_back and not decision.undone and decision.check is None
+    assert "no inverse" in decision.fallback_reason
+    scheduled = optax.sgd(optax.linear_schedule(0.05, 0.0, 10), momentum=0.9)
+    decision = undo_or_restore(scheduled, functools.partial(undo_sgd_momentum, **SGD), params,
+                               scheduled.init(params), params, updates_ahead=1)
+    assert decision.falls_back and not decision.undone
+    assert "ScaleByScheduleState" in decision.fallback_reason

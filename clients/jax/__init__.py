@@ -1,23 +1,28 @@
 """The JAX client: snapshot pytrees of jax.Arrays into the local daemon and restore them.
 
 Public names: :class:`SnapshotClient`, :class:`Restored`, the pipeline
-bubble hooks :class:`BubbleSnapshotter` and its options, the one-step undo
-of optimizer updates for data-parallel survivors (:func:`undo_sgd_momentum`,
-:func:`undo_adamw`, :func:`check_undo`), plus the shared
-:class:`ClientOptions`, :class:`SnapshotResult`, :class:`RestoreError` and
-:class:`LogError`.
+bubble hooks :class:`BubbleSnapshotter` and :class:`BubbleSnapshotOptions`,
+the one-step undo of optimizer updates for data-parallel survivors
+(:func:`undo_sgd_momentum`, :func:`undo_adamw`, :func:`check_undo` and its
+:class:`UndoCheck`, and the decision between undoing and falling back to
+the snapshot, :func:`undo_or_restore` and its :class:`UndoDecision`), plus
+the shared :class:`ClientOptions`, :class:`SnapshotResult`,
+:class:`RestoreError` and :class:`LogError`.
 """
 
-from bubblesnap.clients._session import ClientOptions, LogError, RestoreError, SnapshotResult
 from bubblesnap.clients.jax.bubbles import BubbleSnapshotOptions, BubbleSnapshotter
 from bubblesnap.clients.jax.client import Restored, SnapshotClient
 from bubblesnap.clients.jax.inverse_updates import (
     UndoCheck,
+    UndoDecision,
     check_undo,
     undo_adamw,
+    undo_or_restore,
     undo_sgd_momentum,
 )
+from bubblesnap.clients.options import ClientOptions
+from bubblesnap.clients.results import LogError, RestoreError, SnapshotResult
 
 __all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "ClientOptions", "LogError",
            "RestoreError", "Restored", "SnapshotClient", "SnapshotResult", "UndoCheck",
-           "check_undo", "undo_adamw", "undo_sgd_momentum"]
+           "UndoDecision", "check_undo", "undo_adamw", "undo_or_restore", "undo_sgd_momentum"]

@@ -36,66 +36,46 @@ import logging
 import time
 
 import grpc
-import numpy as np
 
-from bubblesnap.clients.jax import _layout, _transfer
+from bubblesnap.clients.jax import _layout
+from bubblesnap.clients.jax._pending_step import Begun, PendingStep
+from bubblesnap.clients.options import check_option, is_number
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.protos.checksum import copy_hashing, new_hasher
 
 log = logging.getLogger("bubblesnap.client")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BubbleSnapshotOptions:
     """How a stage uses its bubbles.
 
     Attributes:
       warmup_iterations: iterations not reported at all (JIT compilation makes
-        their bubbles meaningless). Default 2.
+        their bubbles meaningless), >= 0. Default 2.
       eager: ignore bubbles and copy the whole state right after the step
         (CheckFreq-style); the baseline bubbles are measured against.
         Default False.
       min_report_seconds: waits shorter than this, at positions that have
-        never waited longer, are not reported. Default 1 ms.
+        never waited longer, are not reported, >= 0. Default 1 ms.
+      smoothing: the weight of the newest wait in each position's moving
+        average (which decides whether a short wait is reported), in (0, 1];
+        1 keeps only the newest. Default 0.3.
     """
 
     warmup_iterations: int = 2
     eager: bool = False
     min_report_seconds: float = 1e-3
+    smoothing: float = 0.3
 
-
-@dataclasses.dataclass
-class _Pending:
-    """One step's state being fetched over the bubbles of later iterations."""
-
-    step: int
-    leaves: list
-    specs: list
-    slot_of: dict          # (tensor, shard) -> slot index
-    tensor_of_slot: list   # slot index -> tensor index
-    started: float
-    begun: object          # waits for the BeginStep answer
-    staging: object = None
-    host: dict = dataclasses.field(default_factory=dict)  # tensor -> flat uint8 per shard
-    progress: list = dataclasses.field(default_factory=list)
-    hashers: list = dataclasses.field(default_factory=list)
-    usage: pb.BubbleUsage = dataclasses.field(default_factory=pb.BubbleUsage)
-
-
-class _Begun:
-    """A step already begun (by the previous commit): looks like a BeginStep answered."""
-
-    def __init__(self, staging):
-        self._staging = staging
-
-    def done(self) -> bool:
-        return True
-
-    def ready(self, give_up) -> bool:
-        return True
-
-    def __call__(self):
-        return self._staging
+    def __post_init__(self):
+        check_option(self, "warmup_iterations", isinstance(self.warmup_iterations, int)
+                     and not isinstance(self.warmup_iterations, bool)
+                     and self.warmup_iterations >= 0, "a whole number >= 0")
+        check_option(self, "eager", isinstance(self.eager, bool), "True or False")
+        check_option(self, "min_report_seconds",
+                     is_number(self.min_report_seconds) and self.min_report_seconds >= 0, ">= 0")
+        check_option(self, "smoothing",
+                     is_number(self.smoothing) and 0 < self.smoothing <= 1, "in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +90,17 @@ class CopyRecord:
 
 
 class BubbleSnapshotter:
-    """Snapshots one stage's state in its pipeline bubbles through the local daemon."""
+    """Snapshots one stage's state in its pipeline bubbles through the local daemon.
+
+    ``client`` is the stage's ``SnapshotClient`` (any DaemonClient: only its
+    :attr:`~bubblesnap.clients.DaemonClient.session` is used). The hooks are
+    :class:`~bubblesnap.clients.PipelineHooks`; none of them raises for daemon
+    trouble.
+    """
 
     def __init__(self, client, stage: int,
                  options: BubbleSnapshotOptions = BubbleSnapshotOptions()):
-        self._session = client._session
+        self._session = client.session
         self._stage = stage
         self.options = options
         self._stream = self._session.bubble_stream()
@@ -132,7 +118,7 @@ class BubbleSnapshotter:
         self._plan: dict[tuple[int, int], tuple] = {}  # (offset, position) -> (chunks, commit)
         self._held: tuple[int, object] | None = None  # (step, state) not prepared yet
         self._next_begin: tuple[int, object] | None = None  # BeginStep sent ahead
-        self._pending: _Pending | None = None
+        self._pending: PendingStep | None = None
         self.records: list[CopyRecord] = []
         self.overrun_seconds = 0.0
         self.commits_acknowledged: list[int] = []  # steps the daemon committed
@@ -142,9 +128,15 @@ class BubbleSnapshotter:
         """The snapshot interval the daemon's plan chose (1 until a plan exists)."""
         return self._interval
 
+    @property
+    def iteration(self) -> int:
+        """The iteration :meth:`begin_iteration` last began (-1 before the first)."""
+        return self._iteration
+
     # -- the runtime's hooks -------------------------------------------------------------------
 
     def begin_iteration(self, iteration: int) -> None:
+        """Iteration ``iteration`` starts: the last one's bubbles are reported in its first."""
         now = time.perf_counter()
         # After a gap (iterations this snapshotter did not see) the length is unknown.
         self._last_iteration_seconds = (now - self._iteration_started
@@ -207,6 +199,7 @@ class BubbleSnapshotter:
             self._finish(self._pending)
 
     def close(self) -> None:
+        """Closes the bubble stream and waits for the commits in flight (not the client)."""
         self._stream.close()
         self._session.wait()
 
@@ -283,14 +276,7 @@ class BubbleSnapshotter:
         except (grpc.RpcError, OSError, ValueError) as err:
             self._drop(err)
             return
-        slot_of, tensor_of_slot = {}, []
-        for t, spec in enumerate(specs):
-            for s in range(len(spec.shards)):
-                slot_of[(t, s)] = len(tensor_of_slot)
-                tensor_of_slot.append(t)
-        self._pending = _Pending(step, leaves, specs, slot_of, tensor_of_slot, time.perf_counter(),
-                                 begun, progress=[0] * len(tensor_of_slot),
-                                 hashers=[new_hasher() for _ in tensor_of_slot])
+        self._pending = PendingStep.of(step, leaves, specs, time.perf_counter(), begun)
 
     def _copy_planned(self, position: int, arrived) -> tuple[int, float]:
         """Copies the chunks the plan puts in this bubble: (bytes, seconds)."""
@@ -304,9 +290,9 @@ class BubbleSnapshotter:
             return 0, 0.0  # the daemon did not answer BeginStep within this bubble
         started = time.perf_counter()
         try:
-            self._fetch(pending, {c.tensor for c in chunks})
-            copied = sum(self._copy(pending, pending.slot_of[(c.tensor, c.shard)], c.stop,
-                                    arrived) for c in chunks)
+            pending.fetch({c.tensor for c in chunks})
+            copied = sum(pending.copy(pending.slot_of[(c.tensor, c.shard)], c.stop, arrived)
+                         for c in chunks)
         except (grpc.RpcError, OSError, ValueError) as err:
             self._drop(err)
             return 0, 0.0
@@ -319,50 +305,16 @@ class BubbleSnapshotter:
         pending.usage.used_seconds += seconds
         pending.usage.bubbles += 1
         # The commit goes out before this bubble ends: count it as its copy time.
-        if commit and all(p == s[1] for p, s in zip(pending.progress, pending.staging.slots,
-                                                      strict=True)):
+        if commit and pending.complete():
             pending.usage.offered_seconds += seconds
             self._finish(pending)
         return copied, seconds
 
-    def _copy(self, pending: _Pending, slot: int, stop: int, arrived=None) -> int:
-        """Copies slot ``slot`` from where it stands up to byte ``stop``; returns bytes copied.
-
-        Stops early when ``arrived()`` turns true (the bubble is over).
-        """
-        if pending.staging is None:
-            pending.staging = pending.begun()
-        offset, nbytes = pending.staging.slots[slot]
-        start, stop = pending.progress[slot], min(stop, nbytes)
-        if stop <= start:
-            return 0
-        tensor = pending.tensor_of_slot[slot]
-        self._fetch(pending, {tensor})
-        source = pending.host[tensor][slot - pending.slot_of[(tensor, 0)]]
-        if arrived is not None and arrived():
-            return 0
-        copied = copy_hashing(pending.staging.segment[offset + start:offset + stop],
-                              source[start:stop], pending.hashers[slot], arrived)
-        pending.progress[slot] = start + copied
-        return copied
-
-    @staticmethod
-    def _fetch(pending: _Pending, tensors) -> None:
-        """Device-to-host transfer of ``tensors`` not fetched yet, as one batch."""
-        missing = sorted(t for t in tensors if t not in pending.host)
-        if missing:
-            host = _transfer.fetch_to_host([pending.leaves[t] for t in missing])
-            for t in missing:
-                count = len(pending.specs[t].shards)
-                pending.host[t], host = host[:count], host[count:]
-
-    def _finish(self, pending: _Pending) -> None:
+    def _finish(self, pending: PendingStep) -> None:
         """Copies whatever is left (spilled: training waits), commits, begins the next step."""
         started = time.perf_counter()
         try:
-            self._fetch(pending, range(len(pending.specs)))
-            left = sum(self._copy(pending, slot, np.iinfo(np.int64).max)
-                       for slot in range(len(pending.progress)))
+            left = pending.copy_rest()
         except (grpc.RpcError, OSError, ValueError) as err:
             self._drop(err)
             return
@@ -377,8 +329,7 @@ class BubbleSnapshotter:
         step, interval = pending.step, self._interval
         # The commit also begins the next snapshot step, so its memory is ready
         # before that step's first bubble.
-        future = self._session.commit(step, pending.started,
-                                      [h.intdigest() for h in pending.hashers], pending.usage,
+        future = self._session.commit(step, pending.started, pending.checksums(), pending.usage,
                                       next_step=step + interval)
         self._pending = None
 
@@ -390,8 +341,8 @@ class BubbleSnapshotter:
             if answer.HasField("next"):
                 try:
                     self._next_begin = (step + interval,
-                                        _Begun(self._session.staging_of(step + interval,
-                                                                        answer.next)))
+                                        Begun(self._session.staging_of(step + interval,
+                                                                       answer.next)))
                 except (OSError, ValueError):
                     pass  # the next step begins in its own bubble instead
         future.add_done_callback(on_commit)
@@ -410,6 +361,7 @@ class BubbleSnapshotter:
         known = self._lengths.get(position, 0.0)
         if measured < floor and known < floor:
             return
-        self._lengths[position] = 0.7 * known + 0.3 * measured if known else measured
+        weight = self.options.smoothing
+        self._lengths[position] = (1 - weight) * known + weight * measured if known else measured
         self._reports.append(pb.BubbleReport(position=position, measured_seconds=measured,
                                              copied_bytes=copied, copy_seconds=seconds))

@@ -7,8 +7,10 @@ import time
 import jax
 import numpy as np
 
-from bubblesnap.clients._session import ClientOptions, RestoreError, Session, SnapshotResult
+from bubblesnap.clients.daemon_client import DaemonClient
 from bubblesnap.clients.jax import _layout, _transfer
+from bubblesnap.clients.options import ClientOptions
+from bubblesnap.clients.results import RestoreError, SnapshotResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +24,7 @@ class Restored:
     source: str = "memory"
 
 
-class SnapshotClient:
+class SnapshotClient(DaemonClient):
     """Snapshots and restores one rank's training state through the local daemon.
 
     Typical use, once per training step::
@@ -44,11 +46,14 @@ class SnapshotClient:
     whose state equals its own, itself included): the group's lowest rank
     copies the state, the others' ``snapshot`` copies nothing and their
     ``restore`` gets the lowest rank's copy.
+
+    The training log (``log``, ``wait_log``, ``read_log``), ``wait``,
+    ``status`` and ``close`` are :class:`DaemonClient`'s.
     """
 
     def __init__(self, job: str, rank: int = 0, world_size: int = 1,
                  options: ClientOptions = ClientOptions(), replica_group=()):
-        self._session = Session(job, rank, world_size, options, replica_group)
+        super().__init__(job, rank, world_size, options, replica_group)
         self._specs = _layout.SpecCache()
 
     def snapshot(self, step: int, state, wait: bool = False) -> SnapshotResult:
@@ -62,10 +67,6 @@ class SnapshotClient:
         names, leaves, _ = _layout.flatten(state)
         return self._session.snapshot(step, self._specs.specs(names, leaves),
                                       lambda: _transfer.fetch_to_host(leaves), wait=wait)
-
-    def wait(self) -> SnapshotResult | None:
-        """Waits for the last snapshot's commit; returns its outcome (None if none pending)."""
-        return self._session.wait()
 
     def restore(self, target, step: int | None = None, alone: bool = False) -> Restored:
         """Restores the latest committed step (or ``step``) into ``target``'s structure.
@@ -114,40 +115,3 @@ class SnapshotClient:
                 raise RestoreError(f"{name!r}: {err}") from None
         state = jax.tree_util.tree_unflatten(treedef, arrays)
         return Restored(raw.step, state, time.perf_counter() - started, raw.source)
-
-    def log(self, step: int, payload: bytes, stream: str = "") -> None:
-        """Records what redoing ``step`` needs (batch identity, RNG key, data-loader
-        position; a few bytes, at most 64 KiB). Call it as the step begins.
-
-        Returns at once; the local daemon stores the record and hands it to
-        its ``--replicas`` peers while the step computes. Call
-        :meth:`wait_log` when the step ends: a step counts as done only once
-        its record is held, since a step that is not logged cannot be replayed.
-
-        A named ``stream`` is a boundary log instead: a tensor this pipeline
-        stage sent to a neighbour (one stream per kind and microbatch, up to
-        16 MiB a record), kept by the local daemon only, so that a failed
-        neighbour can replay alone with its inputs read back from here. These
-        records wait in the client and go in one call at :meth:`wait_log`
-        (or once 8 MiB are waiting).
-        """
-        self._session.log(step, payload, stream)
-
-    def wait_log(self) -> int:
-        """Waits for the last record; returns how many daemons hold it. Raises
-        :class:`LogError` when the daemon refused it or could not be reached."""
-        return self._session.wait_log()
-
-    def read_log(self, after_step: int, stream: str = "",
-                 until_step: int | None = None) -> list[tuple[int, bytes]]:
-        """The logged ``(step, payload)`` records after ``after_step`` (the restored
-        step), in order and without gaps: the steps to replay after a restore.
-        ``until_step``: none after it (one step's record: ``until_step=after_step+1``)."""
-        return self._session.read_log(after_step, stream, until_step)[0]
-
-    def status(self):
-        """This job's status as the daemon reports it (a ``JobStatus`` message)."""
-        return self._session.status()
-
-    def close(self) -> None:
-        self._session.close()

@@ -11,9 +11,10 @@ function returns the recovered state and ``check_undo`` re-applies the
 update to it and measures how far that lands from the state it started
 from: the rounding error of the undo. When it passes a bound (or the
 optimizer has no inverse here), fall back to the snapshot and the training
-log. The check cannot tell a wrong gradient: undoing with any gradient and
-redoing with the same one lands back where it started, so the gradient must
-be the one the update used (the all-reduced gradient every replica holds).
+log; :func:`undo_or_restore` makes that whole decision. The check cannot
+tell a wrong gradient: undoing with any gradient and redoing with the same
+one lands back where it started, so the gradient must be the one the update
+used (the all-reduced gradient every replica holds).
 
 The functions work on optax's own states: ``optax.sgd(lr, momentum)``
 (``(TraceState, EmptyState)``) and ``optax.adamw(...)`` / ``optax.adam``
@@ -120,6 +121,66 @@ def relative_error(a, b) -> tuple[float, float]:
         return math.inf, 1.0
     err = float(jnp.max(jnp.where(finite, jnp.abs(a - b), 0.0)))
     return err, max(float(jnp.max(jnp.abs(jnp.where(finite, b, 0.0)))), 1e-30)
+
+
+@dataclasses.dataclass(frozen=True)
+class UndoDecision:
+    """How a data-parallel survivor gets back to the step the job resumes from.
+
+    Attributes:
+      params, opt_state: the survivor's state at that step when an undo ran
+        (its result, even when rejected) or none was needed; otherwise the
+        state it was given.
+      undone: an undo ran; ``check`` holds check_undo's numbers.
+      check: the :class:`UndoCheck` of the undo, None when none ran.
+      fallback_reason: why to restore the snapshot and replay the training log
+        instead; empty when ``params``, ``opt_state`` are the state to go on with.
+    """
+
+    params: object
+    opt_state: object
+    undone: bool
+    check: UndoCheck | None
+    fallback_reason: str
+
+    @property
+    def falls_back(self) -> bool:
+        """Whether the job restores the snapshot and replays the log instead."""
+        return bool(self.fallback_reason)
+
+
+def undo_or_restore(optimizer: optax.GradientTransformation, undo, params, opt_state, grads,
+                    updates_ahead: int, bound: float = 1e-5) -> UndoDecision:
+    """Undo the survivor's last update, or fall back to the snapshot and the training log.
+
+    ``updates_ahead``: how many updates the survivor applied past the step
+    the job resumes from. ``undo(params, opt_state, grads)`` steps
+    ``optimizer``'s update back (:func:`undo_sgd_momentum` or
+    :func:`undo_adamw` with the hyperparameters, e.g. through
+    ``functools.partial``), or is None when the optimizer has no inverse
+    here; ``grads`` is the gradient that update used.
+
+    Nothing ahead: the state is the job's already. One ahead: it is undone
+    and checked with :func:`check_undo` against ``bound``; an undo that
+    refuses the state (ValueError: a mask, a schedule) or misses the bound
+    falls back. More than one ahead always falls back: only one update can be
+    undone."""
+    if updates_ahead == 0:
+        return UndoDecision(params, opt_state, False, None, "")
+    if updates_ahead != 1:
+        return UndoDecision(params, opt_state, False, None,
+                            f"{updates_ahead} updates ahead of the job; only one can be undone")
+    if undo is None:
+        return UndoDecision(params, opt_state, False, None,
+                            "the optimizer has no inverse update here")
+    try:
+        params_before, state_before = undo(params, opt_state, grads)
+    except ValueError as err:
+        return UndoDecision(params, opt_state, False, None, str(err))
+    check = check_undo(optimizer, params_before, state_before, grads, params, opt_state, bound)
+    reason = "" if check.within_bound else (f"undo error {check.max_rel_error:.3g} > "
+                                            f"bound {bound}")
+    return UndoDecision(params_before, state_before, True, check, reason)
 
 
 def _check_known(learning_rate, rest) -> None:

@@ -9,11 +9,13 @@ import numpy as np
 class SampleOrder:
     """Which samples each step reads, drawn by a seeded RNG; its position is that RNG's state.
 
-    ``record(step)`` draws the step's sample indices (once) and returns what
-    redoing the step needs: those indices and the RNG's state after drawing
-    them. Replaying logged steps takes the logged indices; after the last one
-    the order continues from the logged state, exactly where the failed run
-    was. Thread-safe: pipeline stages in one process share one order.
+    A step's sample indices are drawn once, by whichever of ``record(step)``
+    and ``indices(step)`` asks first (every stage reads the batch, one logs
+    it; steps are asked for in order); ``record`` returns what redoing the
+    step needs: those indices and the RNG's state after drawing them.
+    Replaying logged steps takes the logged indices; after the last one the
+    order continues from the logged state, exactly where the failed run was.
+    Thread-safe: pipeline stages in one process share one order.
     """
 
     def __init__(self, samples: int, per_step: int, seed: int = 0):
@@ -26,12 +28,15 @@ class SampleOrder:
     def record(self, step: int) -> bytes:
         """The step's log record, drawing its indices if nobody has yet."""
         with self._lock:
-            if step not in self._drawn:
-                self._drawn[step] = self._rng.choice(self._samples, self._per_step,
-                                                     replace=False).tolist()
-                self._state_after[step] = self._rng.bit_generator.state
+            self._draw(step)
             return json.dumps({"step": step, "indices": self._drawn[step],
                                "loader_state": self._state_after[step]}).encode()
+
+    def _draw(self, step: int) -> None:  # under the lock
+        if step not in self._drawn:
+            self._drawn[step] = self._rng.choice(self._samples, self._per_step,
+                                                 replace=False).tolist()
+            self._state_after[step] = self._rng.bit_generator.state
 
     def replay(self, records) -> None:
         """Takes the logged steps' indices, and the RNG's state after the last one."""
@@ -43,8 +48,9 @@ class SampleOrder:
                 self._rng.bit_generator.state = row["loader_state"]
 
     def indices(self, step: int) -> list[int]:
-        """The samples of a step already drawn (by :meth:`record`) or replayed."""
+        """The samples of a step, replayed or drawn (now, if nobody has yet)."""
         with self._lock:
+            self._draw(step)
             return self._drawn[step]
 
 

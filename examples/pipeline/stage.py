@@ -1,9 +1,10 @@
 """One pipeline stage's training loop: compute, wait for neighbours, call the snapshot hooks.
 
-Every wait for a neighbour's tensor is a bubble; the active snapshot mode
-gets it (bubblesnap fetches chunks there). Each piece of work is recorded as
-(label, start, stop) on the perf_counter clock, which is system-wide
-monotonic on Linux, so stage processes can be drawn on one timeline.
+Every wait for a neighbour's tensor is a bubble; the active snapshot mode (a
+``bubblesnap.clients.PipelineHooks``) gets it (bubblesnap fetches chunks
+there). Each piece of work is recorded as (label, start, stop) on the
+perf_counter clock, which is system-wide monotonic on Linux, so stage
+processes can be drawn on one timeline.
 """
 
 import resource
@@ -11,14 +12,16 @@ import time
 
 import jax
 
+from bubblesnap.clients import PipelineHooks
 from pipeline import model as model_lib
 
 
 class StageRunner:
-    """Runs iterations of one stage; ``modes`` maps a mode name to its snapshot object."""
+    """Runs iterations of one stage; ``modes`` maps a mode name to its hooks."""
 
     def __init__(self, program: model_lib.StageProgram, schedule, stage: int, stages: int,
-                 inbox, send, modes: dict, keep_states: int = 0, batch=None):
+                 inbox, send, modes: dict[str, PipelineHooks], keep_states: int = 0,
+                 batch=None):
         self.program, self.schedule = program, schedule
         self.stage, self.stages = stage, stages
         self.inbox, self.send = inbox, send
@@ -63,7 +66,7 @@ class StageRunner:
         if active is not None:
             active.flush()
 
-    def _iteration(self, iteration: int, mode) -> float | None:
+    def _iteration(self, iteration: int, mode: PipelineHooks) -> float | None:
         program, first, last = self.program, self.stage == 0, self.stage == self.stages - 1
         inputs, grads, losses = {}, None, []
         for position, (op, mb) in enumerate(self.schedule):
@@ -95,7 +98,7 @@ class StageRunner:
         self.events.append(("U", started, time.perf_counter()))
         return sum(losses) / len(losses) if losses else None
 
-    def _receive(self, mode, position: int, key, sender: int):
+    def _receive(self, mode: PipelineHooks, position: int, key, sender: int):
         if self.inbox.has(key):
             mode.no_bubble(position)
             value, _ = self.inbox.take(key, sender)

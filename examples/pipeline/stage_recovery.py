@@ -1,8 +1,9 @@
 """Stage-local recovery (Swift), a stage's side: one stage fails, only its log group rolls back.
 
 Stage processes train through the relay (relay.py). Each logs, every step,
-its data loader's record to its daemon (the training log) and the tensors it
-sends across a logged boundary (boundary logs, one stream per kind and
+its data loader's record to its daemon (the training log, through
+bubblesnap.clients.LoggedSteps) and the tensors it sends across a logged
+boundary (bubblesnap.clients.BoundaryLog, one stream per kind and
 microbatch), and snapshots its state every few steps. When a stage fails:
 
   1. waits for its tensors raise NeighbourLost; each survivor tells the
@@ -30,28 +31,22 @@ import time
 
 import numpy as np
 
-from pipeline.boundary_log import BoundaryLog
+from bubblesnap.clients import BoundaryLog, NoSnapshots, PipelineHooks
 from pipeline.coordinator import Recovery
-from pipeline.snapshot_modes import NoSnapshots
 from pipeline.transport import NeighbourLost
 
 
-class Logged(NoSnapshots):
-    """The mode of a training step: logs the loader's record as the step begins, waits
-    for every record of the step (loader and boundary tensors) as it ends, and
-    snapshots every ``snapshot_every`` steps. Finished steps are appended to
-    ``progress`` (a file), which outlives a killed process."""
+class PeriodicSnapshots(NoSnapshots):
+    """Snapshots every ``snapshot_every`` steps (waiting for the commit) and appends
+    every finished step to ``progress`` (a file, which outlives a killed process).
 
-    def __init__(self, client, loader, snapshot_every: int, progress: str):
-        super().__init__()
-        self.client, self.loader, self.every = client, loader, snapshot_every
-        self._progress = progress
+    A training step wraps it in LoggedSteps: the step's records are held
+    before it is snapshotted or counted as finished."""
 
-    def begin_iteration(self, iteration: int) -> None:
-        self.client.log(iteration, self.loader.record(iteration))
+    def __init__(self, client, snapshot_every: int, progress: str):
+        self.client, self.every, self._progress = client, snapshot_every, progress
 
     def end_iteration(self, iteration: int, state) -> None:
-        self.client.wait_log()
         if self.every and iteration % self.every == self.every - 1:
             self.client.snapshot(iteration, state, wait=True)
         with open(self._progress, "a") as f:
@@ -87,7 +82,7 @@ class StageProcess:
     (``alone``: other stages keep theirs, see Recovery).
     """
 
-    def __init__(self, stage: int, links, boundary_log: BoundaryLog, mode: Logged,
+    def __init__(self, stage: int, links, boundary_log: BoundaryLog, mode: PipelineHooks,
                  make_runner, restore, die=None):
         self.stage, self.links, self.log, self.mode = stage, links, boundary_log, mode
         self._make_runner, self._restore, self._die = make_runner, restore, die

@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from bubblesnap.sockets import recv_exact
+
 _HEADER = struct.Struct("!I")
 
 
@@ -198,8 +200,9 @@ def write_frame(conn: socket.socket, meta: dict, payload) -> None:
 
 
 def read_frame(conn: socket.socket) -> tuple[dict, bytearray]:
-    meta = json.loads(_read(conn, _HEADER.unpack(_read(conn, 4))[0]))
-    return meta, _read(conn, _HEADER.unpack(_read(conn, 4))[0])
+    """The next frame :func:`write_frame` sent; ConnectionError once the other end closed."""
+    meta = json.loads(recv_exact(conn, _HEADER.unpack(recv_exact(conn, 4))[0]))
+    return meta, recv_exact(conn, _HEADER.unpack(recv_exact(conn, 4))[0])
 
 
 def write_tensor(conn: socket.socket, meta: dict, key, value) -> None:
@@ -225,14 +228,3 @@ def _connect(path: str, timeout: float) -> socket.socket:
                 raise TimeoutError(
                     f"stage socket {path} did not appear in {timeout:.0f} s") from None
             time.sleep(0.05)
-
-
-def _read(conn: socket.socket, nbytes: int) -> bytearray:
-    buffer = bytearray(nbytes)
-    view, got = memoryview(buffer), 0
-    while got < nbytes:
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("neighbour stage closed the connection")
-        got += n
-    return buffer

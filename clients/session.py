@@ -1,13 +1,15 @@
 """The framework-neutral core of a client: talk to the daemon, stage, commit, restore.
 
 The JAX and numpy clients turn their arrays into shard specs and host
-buffers and leave the rest to :class:`Session`. A session never lets a slow
-or missing daemon stall training: every call has a deadline, a failure turns
-into "no snapshot this step" with the reason, and after a timeout the session
-stops asking for a while instead of paying the deadline every step.
+buffers and leave the rest to :class:`Session`; code that stages a step in
+pieces (``BubbleSnapshotter``, over several bubbles) uses its calls one by
+one: :meth:`Session.begin_async`, :meth:`Session.commit`,
+:meth:`Session.failed`. A session never lets a slow or missing daemon stall
+training: every call has a deadline, a failure turns into "no snapshot this
+step" with the reason, and after a timeout the session stops asking for a
+while instead of paying the deadline every step.
 """
 
-import dataclasses
 import logging
 import threading
 import time
@@ -17,6 +19,9 @@ import numpy as np
 
 from bubblesnap.clients._bubble_stream import BubbleStream
 from bubblesnap.clients._shared_memory import SegmentMaps, map_restored
+from bubblesnap.clients.options import ClientOptions
+from bubblesnap.clients.results import LogError, RawStep, RestoreError, SnapshotResult
+from bubblesnap.clients.staging import PendingStaging, Staging
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc
 from bubblesnap.protos.checksum import checksum
@@ -24,103 +29,8 @@ from bubblesnap.protos.checksum import checksum
 log = logging.getLogger("bubblesnap.client")
 
 
-@dataclasses.dataclass(frozen=True)
-class ClientOptions:
-    """How a client reaches its daemon and how patient it is.
-
-    Attributes:
-      daemon: address of the local daemon. Default ``127.0.0.1:7070``.
-      rpc_timeout_seconds: deadline of each call. Default 5 s.
-      backoff_seconds: after the daemon timed out or was unreachable, how long
-        snapshots are skipped without asking it again. Default 10 s.
-      verify_restore: recompute checksums of restored bytes in the client too
-        (the daemon checks them right before it hands a step over, and never
-        writes that memory again). Default False.
-      restore_timeout_seconds: deadline of a restore, which may pull the
-        state from a peer or the durable tier first. Default 300 s.
-    """
-
-    daemon: str = "127.0.0.1:7070"
-    rpc_timeout_seconds: float = 5.0
-    backoff_seconds: float = 10.0
-    verify_restore: bool = False
-    restore_timeout_seconds: float = 300.0
-
-
-@dataclasses.dataclass(frozen=True)
-class SnapshotResult:
-    """What became of one snapshot request.
-
-    Attributes:
-      step: the training step.
-      taken: the bytes reached the daemon's memory (and, if the call waited,
-        the daemon committed them).
-      committed: every rank of the job holds this step (None: not waited for).
-      reason: why no snapshot was taken, empty when it was.
-      stall_seconds: how long the call held the training loop.
-      copied_by: for a rank of a data-parallel replica group that is not its
-        copier (lowest rank): the rank whose snapshot holds this state.
-        Nothing was copied (``taken`` is False); None otherwise.
-    """
-
-    step: int
-    taken: bool
-    committed: bool | None = None
-    reason: str = ""
-    stall_seconds: float = 0.0
-    copied_by: int | None = None
-
-
 #: Kept boundary records are sent once they reach this many bytes, even before wait_log.
 LOG_BATCH_BYTES = 8 << 20
-
-
-class LogError(RuntimeError):
-    """A training-log record could not be stored or read."""
-
-
-class RestoreError(RuntimeError):
-    """A restore could not be done; the message says why and what is held."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Staging:
-    """Where one step's shards go: the mapped segment and (offset, nbytes) per slot."""
-
-    step: int
-    segment: np.ndarray
-    slots: tuple[tuple[int, int], ...]
-
-
-class PendingStaging:
-    """A BeginStep in flight: ``done()`` without blocking, ``()`` waits and maps the segment."""
-
-    def __init__(self, step: int, future, session: "Session"):
-        self.step, self._future, self._session = step, future, session
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def ready(self, give_up) -> bool:
-        """Waits for the answer until ``give_up()`` turns true; whether it came."""
-        while not self._future.done():
-            if give_up():
-                return False
-            time.sleep(2e-4)
-        return True
-
-    def __call__(self) -> Staging:
-        return self._session.staging_of(self.step, self._future.result())
-
-
-@dataclasses.dataclass(frozen=True)
-class RawStep:
-    """A restored step before it is turned back into framework arrays."""
-
-    step: int
-    tensors: tuple  # pb.TensorSpec, in registration order
-    shards: dict    # (tensor index, shard index) -> read-only uint8 view of the daemon's segment
-    source: str = "memory"  # where the daemon found it: memory, peer, durable
 
 
 class Session:
@@ -129,6 +39,11 @@ class Session:
     ``replica_group``: the ranks whose state is identical to this rank's (its
     data-parallel replicas). Only the group's lowest rank, its copier, copies
     the state; the daemon holds the others through its copies.
+
+    Attributes:
+      job, rank, world_size, options: as given.
+      copier: the rank that copies this rank's state (itself unless it is a
+        replica that is not its group's lowest rank).
     """
 
     def __init__(self, job: str, rank: int, world_size: int, options: ClientOptions,
@@ -154,6 +69,7 @@ class Session:
     # -- calls with deadlines -------------------------------------------------
 
     def call(self, method: str, request):
+        """Calls ``method`` with the session's deadline; raises grpc.RpcError."""
         return getattr(self._stub, method)(request, timeout=self.options.rpc_timeout_seconds)
 
     def ensure_registered(self, tensors) -> None:
@@ -229,7 +145,7 @@ class Session:
         """Registers if needed and reserves the step's segment; raises grpc.RpcError."""
         return self.begin_async(step, tensors)()
 
-    def begin_async(self, step: int, tensors) -> "PendingStaging":
+    def begin_async(self, step: int, tensors) -> PendingStaging:
         """Like :meth:`begin`, but returns at once; the answer is waited for when used."""
         self.ensure_registered(tensors)
         future = self._stub.BeginStep.future(
@@ -403,10 +319,12 @@ class Session:
             after_step = records[-1][0]
 
     def status(self) -> pb.JobStatus:
+        """This job's status as the daemon reports it; raises grpc.RpcError."""
         response = self.call("Status", pb.StatusRequest(job=self.job))
         return response.jobs[0]
 
     def close(self) -> None:
+        """Collects the commits and log records in flight, then closes the channel."""
         self.wait()
         try:
             self.wait_log()  # kept boundary records go out before the channel closes
