@@ -1,4 +1,4 @@
-"""How a client reaches its daemon, and the check every options class of the clients runs.
+"""How a client reaches its daemon.
 
 Options are frozen, keyword-only dataclasses that check themselves when
 made, so a wrong value fails where it is written, naming the option, instead
@@ -6,20 +6,8 @@ of deep inside a training step.
 """
 
 import dataclasses
-import numbers
 
-
-def check_option(options, name: str, valid: bool, rule: str) -> None:
-    """Raises ValueError unless ``valid``, naming the class and the field:
-    ``ClientOptions.rpc_timeout_seconds must be > 0, got -1``."""
-    if not valid:
-        raise ValueError(f"{type(options).__name__}.{name} must be {rule}, "
-                         f"got {getattr(options, name)!r}")
-
-
-def is_number(value) -> bool:
-    """A real number that is not a bool (True is an int to Python, never a duration here)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+from bubblesnap.options import is_number, require
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,12 +33,12 @@ class ClientOptions:
     restore_timeout_seconds: float = 300.0
 
     def __post_init__(self):
-        check_option(self, "daemon", isinstance(self.daemon, str) and bool(self.daemon),
+        require(self, "daemon", isinstance(self.daemon, str) and bool(self.daemon),
                      "an address such as 127.0.0.1:7070")
         for name in ("rpc_timeout_seconds", "restore_timeout_seconds"):
             value = getattr(self, name)
-            check_option(self, name, is_number(value) and value > 0, "> 0")
-        check_option(self, "backoff_seconds",
+            require(self, name, is_number(value) and value > 0, "> 0")
+        require(self, "backoff_seconds",
                      is_number(self.backoff_seconds) and self.backoff_seconds >= 0, ">= 0")
-        check_option(self, "verify_restore", isinstance(self.verify_restore, bool),
+        require(self, "verify_restore", isinstance(self.verify_restore, bool),
                      "True or False")

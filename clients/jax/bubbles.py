@@ -39,7 +39,7 @@ import grpc
 
 from bubblesnap.clients.jax import _layout
 from bubblesnap.clients.jax._pending_step import Begun, PendingStep
-from bubblesnap.clients.options import check_option, is_number
+from bubblesnap.options import is_number, require
 from bubblesnap.protos import daemon_pb2 as pb
 
 log = logging.getLogger("bubblesnap.client")
@@ -68,13 +68,13 @@ class BubbleSnapshotOptions:
     smoothing: float = 0.3
 
     def __post_init__(self):
-        check_option(self, "warmup_iterations", isinstance(self.warmup_iterations, int)
+        require(self, "warmup_iterations", isinstance(self.warmup_iterations, int)
                      and not isinstance(self.warmup_iterations, bool)
                      and self.warmup_iterations >= 0, "a whole number >= 0")
-        check_option(self, "eager", isinstance(self.eager, bool), "True or False")
-        check_option(self, "min_report_seconds",
+        require(self, "eager", isinstance(self.eager, bool), "True or False")
+        require(self, "min_report_seconds",
                      is_number(self.min_report_seconds) and self.min_report_seconds >= 0, ">= 0")
-        check_option(self, "smoothing",
+        require(self, "smoothing",
                      is_number(self.smoothing) and 0 < self.smoothing <= 1, "in (0, 1]")
 
 
