@@ -20,23 +20,19 @@ run (the order rotates every round):
 Reported per mode: the median step time (slowest stage) with min-max, the
 overhead against none, and the bytes each log takes per step.
 
-Usage: python benchmarks/logging.py [--json] [--rounds 4] [--segment 8]
+Usage: python benchmarks/log_cost.py [--json] [--rounds 4] [--segment 8]
 """
 
+import argparse
+import json
 import os
+import statistics
 import sys
+import threading
+import time
 
-# This file's name shadows the standard library's logging module for every
-# import below (Python puts the script's folder first on the path): drop it.
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
+# The pipeline runtime and the lossless example live in examples/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 STAGES = 3
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -44,7 +40,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 
 
 def log(message: str) -> None:
-    print(f"[logging] {message}", file=sys.stderr, flush=True)
+    print(f"[log_cost] {message}", file=sys.stderr, flush=True)
 
 
 def run(args, daemon: str) -> dict:
@@ -64,8 +60,8 @@ def run(args, daemon: str) -> dict:
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
     loader = DataLoader(config, MICROBATCHES)
     options = ClientOptions(daemon=daemon)
-    clients = [SnapshotClient("logging-bench", s, STAGES, options) for s in range(STAGES)]
-    boundary_logs = [BoundaryLog(clients[s], "logging-bench", STAGES, range(STAGES - 1),
+    clients = [SnapshotClient("log-cost-bench", s, STAGES, options) for s in range(STAGES)]
+    boundary_logs = [BoundaryLog(clients[s], "log-cost-bench", STAGES, range(STAGES - 1),
                                  lambda stage: options) for s in range(STAGES)]
     record_bytes = []
     current = [""] * STAGES  # each stage's mode in the iteration it runs
