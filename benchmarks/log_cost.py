@@ -20,7 +20,7 @@ run (the order rotates every round):
 Reported per mode: the median step time (slowest stage) with min-max, the
 overhead against none, and the bytes each log takes per step.
 
-Usage: python benchmarks/log_cost.py [--json] [--rounds 4] [--segment 8]
+Usage: python benchmarks/log_cost.py [--json] [--quick] [--rounds 4] [--segment 8]
 """
 
 import argparse
@@ -31,16 +31,14 @@ import sys
 import threading
 import time
 
+from bench_common import force_cpu_devices, log, parse_args
+
+from bubblesnap.testing import Ring
+
 # The pipeline runtime and the lossless example live in examples/.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 STAGES = 3
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={STAGES}")
-
-
-def log(message: str) -> None:
-    print(f"[log_cost] {message}", file=sys.stderr, flush=True)
 
 
 def run(args, daemon: str) -> dict:
@@ -118,7 +116,7 @@ def run(args, daemon: str) -> dict:
         if counted:
             per_mode[mode].append(max(r.iterations[i]["seconds"] for r in runners))
     base = statistics.median(per_mode["none"])
-    report = {"modes": {}}
+    report = {"benchmark": "log_cost", "modes": {}}
     for mode, times in per_mode.items():
         med = statistics.median(times)
         report["modes"][mode] = {"median_step_ms": round(med * 1e3, 2),
@@ -143,21 +141,18 @@ def run(args, daemon: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--segment", type=int, default=8, help="measured steps per segment")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
-    args = p.parse_args()
-    from lossless import start_daemons  # the ring examples/lossless.py runs on
-    procs, addresses = start_daemons()
-    daemon = addresses[0]
+    args = parse_args(p, quick={"rounds": 1, "segment": 2, "warmup": 1, "d_model": 32})
+    force_cpu_devices(STAGES)
+    # The ring examples/lossless.py runs on: the trainer's host and the one holding replicas.
+    ring = Ring(2, "--replicas", "1", "--max-interval", "1", log_level="ERROR")
     try:
-        report = run(args, daemon)
+        report = run(args, ring.addresses[0])
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
+        ring.stop()
     for mode, row in report["modes"].items():
         log(f"{mode:>13}: median step {row['median_step_ms']:.2f} ms "
             f"({row['min_step_ms']:.2f}-{row['max_step_ms']:.2f}), "
