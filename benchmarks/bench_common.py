@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import json
 import os
+import signal
 import statistics
 import sys
 
@@ -45,6 +46,12 @@ def parse_args(parser: argparse.ArgumentParser, quick: dict, argv=None) -> argpa
     if probe.parse_known_args(argv)[0].quick:
         parser.set_defaults(**quick)
     return parser.parse_args(argv)
+
+
+def exit_on_sigterm() -> None:
+    """Makes SIGTERM end the run through its ``finally`` blocks, which stop its daemons
+    (by default SIGTERM ends Python at once and the daemons outlive it)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
 def report_out(report: dict, as_json: bool, print_table) -> None:

@@ -47,20 +47,8 @@ import sys
 import tempfile
 import time
 
+import bench_common as common
 import numpy as np
-from bench_common import (
-    bandwidths,
-    force_cpu_devices,
-    log,
-    make_state,
-    measure,
-    parse_args,
-    print_table,
-    report_out,
-    restore_target,
-    same_state,
-    shard_bytes,
-)
 
 from bubblesnap.testing import DaemonProcess
 
@@ -81,8 +69,8 @@ class Bench:
 
         from bubblesnap.clients.jax import ClientOptions, SnapshotClient
         self.state = state
-        self.target = restore_target(state)
-        self.shards = list(shard_bytes(state).values())
+        self.target = common.restore_target(state)
+        self.shards = list(common.shard_bytes(state).values())
         self.warm = np.empty(sum(s.nbytes for s in self.shards), np.uint8)
         self.warm.fill(0)
         options = ClientOptions(daemon=address)
@@ -161,13 +149,13 @@ class Bench:
 
     def restore_matches(self) -> bool:
         """Whether both jobs restore the state bit for bit, with the same shardings."""
-        return all(same_state(self.state, client.restore(self.target).state)
+        return all(common.same_state(self.state, client.restore(self.target).state)
                    for client in (self.stager, self.restorer))
 
 
 def summarize(seconds: dict[str, list[float]], state_bytes: int, repeats: int,
               matches: bool, devices: int) -> dict:
-    modes, med = bandwidths(seconds, lambda mode: state_bytes)
+    modes, med = common.bandwidths(seconds, lambda mode: state_bytes)
     ratios = {
         "staging_vs_memcpy_warm": med["stage_commit"] / med["memcpy_warm"],
         "stall_vs_memcpy_warm": med["stage_stall"] / med["memcpy_warm"],
@@ -190,8 +178,9 @@ def summarize(seconds: dict[str, list[float]], state_bytes: int, repeats: int,
 
 
 def print_datapath_table(report: dict) -> None:
-    print_table(report, f"state: {report['state_bytes'] / 1e6:.0f} MB on {report['devices']} "
-                        f"device(s), {report['repeats']} interleaved rounds")
+    common.print_table(report, f"state: {report['state_bytes'] / 1e6:.0f} MB on "
+                               f"{report['devices']} device(s), {report['repeats']} interleaved "
+                               "rounds")
     print(f"restore matches the state bit for bit: {report['restore_matches']}")
 
 
@@ -202,20 +191,21 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=1,
                         help="CPU devices to shard leaves over (sets "
                              "--xla_force_host_platform_device_count; default 1)")
-    args = parse_args(parser, quick={"size_mb": 8, "repeats": 2})
+    args = common.parse_args(parser, quick={"size_mb": 8, "repeats": 2})
+    common.exit_on_sigterm()
     if args.devices > 1:
-        force_cpu_devices(args.devices)
-    state = make_state(int(args.size_mb * 1e6), args.devices)
-    shards = shard_bytes(state)
+        common.force_cpu_devices(args.devices)
+    state = common.make_state(int(args.size_mb * 1e6), args.devices)
+    shards = common.shard_bytes(state)
     state_bytes = sum(s.nbytes for s in shards.values())
-    log(f"state: {state_bytes / 1e6:.0f} MB in {len(shards)} shards")
+    common.log(f"state: {state_bytes / 1e6:.0f} MB in {len(shards)} shards")
     daemon = DaemonProcess("--memory-budget", str(max(4 << 30, 8 * state_bytes)))
     orbax_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="bubblesnap-bench-orbax-")
     bench = None
     try:
         bench = Bench(state, daemon.address, orbax_dir)
         # the warm-up round runs in MODES order: orbax_save writes what orbax_restore reads
-        seconds = measure(bench, MODES, args.repeats)
+        seconds = common.measure(bench, MODES, args.repeats)
         report = summarize(seconds, state_bytes, args.repeats, bench.restore_matches(),
                            args.devices)
     finally:
@@ -223,7 +213,7 @@ def main() -> int:
             bench.close()
         daemon.stop()
         shutil.rmtree(orbax_dir, ignore_errors=True)
-    report_out(report, args.json, print_datapath_table)
+    common.report_out(report, args.json, print_datapath_table)
     return 0
 
 

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from bench_common import force_cpu_devices, log, parse_args
+import bench_common as common
 
 from bubblesnap.testing import Ring
 
@@ -108,7 +108,7 @@ def run(args, daemon: str) -> dict:
         t.start()
     for t in threads:
         t.join()
-    log(f"{len(plan)} iterations in {time.perf_counter() - started:.1f} s")
+    common.log(f"{len(plan)} iterations in {time.perf_counter() - started:.1f} s")
     for c in clients:
         c.close()
     per_mode: dict[str, list[float]] = {m: [] for m in modes}
@@ -145,8 +145,9 @@ def main() -> int:
     p.add_argument("--segment", type=int, default=8, help="measured steps per segment")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
-    args = parse_args(p, quick={"rounds": 1, "segment": 2, "warmup": 1, "d_model": 32})
-    force_cpu_devices(STAGES)
+    args = common.parse_args(p, quick={"rounds": 1, "segment": 2, "warmup": 1, "d_model": 32})
+    common.force_cpu_devices(STAGES)
+    common.exit_on_sigterm()
     # The ring examples/lossless.py runs on: the trainer's host and the one holding replicas.
     ring = Ring(2, "--replicas", "1", "--max-interval", "1", log_level="ERROR")
     try:
@@ -154,12 +155,12 @@ def main() -> int:
     finally:
         ring.stop()
     for mode, row in report["modes"].items():
-        log(f"{mode:>13}: median step {row['median_step_ms']:.2f} ms "
-            f"({row['min_step_ms']:.2f}-{row['max_step_ms']:.2f}), "
-            f"overhead {row['overhead_pct']:+.2f}%")
-    log(f"training log: {report['training_log_bytes_per_step']:.0f} bytes per step; "
-        f"boundary log: {report['boundary_log_bytes_per_step']['all_boundaries']} bytes per "
-        "step")
+        common.log(f"{mode:>13}: median step {row['median_step_ms']:.2f} ms "
+                   f"({row['min_step_ms']:.2f}-{row['max_step_ms']:.2f}), "
+                   f"overhead {row['overhead_pct']:+.2f}%")
+    common.log(f"training log: {report['training_log_bytes_per_step']:.0f} bytes per step; "
+               f"boundary log: {report['boundary_log_bytes_per_step']['all_boundaries']} bytes "
+               "per step")
     if args.json:
         print(json.dumps(report), flush=True)
     return 0

@@ -38,7 +38,7 @@ import statistics
 import subprocess
 import sys
 
-from bench_common import log, parse_args, report_out
+import bench_common as common
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                        "pipeline_gpt.py")
@@ -72,8 +72,8 @@ def main() -> int:
                    help="pipeline schedule (default 1f1b)")
     p.add_argument("--layers-per-stage", default="2,2")
     p.add_argument("--microbatch-size", type=int, default=2)
-    args = parse_args(p, quick={"rounds": 1, "warmup": 6, "measured": 3,
-                                "layers_per_stage": "1,1"})
+    args = common.parse_args(p, quick={"rounds": 1, "warmup": 6, "measured": 3,
+                                       "layers_per_stage": "1,1"})
 
     times = {mode: [] for mode in MODES}
     snapshots = dict.fromkeys(MODES, 0)
@@ -82,7 +82,7 @@ def main() -> int:
     for round_ in range(args.rounds):
         for k in range(len(MODES)):
             mode = MODES[(round_ + k) % len(MODES)]
-            log(f"round {round_ + 1}/{args.rounds}: {mode}")
+            common.log(f"round {round_ + 1}/{args.rounds}: {mode}")
             report = run_mode(mode, args)
             row = report["modes"][mode]
             times[mode] += row["step_seconds"]
@@ -132,7 +132,7 @@ def main() -> int:
                   "Unix-socket activations, daemon nice 10; one run per mode, runs "
                   "interleaved round by round",
     }
-    report_out(report, args.json, print_overhead_table)
+    common.report_out(report, args.json, print_overhead_table)
     return 0
 
 

@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 
-from bench_common import parse_args, report_out
+import bench_common as common
 
 from bubblesnap.service import planner
 from bubblesnap.service.bubble_plans import BubbleOptions, BubblePlans
@@ -201,7 +201,8 @@ def main(argv=None):
                         help="skip the BubblePlans measurements")
     parser.add_argument("--skip-all-ranks-daemon", action="store_true",
                         help="skip BubblePlans holding every stage (the slow worst case)")
-    args = parse_args(parser, quick={"stages": 64, "microbatches": 8, "repeats": 2}, argv=argv)
+    args = common.parse_args(parser, quick={"stages": 64, "microbatches": 8, "repeats": 2},
+                             argv=argv)
 
     options = planner.PlannerOptions()
     started = time.perf_counter()
@@ -243,7 +244,7 @@ def main(argv=None):
         if not args.skip_all_ranks_daemon:
             report["bubble_plans"]["one_daemon_all_ranks"] = daemon_use(
                 profiles, ranks, options, args.repeats)
-    report_out(report, args.json, print_plan_scale_table)
+    common.report_out(report, args.json, print_plan_scale_table)
     return 0
 
 

@@ -81,22 +81,9 @@ import threading
 import time
 import traceback
 
+import bench_common as common
 import grpc
 import numpy as np
-from bench_common import (
-    STATE_LEAVES,
-    bandwidths,
-    force_cpu_devices,
-    log,
-    make_state,
-    measure,
-    parse_args,
-    print_table,
-    report_out,
-    restore_target,
-    same_state,
-    shard_bytes,
-)
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
@@ -140,7 +127,7 @@ class Daemons:
             try:
                 daemon.stop()
             except Exception as err:  # keep stopping the others
-                log(f"stopping {daemon.name} failed: {err!r}")
+                common.log(f"stopping {daemon.name} failed: {err!r}")
 
     def logged(self, daemon: DaemonProcess, needle: str) -> list[str]:
         """Lines of the daemon's log that contain ``needle``."""
@@ -197,7 +184,7 @@ class Watchdog:
             reason = self.daemons.overrun()
             if reason:
                 self.reason = reason
-                log(f"watchdog: {reason}; stopping the daemons")
+                common.log(f"watchdog: {reason}; stopping the daemons")
                 for daemon in list(self.daemons.started.values()):
                     if daemon.proc.poll() is None:
                         daemon.proc.send_signal(signal.SIGTERM)
@@ -259,8 +246,8 @@ class Bench:
 
     def __init__(self, state, daemons: Daemons, shm_dir: str):
         self.state = state
-        self.target = restore_target(state)
-        self.shards = shard_bytes(state)
+        self.target = common.restore_target(state)
+        self.shards = common.shard_bytes(state)
         self.state_bytes = sum(s.nbytes for s in self.shards.values())
         self.matches = {mode: True for mode in MODES}
         self.sources: dict[str, list[str]] = {mode: [] for mode in EXPECTED_SOURCE}
@@ -280,7 +267,8 @@ class Bench:
         durable_dir = os.path.join(shm_dir, "durable")
         peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
         ring = ("--peers", peers, "--replicas", "1")
-        log("starting daemons A, B, C (a ring, --replicas 1; A writes the durable tier) and D")
+        common.log("starting daemons A, B, C (a ring, --replicas 1; A writes the durable tier) "
+                   "and D")
         self.a = daemons.start("A", *ring, "--index", "0", "--durable-dir", durable_dir,
                                "--durable-every-steps", "1")
         self.b = daemons.start("B", *ring, "--index", "1")
@@ -295,7 +283,7 @@ class Bench:
 
         self.trainer, self.peer_client, self.durable_client = client(self.a), client(self.c), \
             client(self.d)
-        log(f"snapshotting step {STEP} of rank 0 on A")
+        common.log(f"snapshotting step {STEP} of rank 0 on A")
         result = self.trainer.snapshot(STEP, state, wait=True)
         if result is None or not result.taken:
             raise RuntimeError(f"the snapshot was not taken: {getattr(result, 'reason', '')}")
@@ -306,7 +294,7 @@ class Bench:
                  "B to hold the replica", _WAIT_SECONDS)
         marker = os.path.join(durable_dir, JOB, f"step_{STEP}", "rank_0.json")
         wait_for(lambda: os.path.exists(marker), f"A to write {marker}", _WAIT_SECONDS)
-        log("A and B hold the step, the durable tier has it")
+        common.log("A and B hold the step, the durable tier has it")
 
         self._peer_channel = grpc.insecure_channel(self.a.ready["peer_address"])
         self._closers.append(self._peer_channel.close)
@@ -331,7 +319,7 @@ class Bench:
         self.checkpointer = ocp.StandardCheckpointer()
         self._closers.append(self.checkpointer.close)
         self.orbax_path = os.path.join(shm_dir, "orbax")
-        log(f"saving the state with Orbax to {self.orbax_path}")
+        common.log(f"saving the state with Orbax to {self.orbax_path}")
         self.checkpointer.save(self.orbax_path, state)
         self.checkpointer.wait_until_finished()
 
@@ -340,7 +328,7 @@ class Bench:
             try:
                 close()
             except Exception as err:
-                log(f"closing failed: {err!r}")
+                common.log(f"closing failed: {err!r}")
 
     def _copies(self, daemon) -> int:
         job = daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs[0]
@@ -378,7 +366,7 @@ class Bench:
                 self.problems.append(f"{mode}: restored step {restored.step}, not {STEP}")
                 self.matches[mode] = False
             restored = restored.state
-        if not same_state(self.state, restored):
+        if not common.same_state(self.state, restored):
             self.matches[mode] = False
             self.problems.append(f"{mode}: the restored state differs from the original")
 
@@ -481,7 +469,7 @@ class Bench:
 
 def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
               daemon_problems: dict) -> dict:
-    modes, med = bandwidths(seconds, lambda mode: bench.segment_bytes if mode in (
+    modes, med = common.bandwidths(seconds, lambda mode: bench.segment_bytes if mode in (
         "raw_tcp", "raw_tcp_parallel", "peer_transfer") else bench.state_bytes)
     ratios = {
         # against the faster of one stream and as many streams as the peer path uses
@@ -494,7 +482,7 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
     }
     return {
         "benchmark": "restore", "state_bytes": bench.state_bytes,
-        "segment_bytes": bench.segment_bytes, "leaves": STATE_LEAVES,
+        "segment_bytes": bench.segment_bytes, "leaves": common.STATE_LEAVES,
         "devices": DEVICES, "rounds": rounds, "modes": modes,
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
         "meets_targets": {
@@ -511,9 +499,9 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
 
 
 def print_restore_table(report: dict) -> None:
-    print_table(report, f"state: {report['state_bytes'] / 1e6:.0f} MB in {report['leaves']} "
-                        f"leaves on {report['devices']} CPU devices, {report['rounds']} "
-                        "interleaved rounds", report["matches"])
+    common.print_table(report, f"state: {report['state_bytes'] / 1e6:.0f} MB in "
+                               f"{report['leaves']} leaves on {report['devices']} CPU devices, "
+                               f"{report['rounds']} interleaved rounds", report["matches"])
     for mode, sources in report["sources"].items():
         print(f"{mode} sources: {', '.join(sorted(set(sources)))}")
     for problem in report["problems"]:
@@ -528,23 +516,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=256, help="state size in MB (default 256)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
-    args = parse_args(parser, quick={"mb": 8, "rounds": 1})
+    args = common.parse_args(parser, quick={"mb": 8, "rounds": 1})
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    force_cpu_devices(DEVICES)
-    # SIGTERM ends the run through the finally blocks, which stop every daemon.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    state = make_state(int(args.mb * 1e6), DEVICES)
+    common.force_cpu_devices(DEVICES)
+    common.exit_on_sigterm()
+    state = common.make_state(int(args.mb * 1e6), DEVICES)
     shm_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="bubblesnap-bench-restore-")
     log_dir = tempfile.mkdtemp(prefix="bubblesnap-bench-restore-logs-")
-    state_bytes = sum(s.nbytes for s in shard_bytes(state).values())
-    log(f"state: {state_bytes / 1e6:.0f} MB; work files in {shm_dir}")
+    state_bytes = sum(s.nbytes for s in common.shard_bytes(state).values())
+    common.log(f"state: {state_bytes / 1e6:.0f} MB; work files in {shm_dir}")
     daemons = Daemons(4 * state_bytes + (64 << 20), log_dir)
     watchdog = Watchdog(daemons)
     bench = seconds = error = None
     try:
         bench = Bench(state, daemons, shm_dir)
-        seconds = measure(bench, MODES, args.rounds)
+        seconds = common.measure(bench, MODES, args.rounds)
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
         if watchdog.reason:
@@ -559,15 +546,15 @@ def main() -> int:
         daemon_problems = daemons.problems()
         shutil.rmtree(log_dir, ignore_errors=True)
         for name, lines in daemon_problems.items():
-            log(f"daemon {name} logged:\n  " + "\n  ".join(lines))
+            common.log(f"daemon {name} logged:\n  " + "\n  ".join(lines))
     if error is not None:
-        log(f"the benchmark failed: {error}")
+        common.log(f"the benchmark failed: {error}")
         if args.json:
             print(json.dumps({"benchmark": "restore", "error": error,
                               "problems": bench.problems if bench else [],
                               "daemon_log": daemon_problems}))
         return 1
-    report_out(summarize(seconds, bench, args.rounds, daemon_problems), args.json,
+    common.report_out(summarize(seconds, bench, args.rounds, daemon_problems), args.json,
                print_restore_table)
     return 0
 
