@@ -107,29 +107,32 @@ class DaemonProcess:
         self.stderr_path = None if stderr is None or isinstance(stderr, int) else str(stderr)
         self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir="/dev/shm")
                             if own_shm_dir else None)
+        self._channel: grpc.Channel | None = None
         shm = ["--shm-dir", self.own_shm_dir] if own_shm_dir else []
         command = [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
                    "--metrics", metrics, "--log-level", log_level, *shm, *flags]
-        self._channel: grpc.Channel | None = None
         try:
-            log_file = open(self.stderr_path, "w") if self.stderr_path else None
-            try:
-                self.proc = subprocess.Popen(
-                    command, stdout=subprocess.PIPE, text=True,
-                    stderr=log_file if log_file is not None else stderr,
-                    env=None if env is None else {**os.environ, **env})
-            finally:
-                if log_file is not None:
-                    log_file.close()  # the child holds its own descriptor
+            self.proc = self._spawn(command, stderr, None if env is None else {**os.environ, **env})
         except BaseException:
             self._remove_own_shm_dir()
             raise
+        self.ready: dict = self._await_ready(ready_timeout)
+
+    def _spawn(self, command: list[str], stderr, env) -> subprocess.Popen:
+        if self.stderr_path is None:
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                    env=env)
+        with open(self.stderr_path, "w") as log_file:  # the child keeps its own descriptor
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                    env=env)
+
+    def _await_ready(self, timeout: float) -> dict:
+        """The ready line's JSON; else the daemon is killed and DaemonError says why."""
         try:
-            readable, _, _ = select.select([self.proc.stdout], [], [], ready_timeout)
+            readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
             line = self.proc.stdout.readline() if readable else ""
             if line:
-                self.ready: dict = json.loads(line)
-                return
+                return json.loads(line)
             if readable:  # end of file: it closed stdout on its way out
                 self.proc.wait(timeout=30)
         except BaseException:
@@ -138,7 +141,7 @@ class DaemonProcess:
         exited = self.proc.poll()
         self.kill()
         why = (f"exited with code {exited}" if exited is not None
-               else f"printed no ready line within {ready_timeout:.0f} s")
+               else f"printed no ready line within {timeout:.0f} s")
         logged = self.stderr_text() or (self.proc.stderr.read() if self.proc.stderr else "")
         tail = logged[-3000:].strip()
         raise DaemonError(f"{self.name} {why}" + (f": {tail}" if tail else ""))
