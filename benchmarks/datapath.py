@@ -36,78 +36,24 @@ daemon's segment, so restore_local is bounded by the daemon's checksum pass
 and mapping the segment, not by a copy. On an accelerator it is one
 host-to-device transfer per shard.
 
-Usage: python benchmarks/datapath.py [--json] [--size-mb 256] [--repeats 5] [--devices 1]
+Usage: python benchmarks/datapath.py [--json] [--quick] [--size-mb 256] [--repeats 5]
+       [--devices 1]
 """
 
 import argparse
-import json
 import os
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+import bench_common as common
 import numpy as np
-from interleaved import measure
+
+from bubblesnap.testing import DaemonProcess
 
 MODES = ("memcpy_warm", "memcpy_fresh", "stage_stall", "stage_commit", "restore_local",
          "orbax_save", "orbax_restore")
-# Leaf sizes as fractions of the parameter count; each parameter has two float32 moments.
-_FRACTIONS = (0.5, 0.3, 0.15, 0.05)
-_COLUMNS = 1024
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def make_state(size_bytes: int, devices: int):
-    """bf16 params + f32 mu/nu (10 bytes per parameter), rows sharded over ``devices``."""
-    import jax
-    import ml_dtypes
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
-    rng = np.random.default_rng(0)
-    params = size_bytes / 10
-    state = {"params": {}, "mu": {}, "nu": {}}
-    for i, fraction in enumerate(_FRACTIONS):
-        rows = max(devices, int(params * fraction / _COLUMNS) // devices * devices)
-        values = rng.standard_normal((rows, _COLUMNS), dtype=np.float32)
-        state["params"][f"w{i}"] = jax.device_put(values.astype(ml_dtypes.bfloat16), sharding)
-        state["mu"][f"w{i}"] = jax.device_put(values * 0.1, sharding)
-        state["nu"][f"w{i}"] = jax.device_put(values * values, sharding)
-    return state
-
-
-def host_shards(state) -> list[np.ndarray]:
-    """Every addressable shard of every leaf as a flat uint8 view (zero-copy on CPU)."""
-    import jax
-    return [np.asarray(shard.data).reshape(-1).view(np.uint8)
-            for leaf in jax.tree_util.tree_leaves(state) for shard in leaf.addressable_shards]
-
-
-def start_daemon(budget_bytes: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0", "--metrics",
-         "", "--memory-budget", str(budget_bytes), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait()
-        raise SystemExit(f"daemon exited with {proc.returncode} before it was ready")
-    return proc, json.loads(line)["address"]
-
-
-def stop_daemon(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def check_snapshot(result, what: str) -> None:
@@ -119,14 +65,12 @@ class Bench:
     """The state, its clients and checkpointer, and one timing function per mode."""
 
     def __init__(self, state, address: str, orbax_dir: str):
-        import jax
         import orbax.checkpoint as ocp
 
         from bubblesnap.clients.jax import ClientOptions, SnapshotClient
         self.state = state
-        self.target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        self.shards = host_shards(state)
+        self.target = common.restore_target(state)
+        self.shards = list(common.shard_bytes(state).values())
         self.warm = np.empty(sum(s.nbytes for s in self.shards), np.uint8)
         self.warm.fill(0)
         options = ClientOptions(daemon=address)
@@ -205,25 +149,13 @@ class Bench:
 
     def restore_matches(self) -> bool:
         """Whether both jobs restore the state bit for bit, with the same shardings."""
-        import jax
-        for client in (self.stager, self.restorer):
-            restored = client.restore(self.target).state
-            for a, b in zip(jax.tree_util.tree_leaves(self.state),
-                            jax.tree_util.tree_leaves(restored), strict=True):
-                if a.sharding != b.sharding or not np.array_equal(
-                        np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)):
-                    return False
-        return True
+        return all(common.same_state(self.state, client.restore(self.target).state)
+                   for client in (self.stager, self.restorer))
 
 
 def summarize(seconds: dict[str, list[float]], state_bytes: int, repeats: int,
               matches: bool, devices: int) -> dict:
-    modes, med = {}, {}
-    for mode, times in seconds.items():
-        gbps = sorted(state_bytes / t / 1e9 for t in times)
-        med[mode] = statistics.median(gbps)
-        modes[mode] = {"median_gbps": round(med[mode], 3),
-                       "min_gbps": round(gbps[0], 3), "max_gbps": round(gbps[-1], 3)}
+    modes, med = common.bandwidths(seconds, lambda mode: state_bytes)
     ratios = {
         "staging_vs_memcpy_warm": med["stage_commit"] / med["memcpy_warm"],
         "stall_vs_memcpy_warm": med["stage_stall"] / med["memcpy_warm"],
@@ -245,53 +177,43 @@ def summarize(seconds: dict[str, list[float]], state_bytes: int, repeats: int,
     }
 
 
-def print_table(report: dict) -> None:
-    print(f"state: {report['state_bytes'] / 1e6:.0f} MB on {report['devices']} device(s), "
-          f"{report['repeats']} interleaved rounds")
-    print(f"{'mode':<16}{'median GB/s':>12}{'min':>9}{'max':>9}")
-    for mode, row in report["modes"].items():
-        print(f"{mode:<16}{row['median_gbps']:>12.2f}{row['min_gbps']:>9.2f}"
-              f"{row['max_gbps']:>9.2f}")
-    for name, value in report["ratios"].items():
-        print(f"{name:<28}{value:>8.2f}")
-    for name, met in report["meets_targets"].items():
-        print(f"{name:<32}{'yes' if met else 'NO'}")
+def print_datapath_table(report: dict) -> None:
+    common.print_table(report, f"state: {report['state_bytes'] / 1e6:.0f} MB on "
+                               f"{report['devices']} device(s), {report['repeats']} interleaved "
+                               "rounds")
     print(f"restore matches the state bit for bit: {report['restore_matches']}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--size-mb", type=float, default=256, help="state size (default 256)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--devices", type=int, default=1,
                         help="CPU devices to shard leaves over (sets "
                              "--xla_force_host_platform_device_count; default 1)")
-    args = parser.parse_args()
+    args = common.parse_args(parser, quick={"size_mb": 8, "repeats": 2})
+    common.exit_on_sigterm()
     if args.devices > 1:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
-                                   f"platform_device_count={args.devices}").strip()
-    state = make_state(int(args.size_mb * 1e6), args.devices)
-    state_bytes = sum(s.nbytes for s in host_shards(state))
-    log(f"state: {state_bytes / 1e6:.0f} MB in {len(host_shards(state))} shards")
-    daemon, address = start_daemon(max(4 << 30, 8 * state_bytes))
+        common.force_cpu_devices(args.devices)
+    state = common.make_state(int(args.size_mb * 1e6), args.devices)
+    shards = common.shard_bytes(state)
+    state_bytes = sum(s.nbytes for s in shards.values())
+    common.log(f"state: {state_bytes / 1e6:.0f} MB in {len(shards)} shards")
+    daemon = DaemonProcess("--memory-budget", str(max(4 << 30, 8 * state_bytes)))
     orbax_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="bubblesnap-bench-orbax-")
     bench = None
     try:
-        bench = Bench(state, address, orbax_dir)
+        bench = Bench(state, daemon.address, orbax_dir)
         # the warm-up round runs in MODES order: orbax_save writes what orbax_restore reads
-        seconds = measure(bench, MODES, args.repeats, log)
+        seconds = common.measure(bench, MODES, args.repeats)
         report = summarize(seconds, state_bytes, args.repeats, bench.restore_matches(),
                            args.devices)
     finally:
         if bench is not None:
             bench.close()
-        stop_daemon(daemon)
+        daemon.stop()
         shutil.rmtree(orbax_dir, ignore_errors=True)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
+    common.report_out(report, args.json, print_datapath_table)
     return 0
 
 

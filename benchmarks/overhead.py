@@ -28,7 +28,7 @@ fetched after the run, does not). Per stage: state bytes, bubble
 time per iteration (its waits in ``none`` runs), the time a naive copy of its
 whole state takes (``eager``'s copies) and their ratio.
 
-  python benchmarks/overhead.py --json
+  python benchmarks/overhead.py --json [--quick]
 """
 
 import argparse
@@ -37,6 +37,8 @@ import os
 import statistics
 import subprocess
 import sys
+
+import bench_common as common
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                        "pipeline_gpt.py")
@@ -58,7 +60,6 @@ def run_mode(mode: str, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.add_argument("--rounds", type=int, default=3, help="rounds over all modes (default 3)")
     p.add_argument("--warmup", type=int, default=12,
                    help="unmeasured iterations per run: compilation, bubble profiling, the "
@@ -71,7 +72,8 @@ def main() -> int:
                    help="pipeline schedule (default 1f1b)")
     p.add_argument("--layers-per-stage", default="2,2")
     p.add_argument("--microbatch-size", type=int, default=2)
-    args = p.parse_args()
+    args = common.parse_args(p, quick={"rounds": 1, "warmup": 6, "measured": 3,
+                                       "layers_per_stage": "1,1"})
 
     times = {mode: [] for mode in MODES}
     snapshots = dict.fromkeys(MODES, 0)
@@ -80,7 +82,7 @@ def main() -> int:
     for round_ in range(args.rounds):
         for k in range(len(MODES)):
             mode = MODES[(round_ + k) % len(MODES)]
-            print(f"round {round_ + 1}/{args.rounds}: {mode}", file=sys.stderr, flush=True)
+            common.log(f"round {round_ + 1}/{args.rounds}: {mode}")
             report = run_mode(mode, args)
             row = report["modes"][mode]
             times[mode] += row["step_seconds"]
@@ -130,21 +132,20 @@ def main() -> int:
                   "Unix-socket activations, daemon nice 10; one run per mode, runs "
                   "interleaved round by round",
     }
-    for row in modes.values():
-        row.pop("step_seconds", None)
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    for mode, row in modes.items():
+    common.report_out(report, args.json, print_overhead_table)
+    return 0
+
+
+def print_overhead_table(report: dict) -> None:
+    for mode, row in report["modes"].items():
         print(f"{mode:>12}: median {row['median_step_seconds'] * 1e3:7.2f} ms "
               f"[{row['min_step_seconds'] * 1e3:.2f}-{row['max_step_seconds'] * 1e3:.2f}] "
               f"overhead {row['overhead_pct']:+6.2f}%  interval {row['snapshot_interval']}")
-    for stage in per_stage:
+    for stage in report["per_stage"]:
         print(f"stage {stage['stage']}: {stage['state_bytes'] / 1e6:.1f} MB state, "
               f"copy/bubble {stage['copy_to_bubble_ratio']:.2f}")
     for name, ok in report["checks"].items():
         print(f"{name}: {'yes' if ok else 'NO'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -29,15 +29,17 @@ the requirement is < 1 s for 1,024 stages). Then the daemon-side use, through
 iterations of bubble reports, making the plan and answering the first START,
 and the steady-state cost of a START that already holds the plan.
 
-Usage: python benchmarks/plan_scale.py [--json] [--stages 1024] [--microbatches 64]
+Usage: python benchmarks/plan_scale.py [--json] [--quick] [--stages 1024] [--microbatches 64]
        [--params 175e9] [--bandwidth 25e9] [--schedule 1f1b|gpipe] [--repeats 5]
 """
 
 import argparse
 import dataclasses
-import json
 import statistics
+import sys
 import time
+
+import bench_common as common
 
 from bubblesnap.service.bubbles import planner
 from bubblesnap.service.bubbles.plans import BubbleOptions, BubblePlans
@@ -183,7 +185,6 @@ def daemon_use(profiles, ranks, options: planner.PlannerOptions, repeats: int) -
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--stages", type=int, default=1024, help="pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, default=64, help="microbatches per iteration")
     parser.add_argument("--params", type=float, default=175e9, help="model parameters")
@@ -200,7 +201,8 @@ def main(argv=None):
                         help="skip the BubblePlans measurements")
     parser.add_argument("--skip-all-ranks-daemon", action="store_true",
                         help="skip BubblePlans holding every stage (the slow worst case)")
-    args = parser.parse_args(argv)
+    args = common.parse_args(parser, quick={"stages": 64, "microbatches": 8, "repeats": 2},
+                             argv=argv)
 
     options = planner.PlannerOptions()
     started = time.perf_counter()
@@ -212,7 +214,8 @@ def main(argv=None):
     expected_idle = (args.stages - 1) * (forward + backward)
     state_bytes = sum(p.step_bytes for p in profiles.values())
     report = {
-        "stages": args.stages, "microbatches": args.microbatches, "schedule": args.schedule,
+        "benchmark": "plan_scale", "stages": args.stages, "microbatches": args.microbatches,
+        "schedule": args.schedule,
         "params": args.params, "state_bytes_per_param": sum(w for _, w in STATE_KINDS),
         "state_bytes": state_bytes, "state_bytes_per_stage": state_bytes // args.stages,
         "slots_per_stage": len(STATE_KINDS) * len(WEIGHT_GROUPS),
@@ -241,12 +244,14 @@ def main(argv=None):
         if not args.skip_all_ranks_daemon:
             report["bubble_plans"]["one_daemon_all_ranks"] = daemon_use(
                 profiles, ranks, options, args.repeats)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
+    common.report_out(report, args.json, print_plan_scale_table)
+    return 0
+
+
+def print_plan_scale_table(report: dict) -> None:
     for key, value in report.items():
         print(f"{key:>28}: {value}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

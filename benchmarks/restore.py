@@ -64,36 +64,35 @@ gives up as soon as A logs a replication that a peer did not take. Whatever
 happens, every daemon gets SIGTERM and the work files are removed; on a
 failure --json prints {"error": ..., "daemon_log": ...} and the exit code is 1.
 
-Usage: python benchmarks/restore.py [--json] [--mb 256] [--rounds 5]
+Usage: python benchmarks/restore.py [--json] [--quick] [--mb 256] [--rounds 5]
 """
 
 import argparse
 import itertools
 import json
 import os
-import select
 import shutil
 import signal
 import socket
-import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
 
+import bench_common as common
 import grpc
 import numpy as np
-from interleaved import measure
 
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.protos import daemon_pb2_grpc, peer_pb2_grpc
 from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.protos import peer_pb2_grpc
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.peers import data_channel
 from bubblesnap.service.store.layout import build_layout
+from bubblesnap.sockets import recv_exact
+from bubblesnap.testing import DaemonProcess, free_port, wait_for
 
 MODES = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local", "restore_peer",
          "restore_durable", "orbax_restore")
@@ -103,126 +102,10 @@ EXPECTED_SOURCE = {"restore_local": "memory", "restore_peer": "peer",
 DEVICES = 4
 JOB = "bench-restore"
 STEP = 1
-# Leaf sizes as fractions of the parameter count; each parameter has two float32 moments.
-_FRACTIONS = (0.5, 0.3, 0.15, 0.05)
-_COLUMNS = 1024
 _READY_SECONDS = 120.0
 _WAIT_SECONDS = 300.0
 #: Below this much free /dev/shm the watchdog stops the daemons.
 _SHM_FLOOR = 2 << 30
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def make_state(size_bytes: int):
-    """bf16 params + f32 mu/nu (10 bytes per parameter), rows sharded over DEVICES."""
-    import jax
-    import ml_dtypes
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:DEVICES]), ("x",))
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
-    rng = np.random.default_rng(0)
-    params = size_bytes / 10
-    state = {"params": {}, "mu": {}, "nu": {}}
-    for i, fraction in enumerate(_FRACTIONS):
-        rows = max(DEVICES, int(params * fraction / _COLUMNS) // DEVICES * DEVICES)
-        values = rng.standard_normal((rows, _COLUMNS), dtype=np.float32)
-        state["params"][f"w{i}"] = jax.device_put(values.astype(ml_dtypes.bfloat16), sharding)
-        state["mu"][f"w{i}"] = jax.device_put(values * 0.1, sharding)
-        state["nu"][f"w{i}"] = jax.device_put(values * values, sharding)
-    return state
-
-
-def _flat_bytes(array) -> np.ndarray:
-    return np.asarray(array).reshape(-1).view(np.uint8)
-
-
-def shard_bytes(state) -> dict[tuple[str, tuple], np.ndarray]:
-    """(tensor name as the client names it, ((start, stop), ...)) -> the shard's bytes."""
-    import jax
-    found = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        name = "/".join(str(k.key) for k in path)
-        for shard in leaf.addressable_shards:
-            index = tuple(s.indices(d)[:2] for s, d in zip(shard.index, leaf.shape, strict=True))
-            found.setdefault((name, index), _flat_bytes(shard.data))
-    return found
-
-
-def same_state(expected, got) -> bool:
-    """Same tree, shapes, dtypes, shardings, and every device's shard equal bit for bit."""
-    import jax
-    if jax.tree_util.tree_structure(expected) != jax.tree_util.tree_structure(got):
-        return False
-    for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got),
-                    strict=True):
-        if a.shape != b.shape or a.dtype != b.dtype or a.sharding != b.sharding:
-            return False
-        theirs = {s.device: s for s in b.addressable_shards}
-        for shard in a.addressable_shards:
-            other = theirs.get(shard.device)
-            if other is None or other.index != shard.index or not np.array_equal(
-                    _flat_bytes(shard.data), _flat_bytes(other.data)):
-                return False
-    return True
-
-
-def free_port() -> int:
-    """A port free right now (peers must know each other's addresses before they start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class DaemonProcess:
-    """A ``bubblesnap daemon`` child process; its stderr goes to a log file."""
-
-    def __init__(self, name: str, flags, log_dir: str):
-        self.name = name
-        self.log_path = os.path.join(log_dir, f"daemon-{name}.log")
-        self.ready: dict = {}
-        self.channel = self.stub = None
-        self.exit_code = None
-        with open(self.log_path, "w") as log_file:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
-                 "--metrics", "", "--log-level", "WARNING", *flags],
-                stdout=subprocess.PIPE, stderr=log_file, text=True)
-
-    def wait_ready(self) -> None:
-        readable, _, _ = select.select([self.proc.stdout], [], [], _READY_SECONDS)
-        line = self.proc.stdout.readline() if readable else ""
-        if not line:
-            raise RuntimeError(f"daemon {self.name} was not ready within {_READY_SECONDS:.0f} s "
-                               f"(exit code {self.proc.poll()}): {self.log_tail()}")
-        self.ready = json.loads(line)
-        self.channel = grpc.insecure_channel(self.address)
-        self.stub = daemon_pb2_grpc.DaemonStub(self.channel)
-
-    @property
-    def address(self) -> str:
-        return self.ready["address"]
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-lines:]).strip()
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 30 s; records the exit code."""
-        if self.channel is not None:
-            self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.exit_code = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.exit_code = self.proc.wait()
-        self.proc.stdout.close()
-
 
 class Daemons:
     """Starts daemons and stops every one of them in :meth:`stop_all`."""
@@ -230,28 +113,25 @@ class Daemons:
     def __init__(self, budget_bytes: int, log_dir: str):
         self.budget = str(budget_bytes)
         self.log_dir = log_dir
-        self.started: list[DaemonProcess] = []
+        self.started: dict[str, DaemonProcess] = {}
 
     def start(self, name: str, *flags: str) -> DaemonProcess:
-        daemon = DaemonProcess(name, ("--memory-budget", self.budget, *flags), self.log_dir)
-        self.started.append(daemon)  # before waiting: a daemon that hangs is stopped too
-        daemon.wait_ready()
+        daemon = DaemonProcess("--memory-budget", self.budget, *flags, name=f"daemon {name}",
+                               stderr=os.path.join(self.log_dir, f"daemon-{name}.log"),
+                               ready_timeout=_READY_SECONDS)
+        self.started[name] = daemon
         return daemon
 
     def stop_all(self) -> None:
-        for daemon in self.started:
+        for daemon in self.started.values():
             try:
                 daemon.stop()
             except Exception as err:  # keep stopping the others
-                log(f"stopping daemon {daemon.name} failed: {err!r}")
+                common.log(f"stopping {daemon.name} failed: {err!r}")
 
     def logged(self, daemon: DaemonProcess, needle: str) -> list[str]:
         """Lines of the daemon's log that contain ``needle``."""
-        try:
-            with open(daemon.log_path) as f:
-                return [line.rstrip() for line in f if needle in line]
-        except OSError:
-            return []
+        return [line for line in daemon.stderr_text().splitlines() if needle in line]
 
     def overrun(self) -> str | None:
         """Why the run must stop now to protect the machine, or None.
@@ -261,7 +141,7 @@ class Daemons:
         the daemon exits), which would end in the OOM killer.
         """
         limit = int(self.budget) + (64 << 20)
-        for daemon in self.started:
+        for daemon in list(self.started.values()):  # the watchdog's thread: copy first
             directory = daemon.ready.get("shm_dir")
             if not directory:
                 continue
@@ -270,7 +150,7 @@ class Daemons:
             except OSError:
                 continue
             if held > limit:
-                return (f"daemon {daemon.name} holds {held / 1e6:.0f} MB in {directory}, over its "
+                return (f"{daemon.name} holds {held / 1e6:.0f} MB in {directory}, over its "
                         f"{int(self.budget) / 1e6:.0f} MB memory budget: it leaks segments")
         stat = os.statvfs("/dev/shm")
         if stat.f_bavail * stat.f_frsize < _SHM_FLOOR:
@@ -280,35 +160,13 @@ class Daemons:
     def problems(self) -> dict[str, list[str]]:
         """WARNING/ERROR lines each daemon logged (at most 20), and unclean exits."""
         found = {}
-        for daemon in self.started:
-            try:
-                with open(daemon.log_path) as f:
-                    lines = [line.rstrip() for line in f if line.strip()]
-            except OSError:
-                lines = []
+        for name, daemon in self.started.items():
+            lines = [line.rstrip() for line in daemon.stderr_text().splitlines() if line.strip()]
             if daemon.exit_code not in (0, None):
                 lines.append(f"exited with code {daemon.exit_code}")
             if lines:
-                found[daemon.name] = lines[:20]
+                found[name] = lines[:20]
         return found
-
-
-def wait_for(check, what: str, failed=lambda: None, timeout: float = _WAIT_SECONDS):
-    """Polls ``check`` until it is true; ``failed()`` returning a reason ends the wait early."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            found = check()
-        except grpc.RpcError:
-            found = None
-        if found:
-            return found
-        reason = failed()
-        if reason:
-            raise RuntimeError(f"while waiting for {what}: {reason}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 class Watchdog:
@@ -326,8 +184,8 @@ class Watchdog:
             reason = self.daemons.overrun()
             if reason:
                 self.reason = reason
-                log(f"watchdog: {reason}; stopping the daemons")
-                for daemon in self.daemons.started:
+                common.log(f"watchdog: {reason}; stopping the daemons")
+                for daemon in list(self.daemons.started.values()):
                     if daemon.proc.poll() is None:
                         daemon.proc.send_signal(signal.SIGTERM)
                 return
@@ -335,16 +193,6 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def _recv_exact(conn, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("raw TCP receiver closed before sending its range")
-        data += chunk
-    return data
 
 
 class RawSender:
@@ -370,7 +218,7 @@ class RawSender:
         """Sends the [start, stop) range the connection asks for (16 bytes, two u64)."""
         try:
             with conn:
-                start, stop = struct.unpack("!QQ", _recv_exact(conn, 16))
+                start, stop = struct.unpack("!QQ", recv_exact(conn, 16))
                 fd = os.open(self.path, os.O_RDONLY)
                 try:
                     sent = start
@@ -397,11 +245,9 @@ class Bench:
     """The state, the daemons, clients and checkpointer, and one timing function per mode."""
 
     def __init__(self, state, daemons: Daemons, shm_dir: str):
-        import jax
         self.state = state
-        self.target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        self.shards = shard_bytes(state)
+        self.target = common.restore_target(state)
+        self.shards = common.shard_bytes(state)
         self.state_bytes = sum(s.nbytes for s in self.shards.values())
         self.matches = {mode: True for mode in MODES}
         self.sources: dict[str, list[str]] = {mode: [] for mode in EXPECTED_SOURCE}
@@ -421,7 +267,8 @@ class Bench:
         durable_dir = os.path.join(shm_dir, "durable")
         peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
         ring = ("--peers", peers, "--replicas", "1")
-        log("starting daemons A, B, C (a ring, --replicas 1; A writes the durable tier) and D")
+        common.log("starting daemons A, B, C (a ring, --replicas 1; A writes the durable tier) "
+                   "and D")
         self.a = daemons.start("A", *ring, "--index", "0", "--durable-dir", durable_dir,
                                "--durable-every-steps", "1")
         self.b = daemons.start("B", *ring, "--index", "1")
@@ -436,17 +283,18 @@ class Bench:
 
         self.trainer, self.peer_client, self.durable_client = client(self.a), client(self.c), \
             client(self.d)
-        log(f"snapshotting step {STEP} of rank 0 on A")
+        common.log(f"snapshotting step {STEP} of rank 0 on A")
         result = self.trainer.snapshot(STEP, state, wait=True)
         if result is None or not result.taken:
             raise RuntimeError(f"the snapshot was not taken: {getattr(result, 'reason', '')}")
         wait_for(lambda: self._copies(self.a) == 2, f"step {STEP} held twice (A and B)",
+                 _WAIT_SECONDS,
                  failed=lambda: "; ".join(daemons.logged(self.a, "did not take")[:1]))
         wait_for(lambda: self.b.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs,
-                 "B to hold the replica")
+                 "B to hold the replica", _WAIT_SECONDS)
         marker = os.path.join(durable_dir, JOB, f"step_{STEP}", "rank_0.json")
-        wait_for(lambda: os.path.exists(marker), f"A to write {marker}")
-        log("A and B hold the step, the durable tier has it")
+        wait_for(lambda: os.path.exists(marker), f"A to write {marker}", _WAIT_SECONDS)
+        common.log("A and B hold the step, the durable tier has it")
 
         self._peer_channel = grpc.insecure_channel(self.a.ready["peer_address"])
         self._closers.append(self._peer_channel.close)
@@ -471,7 +319,7 @@ class Bench:
         self.checkpointer = ocp.StandardCheckpointer()
         self._closers.append(self.checkpointer.close)
         self.orbax_path = os.path.join(shm_dir, "orbax")
-        log(f"saving the state with Orbax to {self.orbax_path}")
+        common.log(f"saving the state with Orbax to {self.orbax_path}")
         self.checkpointer.save(self.orbax_path, state)
         self.checkpointer.wait_until_finished()
 
@@ -480,7 +328,7 @@ class Bench:
             try:
                 close()
             except Exception as err:
-                log(f"closing failed: {err!r}")
+                common.log(f"closing failed: {err!r}")
 
     def _copies(self, daemon) -> int:
         job = daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs[0]
@@ -518,7 +366,7 @@ class Bench:
                 self.problems.append(f"{mode}: restored step {restored.step}, not {STEP}")
                 self.matches[mode] = False
             restored = restored.state
-        if not same_state(self.state, restored):
+        if not common.same_state(self.state, restored):
             self.matches[mode] = False
             self.problems.append(f"{mode}: the restored state differs from the original")
 
@@ -621,16 +469,8 @@ class Bench:
 
 def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
               daemon_problems: dict) -> dict:
-    modes, med = {}, {}
-    for mode, times in seconds.items():
-        nbytes = bench.segment_bytes if mode in ("raw_tcp", "raw_tcp_parallel",
-                                                 "peer_transfer") else \
-            bench.state_bytes
-        gbps = sorted(nbytes / t / 1e9 for t in times)
-        med[mode] = statistics.median(gbps)
-        modes[mode] = {"median_gbps": round(med[mode], 3), "min_gbps": round(gbps[0], 3),
-                       "max_gbps": round(gbps[-1], 3),
-                       "median_ms": round(statistics.median(times) * 1e3, 1)}
+    modes, med = common.bandwidths(seconds, lambda mode: bench.segment_bytes if mode in (
+        "raw_tcp", "raw_tcp_parallel", "peer_transfer") else bench.state_bytes)
     ratios = {
         # against the faster of one stream and as many streams as the peer path uses
         "peer_transfer_vs_raw_tcp": med["peer_transfer"] / max(med["raw_tcp"],
@@ -642,7 +482,7 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
     }
     return {
         "benchmark": "restore", "state_bytes": bench.state_bytes,
-        "segment_bytes": bench.segment_bytes, "leaves": 3 * len(_FRACTIONS),
+        "segment_bytes": bench.segment_bytes, "leaves": common.STATE_LEAVES,
         "devices": DEVICES, "rounds": rounds, "modes": modes,
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
         "meets_targets": {
@@ -658,17 +498,10 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
     }
 
 
-def print_table(report: dict) -> None:
-    print(f"state: {report['state_bytes'] / 1e6:.0f} MB in {report['leaves']} leaves on "
-          f"{report['devices']} CPU devices, {report['rounds']} interleaved rounds")
-    print(f"{'mode':<17}{'median GB/s':>12}{'min':>9}{'max':>9}{'median ms':>11}  matches")
-    for mode, row in report["modes"].items():
-        print(f"{mode:<17}{row['median_gbps']:>12.2f}{row['min_gbps']:>9.2f}"
-              f"{row['max_gbps']:>9.2f}{row['median_ms']:>11.1f}  {report['matches'][mode]}")
-    for name, value in report["ratios"].items():
-        print(f"{name:<32}{value:>8.2f}")
-    for name, met in report["meets_targets"].items():
-        print(f"{name:<36}{'yes' if met else 'NO'}")
+def print_restore_table(report: dict) -> None:
+    common.print_table(report, f"state: {report['state_bytes'] / 1e6:.0f} MB in "
+                               f"{report['leaves']} leaves on {report['devices']} CPU devices, "
+                               f"{report['rounds']} interleaved rounds", report["matches"])
     for mode, sources in report["sources"].items():
         print(f"{mode} sources: {', '.join(sorted(set(sources)))}")
     for problem in report["problems"]:
@@ -681,27 +514,24 @@ def print_table(report: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--mb", type=float, default=256, help="state size in MB (default 256)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
-    args = parser.parse_args()
+    args = common.parse_args(parser, quick={"mb": 8, "rounds": 1})
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
-                               f"platform_device_count={DEVICES}").strip()
-    # SIGTERM ends the run through the finally blocks, which stop every daemon.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    state = make_state(int(args.mb * 1e6))
+    common.force_cpu_devices(DEVICES)
+    common.exit_on_sigterm()
+    state = common.make_state(int(args.mb * 1e6), DEVICES)
     shm_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="bubblesnap-bench-restore-")
     log_dir = tempfile.mkdtemp(prefix="bubblesnap-bench-restore-logs-")
-    state_bytes = sum(s.nbytes for s in shard_bytes(state).values())
-    log(f"state: {state_bytes / 1e6:.0f} MB; work files in {shm_dir}")
+    state_bytes = sum(s.nbytes for s in common.shard_bytes(state).values())
+    common.log(f"state: {state_bytes / 1e6:.0f} MB; work files in {shm_dir}")
     daemons = Daemons(4 * state_bytes + (64 << 20), log_dir)
     watchdog = Watchdog(daemons)
     bench = seconds = error = None
     try:
         bench = Bench(state, daemons, shm_dir)
-        seconds = measure(bench, MODES, args.rounds, log)
+        seconds = common.measure(bench, MODES, args.rounds)
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
         if watchdog.reason:
@@ -716,19 +546,16 @@ def main() -> int:
         daemon_problems = daemons.problems()
         shutil.rmtree(log_dir, ignore_errors=True)
         for name, lines in daemon_problems.items():
-            log(f"daemon {name} logged:\n  " + "\n  ".join(lines))
+            common.log(f"daemon {name} logged:\n  " + "\n  ".join(lines))
     if error is not None:
-        log(f"the benchmark failed: {error}")
+        common.log(f"the benchmark failed: {error}")
         if args.json:
             print(json.dumps({"benchmark": "restore", "error": error,
                               "problems": bench.problems if bench else [],
                               "daemon_log": daemon_problems}))
         return 1
-    report = summarize(seconds, bench, args.rounds, daemon_problems)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
+    common.report_out(summarize(seconds, bench, args.rounds, daemon_problems), args.json,
+               print_restore_table)
     return 0
 
 

@@ -420,16 +420,6 @@ def worker_main(args) -> int:
 
 # -- the supervisor -----------------------------------------------------------------------------
 
-def start_daemon() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
-         "--metrics", "", "--log-level", "ERROR"], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit("the daemon did not start; run `bubblesnap daemon` to see why")
-    return proc, json.loads(line)["address"]
-
-
 def launch(args, run: str, rank: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--role", "worker", "--run", run,
@@ -485,7 +475,9 @@ def errors(got: list, want: list) -> tuple[float, float]:
 
 
 def main_run(args) -> dict:
-    daemon, args.daemon = start_daemon()
+    from bubblesnap.testing import DaemonProcess
+    daemon = DaemonProcess(log_level="ERROR")
+    args.daemon = daemon.address
     try:
         if wait(args, [launch(args, "reference", r, "--save-at", str(args.fail_at - 1))
                        for r in range(WORLD)], "reference") != [0, 0]:
@@ -504,8 +496,7 @@ def main_run(args) -> dict:
         if wait(args, [survivor, replacement], "recovered run") != [0, 0]:
             raise SystemExit("the recovered run failed")
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=30)
+        daemon.stop()
     with open(os.path.join(args.workdir, "failing.recovery.json")) as f:
         recovery = json.load(f)
     reference = load(args, "reference.rank0.final.npz")

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -106,29 +105,19 @@ def stage_main(args) -> int:
 
 # -- the hosts ------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Host:
     """One simulated host: a daemon and, while training, one stage process."""
 
     def __init__(self, index: int, peers: list[str], args):
         self.index = index
         self.stage = None
-        self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
-             "--metrics", "", "--peers", ",".join(peers), "--index", str(index),
-             "--replicas", str(args.replicas), "--max-interval", "1",
-             "--durable-dir", args.durable_dir, "--durable-every-steps", str(args.durable_every),
-             "--memory-budget", "2GiB", "--log-level", "WARNING"],
-            stdout=subprocess.PIPE, text=True)
-        line = self.daemon.stdout.readline()
-        if not line:
-            raise SystemExit(f"daemon {index} did not start; run `bubblesnap daemon` to see why")
-        self.address = json.loads(line)["address"]
+        from bubblesnap.testing import DaemonProcess
+        self.daemon = DaemonProcess(
+            "--peers", ",".join(peers), "--index", str(index),
+            "--replicas", str(args.replicas), "--max-interval", "1",
+            "--durable-dir", args.durable_dir, "--durable-every-steps", str(args.durable_every),
+            "--memory-budget", "2GiB", name=f"daemon {index}")
+        self.address = self.daemon.address
 
     def start_stage(self, args, rendezvous: str, resume: bool) -> None:
         self.stage = subprocess.Popen(
@@ -138,18 +127,16 @@ class Host:
              str(args.d_model), *(["--resume"] if resume else [])])
 
     def kill(self) -> None:
-        for proc in (self.stage, self.daemon):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
+        if self.stage is not None and self.stage.poll() is None:
+            self.stage.send_signal(signal.SIGKILL)
+            self.stage.wait()
+        self.daemon.kill()
 
     def stop(self) -> None:
         if self.stage is not None and self.stage.poll() is None:
             self.stage.kill()
             self.stage.wait()
-        if self.daemon.poll() is None:
-            self.daemon.send_signal(signal.SIGTERM)
-            self.daemon.wait(timeout=30)
+        self.daemon.stop()
 
 
 def job_status(address: str):
@@ -180,6 +167,7 @@ def wait_until_safe(hosts: list[Host], args) -> int:
 
 
 def run(args) -> dict:
+    from bubblesnap.testing import free_port
     peers = [f"127.0.0.1:{free_port()}" for _ in range(STAGES)]
     hosts = [Host(i, peers, args) for i in range(STAGES)]
     try:

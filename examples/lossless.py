@@ -52,7 +52,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -363,7 +362,8 @@ def finished_steps(args, name: str, stage: int, incarnation: str) -> list[int]:
 def stage_scope_run(args) -> dict:
     from bubblesnap.clients import plan_log_groups, trade_off
 
-    daemons, args.daemons = start_daemons(count=STAGES)  # a host per stage
+    ring = start_daemons(count=STAGES)  # a host per stage
+    args.daemons = ring.addresses
     everything = list(range(STAGES - 1))
     try:
         reference = run_pipeline(args, "reference", everything, None, fail=False)
@@ -381,7 +381,7 @@ def stage_scope_run(args) -> dict:
         failing = run_pipeline(args, "failing", list(plan.logged_boundaries), plan.group_of,
                                fail=True)
     finally:
-        stop_daemons(daemons)
+        ring.stop()
     if len(failing["recoveries"]) != 1:
         raise SystemExit(f"expected one recovery, saw {failing['recoveries']}")
     recovery = failing["recoveries"][0]
@@ -417,36 +417,10 @@ def stage_scope_run(args) -> dict:
 
 # -- the three runs -------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_daemons(count: int = 2) -> tuple[list[subprocess.Popen], list[str]]:
-    """Daemons in a ring, --replicas 1, one per simulated host (one daemon: no
-    ring). Returns them and their addresses."""
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(count)]
-    procs, addresses = [], []
-    for index in range(count):
-        ring = ["--peers", ",".join(peers), "--index", str(index), "--replicas", "1"]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
-             "--metrics", "", *(ring if count > 1 else []), "--max-interval", "1",
-             "--log-level", "ERROR"],
-            stdout=subprocess.PIPE, text=True)
-        line = proc.stdout.readline()
-        if not line:
-            raise SystemExit("a daemon did not start; run `bubblesnap daemon` to see why")
-        procs.append(proc)
-        addresses.append(json.loads(line)["address"])
-    return procs, addresses
-
-
-def stop_daemons(daemons) -> None:
-    for proc in daemons:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+def start_daemons(count: int = 2):
+    """Daemons in a ring, --replicas 1, one per simulated host (a bubblesnap.testing.Ring)."""
+    from bubblesnap.testing import Ring
+    return Ring(count, "--replicas", "1", "--max-interval", "1", log_level="ERROR")
 
 
 def run(args, name: str, *extra: str) -> int:
@@ -467,8 +441,8 @@ def completed(args, name: str) -> list[int]:
 
 
 def main_run(args) -> dict:
-    daemons, addresses = start_daemons()
-    args.daemon = addresses[0]  # the trainer's host; the other holds the replicas
+    ring = start_daemons()
+    args.daemon = ring.addresses[0]  # the trainer's host; the other holds the replicas
     try:
         if run(args, "reference") != 0:
             raise SystemExit("the reference run failed")
@@ -488,7 +462,7 @@ def main_run(args) -> dict:
         if run(args, resumes[-1], *resume_flags) != 0:
             raise SystemExit("the resumed run failed")
     finally:
-        stop_daemons(daemons)
+        ring.stop()
     with open(os.path.join(args.workdir, "reference.digests.json")) as f:
         reference = json.load(f)
     with open(os.path.join(args.workdir, f"{resumes[-1]}.digests.json")) as f:

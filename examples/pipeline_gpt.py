@@ -26,7 +26,6 @@ is one JSON object.
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -300,17 +299,6 @@ def draw_timeline(args, results: list[dict], path: str) -> None:
                   f"(iterations {first}-{first + 1})")
 
 
-def start_daemon(max_interval: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "bubblesnap", "daemon", "--listen",
-                             "127.0.0.1:0", "--metrics", "", "--memory-budget", "8GiB",
-                             "--max-interval", str(max_interval), "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit("the daemon did not start; run `bubblesnap daemon` to see why")
-    return proc, json.loads(line)["address"]
-
-
 def _layers(text: str) -> tuple[int, ...]:
     try:
         layers = tuple(int(n) for n in text.split(","))
@@ -387,7 +375,9 @@ def main() -> int:
     daemon = None
     needs_daemon = {"bubblesnap", "eager"} & set(args.modes.split(","))
     if needs_daemon and args.daemon is None:
-        daemon, args.daemon = start_daemon(args.max_interval)
+        from bubblesnap.testing import DaemonProcess
+        daemon = DaemonProcess("--memory-budget", "8GiB", "--max-interval", str(args.max_interval))
+        args.daemon = daemon.address
         log(f"started a daemon on {args.daemon}")
     orbax_dir = tempfile.mkdtemp(prefix="bubblesnap-orbax-", dir="/dev/shm")
     args.orbax_dir = orbax_dir
@@ -408,8 +398,7 @@ def main() -> int:
         import shutil
         shutil.rmtree(orbax_dir, ignore_errors=True)
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait()
+            daemon.stop()
     for mode, row in report["modes"].items():
         log(f"{mode:>12}: median step {row['median_step_seconds'] * 1e3:.1f} ms"
             + (f", overhead {row['overhead_pct']:+.2f}%" if "overhead_pct" in row else "")

@@ -125,17 +125,6 @@ def train(args) -> int:
 
 # -- the orchestrating parent ---------------------------------------------------
 
-def start_daemon():
-    proc = subprocess.Popen([sys.executable, "-m", "bubblesnap", "daemon", "--listen",
-                             "127.0.0.1:0", "--metrics", "", "--memory-budget", "1GiB",
-                             "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, text=True)
-    ready = proc.stdout.readline()
-    if not ready:
-        raise SystemExit("the daemon did not start; run `bubblesnap daemon` to see why")
-    return proc, json.loads(ready)["address"]
-
-
 def forget_job(daemon: str, job: str) -> None:
     """Deletes what an earlier quickstart left under this job name: the demo starts over."""
     import grpc
@@ -163,7 +152,9 @@ def orchestrate(args) -> int:
         raise SystemExit(f"--kill-at must be between 0 and --steps - 2 ({args.steps - 2})")
     daemon = None
     if args.daemon is None:
-        daemon, args.daemon = start_daemon()
+        from bubblesnap.testing import DaemonProcess
+        daemon = DaemonProcess("--memory-budget", "1GiB")
+        args.daemon = daemon.address
         log(f"started a daemon on {args.daemon}")
     else:
         forget_job(args.daemon, args.job)
@@ -201,8 +192,7 @@ def orchestrate(args) -> int:
             return 0 if restored["matches"] else 1
     finally:
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            daemon.wait()
+            daemon.stop()
 
 
 def main() -> int:

@@ -9,7 +9,8 @@ import pytest
 
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
-from tests.test_peers import JOB, assert_restores, committed, snapshot_steps, wait_for
+from bubblesnap.testing import wait_for
+from tests.test_peers import JOB, assert_restores, committed, snapshot_steps
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 

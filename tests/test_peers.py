@@ -8,7 +8,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -18,6 +17,7 @@ from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
+from bubblesnap.testing import wait_for
 
 JOB = "ring"
 
@@ -46,20 +46,6 @@ def snapshot_steps(ring, steps, world: int = 3, run: int = 0) -> None:
 
 def job_status(daemon) -> pb.JobStatus:
     return daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs[0]
-
-
-def wait_for(check, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            found = check()
-        except grpc.RpcError:
-            found = None
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def committed(daemon, step: int) -> bool:

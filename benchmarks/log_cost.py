@@ -20,31 +20,25 @@ run (the order rotates every round):
 Reported per mode: the median step time (slowest stage) with min-max, the
 overhead against none, and the bytes each log takes per step.
 
-Usage: python benchmarks/logging.py [--json] [--rounds 4] [--segment 8]
+Usage: python benchmarks/log_cost.py [--json] [--quick] [--rounds 4] [--segment 8]
 """
 
+import argparse
+import json
 import os
+import statistics
 import sys
+import threading
+import time
 
-# This file's name shadows the standard library's logging module for every
-# import below (Python puts the script's folder first on the path): drop it.
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
-sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+import bench_common as common
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
+from bubblesnap.testing import Ring
+
+# The pipeline runtime and the lossless example live in examples/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 STAGES = 3
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_force_host_platform_device_count={STAGES}")
-
-
-def log(message: str) -> None:
-    print(f"[logging] {message}", file=sys.stderr, flush=True)
 
 
 def run(args, daemon: str) -> dict:
@@ -63,7 +57,7 @@ def run(args, daemon: str) -> dict:
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
     loader = DataLoader(config, MICROBATCHES)
     options = ClientOptions(daemon=daemon)
-    clients = [SnapshotClient("logging-bench", s, STAGES, options) for s in range(STAGES)]
+    clients = [SnapshotClient("log-cost-bench", s, STAGES, options) for s in range(STAGES)]
     boundary_logs = [BoundaryLog(clients[s], range(STAGES - 1), lambda stage: options)
                      for s in range(STAGES)]
     record_bytes = []
@@ -118,7 +112,7 @@ def run(args, daemon: str) -> dict:
         t.start()
     for t in threads:
         t.join()
-    log(f"{len(plan)} iterations in {time.perf_counter() - started:.1f} s")
+    common.log(f"{len(plan)} iterations in {time.perf_counter() - started:.1f} s")
     for c in clients:
         c.close()
     per_mode: dict[str, list[float]] = {m: [] for m in modes}
@@ -126,7 +120,7 @@ def run(args, daemon: str) -> dict:
         if counted:
             per_mode[mode].append(max(r.iterations[i]["seconds"] for r in runners))
     base = statistics.median(per_mode["none"])
-    report = {"modes": {}}
+    report = {"benchmark": "log_cost", "modes": {}}
     for mode, times in per_mode.items():
         med = statistics.median(times)
         report["modes"][mode] = {"median_step_ms": round(med * 1e3, 2),
@@ -151,28 +145,26 @@ def run(args, daemon: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="print one JSON object last")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--segment", type=int, default=8, help="measured steps per segment")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
-    args = p.parse_args()
-    from lossless import start_daemons  # the ring examples/lossless.py runs on
-    procs, addresses = start_daemons()
-    daemon = addresses[0]
+    args = common.parse_args(p, quick={"rounds": 1, "segment": 2, "warmup": 1, "d_model": 32})
+    common.force_cpu_devices(STAGES)
+    common.exit_on_sigterm()
+    # The ring examples/lossless.py runs on: the trainer's host and the one holding replicas.
+    ring = Ring(2, "--replicas", "1", "--max-interval", "1", log_level="ERROR")
     try:
-        report = run(args, daemon)
+        report = run(args, ring.addresses[0])
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
+        ring.stop()
     for mode, row in report["modes"].items():
-        log(f"{mode:>13}: median step {row['median_step_ms']:.2f} ms "
-            f"({row['min_step_ms']:.2f}-{row['max_step_ms']:.2f}), "
-            f"overhead {row['overhead_pct']:+.2f}%")
-    log(f"training log: {report['training_log_bytes_per_step']:.0f} bytes per step; "
-        f"boundary log: {report['boundary_log_bytes_per_step']['all_boundaries']} bytes per "
-        "step")
+        common.log(f"{mode:>13}: median step {row['median_step_ms']:.2f} ms "
+                   f"({row['min_step_ms']:.2f}-{row['max_step_ms']:.2f}), "
+                   f"overhead {row['overhead_pct']:+.2f}%")
+    common.log(f"training log: {report['training_log_bytes_per_step']:.0f} bytes per step; "
+               f"boundary log: {report['boundary_log_bytes_per_step']['all_boundaries']} bytes "
+               "per step")
     if args.json:
         print(json.dumps(report), flush=True)
     return 0

@@ -1,0 +1,290 @@
+"""Starting real daemons as child processes: how tests, examples and benchmarks launch them.
+
+Everything here runs ``python -m bubblesnap daemon`` as a separate process,
+exactly as a host would, and talks to it only through what the daemon
+offers the outside: the JSON "ready" line it prints on stdout, its gRPC
+services (the standard ``grpc.health.v1`` health service among them) and
+its signals (SIGTERM stops it and frees its shared memory, SIGKILL is a lost
+host).
+
+    from bubblesnap.testing import DaemonProcess, Ring, wait_for
+
+    with DaemonProcess("--memory-budget", "1GiB") as daemon:
+        client = SnapshotClient("job", options=ClientOptions(daemon=daemon.address))
+        ...
+
+    ring = Ring(3, "--replicas", "1")           # --peers a,b,c --index i
+    ring.daemons[1].kill()                      # host 1 is gone
+    ring.replace(1)                             # a new host takes its place
+    wait_for(lambda: held_twice(ring), "re-replication")
+    ring.stop()
+"""
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
+
+#: The name the daemon reports SERVING under in the gRPC health service.
+DAEMON_SERVICE = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
+
+
+class DaemonError(RuntimeError):
+    """The daemon exited, or printed no ready line in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now.
+
+    For addresses that must be known before the daemon that binds them starts
+    (a ring's ``--peers`` list); another process may take the port meanwhile.
+    """
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check: Callable[[], object], what: str, timeout: float = 60.0,
+             failed: Callable[[], str | None] | None = None, interval: float = 0.2):
+    """Calls ``check`` until it returns something true, and returns that.
+
+    A ``grpc.RpcError`` from ``check`` counts as "not yet" (a daemon that is
+    starting or busy). ``failed``, when given, is asked between tries: a
+    reason it returns ends the wait with RuntimeError. TimeoutError after
+    ``timeout`` seconds; both name ``what`` was awaited.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = check()
+        except grpc.RpcError:
+            found = None
+        if found:
+            return found
+        reason = failed() if failed is not None else None
+        if reason:
+            raise RuntimeError(f"while waiting for {what}: {reason}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class DaemonProcess:
+    """A ``bubblesnap daemon`` child process, started and ready when the constructor returns.
+
+    It listens on a free loopback port; ``flags`` are appended to the command
+    line (a flag given twice: the last one wins). ``metrics`` is the
+    ``--metrics`` address ("" disables it, "127.0.0.1:0" picks a port),
+    ``env`` is added to this process's environment. ``stderr`` is where the
+    daemon's log goes: None inherits this process's stderr,
+    ``subprocess.PIPE`` or ``subprocess.DEVNULL`` as for Popen, or a path,
+    written from the start (see :meth:`stderr_text`). With ``own_shm_dir``
+    the daemon gets a fresh ``--shm-dir`` in /dev/shm that is removed once it
+    stopped or was killed, segments and all. ``name`` labels it in errors.
+
+    Raises DaemonError (with the end of its log where it can be read) if the
+    daemon exits or prints no ready line within ``ready_timeout`` seconds; it
+    is killed then, so nothing is left behind. A context manager: leaving
+    the block stops it.
+    """
+
+    def __init__(self, *flags: str, metrics: str = "", log_level: str = "WARNING",
+                 env: dict[str, str] | None = None, stderr=None, own_shm_dir: bool = False,
+                 name: str = "daemon", ready_timeout: float = 120.0):
+        self.name = name
+        self.stderr_path = None if stderr is None or isinstance(stderr, int) else str(stderr)
+        self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir="/dev/shm")
+                            if own_shm_dir else None)
+        self._channel: grpc.Channel | None = None
+        shm = ["--shm-dir", self.own_shm_dir] if own_shm_dir else []
+        command = [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
+                   "--metrics", metrics, "--log-level", log_level, *shm, *flags]
+        try:
+            self.proc = self._spawn(command, stderr, None if env is None else {**os.environ, **env})
+        except BaseException:
+            self._remove_own_shm_dir()
+            raise
+        self.ready: dict = self._await_ready(ready_timeout)
+
+    def _spawn(self, command: list[str], stderr, env) -> subprocess.Popen:
+        if self.stderr_path is None:
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                    env=env)
+        with open(self.stderr_path, "w") as log_file:  # the child keeps its own descriptor
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                                    env=env)
+
+    def _await_ready(self, timeout: float) -> dict:
+        """The ready line's JSON; else the daemon is killed and DaemonError says why."""
+        try:
+            readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            line = self.proc.stdout.readline() if readable else ""
+            if line:
+                return json.loads(line)
+            if readable:  # end of file: it closed stdout on its way out
+                self.proc.wait(timeout=30)
+        except BaseException:
+            self.kill()
+            raise
+        exited = self.proc.poll()
+        self.kill()
+        why = (f"exited with code {exited}" if exited is not None
+               else f"printed no ready line within {timeout:.0f} s")
+        logged = self.stderr_text() or (self.proc.stderr.read() if self.proc.stderr else "")
+        tail = logged[-3000:].strip()
+        raise DaemonError(f"{self.name} {why}" + (f": {tail}" if tail else ""))
+
+    def __enter__(self) -> "DaemonProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> str:
+        """Its gRPC address for trainers and tools, host:port."""
+        return self.ready["address"]
+
+    @property
+    def shm_dir(self) -> str:
+        """The directory of its shared-memory segments (one per daemon, inside --shm-dir)."""
+        return self.ready["shm_dir"]
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """One gRPC channel to it, opened on first use and closed by stop() and kill()."""
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+        return self._channel
+
+    @property
+    def stub(self) -> daemon_pb2_grpc.DaemonStub:
+        """A ``bubblesnap.v1.Daemon`` stub on :attr:`channel`."""
+        return daemon_pb2_grpc.DaemonStub(self.channel)
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs; its exit status (negative: the signal) once it ended."""
+        return self.proc.poll()
+
+    def alive(self) -> bool:
+        """Whether the process still runs (it may be stopped with SIGSTOP)."""
+        return self.proc.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """Whether the standard gRPC health service reports it SERVING within ``timeout``."""
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                answer = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=DAEMON_SERVICE), timeout=timeout)
+            except grpc.RpcError:
+                return False
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stderr_text(self) -> str:
+        """What it logged so far, when its stderr goes to a file ("" otherwise)."""
+        if self.stderr_path is None:
+            return ""
+        try:
+            with open(self.stderr_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (it finishes in-flight calls and frees its memory), SIGKILL after
+        ``timeout`` seconds; returns the exit status. Does nothing to an ended process."""
+        self._close_channel()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self._reap()
+
+    def kill(self) -> int:
+        """SIGKILL: the host is gone, with everything in its memory. Returns the exit status."""
+        self._close_channel()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self._reap()
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _reap(self) -> int:
+        code = self.proc.wait()
+        self.proc.stdout.close()
+        self._remove_own_shm_dir()
+        return code
+
+    def _remove_own_shm_dir(self) -> None:
+        if self.own_shm_dir is not None:
+            shutil.rmtree(self.own_shm_dir, ignore_errors=True)
+
+
+class Ring:
+    """Daemons that replicate to each other, one per simulated host.
+
+    Daemon ``i`` runs with ``--peers a0,a1,... --index i`` (peer addresses on
+    free loopback ports) and ``flags``. ``start(*flags, **options)`` makes
+    each daemon (default: :class:`DaemonProcess`; a test passes its fixture so
+    the test stops them); ``options`` go to every call. :meth:`stop` stops
+    every daemon the ring started, replaced ones included.
+    """
+
+    def __init__(self, size: int, *flags: str, start: Callable[..., DaemonProcess] = DaemonProcess,
+                 **options):
+        self._start, self._flags, self._options = start, flags, options
+        self.peers = [f"127.0.0.1:{free_port()}" for _ in range(size)]
+        self.started: list[DaemonProcess] = []
+        self.daemons: list[DaemonProcess] = []
+        try:
+            for index in range(size):
+                self.daemons.append(self._launch(index))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _launch(self, index: int) -> DaemonProcess:
+        daemon = self._start("--peers", ",".join(self.peers), "--index", str(index),
+                             *self._flags, **{"name": f"daemon {index}", **self._options})
+        self.started.append(daemon)
+        return daemon
+
+    @property
+    def addresses(self) -> list[str]:
+        """The daemons' gRPC addresses (for trainers), in ring order."""
+        return [daemon.address for daemon in self.daemons]
+
+    def replace(self, index: int) -> DaemonProcess:
+        """A fresh daemon (new peer port, empty memory) takes host ``index``'s place."""
+        self.peers[index] = f"127.0.0.1:{free_port()}"
+        self.daemons[index] = self._launch(index)
+        return self.daemons[index]
+
+    def stop(self) -> None:
+        """Stops every daemon it started (SIGTERM, then SIGKILL), even if one stop fails."""
+        errors = []
+        for daemon in self.started:
+            try:
+                daemon.stop()
+            except Exception as err:  # keep stopping the others
+                errors.append(f"{daemon.name}: {err!r}")
+        if errors:
+            raise DaemonError("stopping the ring failed: " + "; ".join(errors))

@@ -1,0 +1,174 @@
+"""Every benchmark still runs: each one, as a program, with --quick --json.
+
+The reports carry the keys README.md's "Measuring" section documents, every
+ratio is a finite number and every correctness check inside a benchmark
+holds. No timing is asserted: --quick numbers mean nothing.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+PROGRAMS = ("datapath", "log_cost", "overhead", "plan_scale", "restore")
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """Every benchmark started at once with --quick --json, as a user would run it.
+
+    A quick run is mostly process start-up and compilation, largely on one
+    core, so side by side they take little longer than the slowest alone.
+    Yields name -> (process, stdout path, stderr path); stops what still runs.
+    """
+    out = tmp_path_factory.mktemp("benchmarks")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # conftest forces 4
+    runs = {}
+    for name in PROGRAMS:
+        stdout, stderr = out / f"{name}.out", out / f"{name}.err"
+        with open(stdout, "w") as o, open(stderr, "w") as e:
+            runs[name] = (subprocess.Popen(
+                [sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--json"],
+                stdout=o, stderr=e, env=env), stdout, stderr)
+    yield runs
+    for proc, _, _ in runs.values():
+        if proc.poll() is None:
+            proc.terminate()  # a benchmark that started daemons stops them on SIGTERM
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def report_of(run) -> dict:
+    """The benchmark's report: the JSON object on the last line of its stdout."""
+    proc, stdout, stderr = run
+    proc.wait(timeout=300)
+    errors = stderr.read_text()[-5000:]
+    assert proc.returncode == 0, errors
+    lines = stdout.read_text().strip().splitlines()
+    assert lines, errors
+    return json.loads(lines[-1])
+
+
+def assert_finite(values, what: str) -> None:
+    for key, value in values.items():
+        assert isinstance(value, (int, float)) and math.isfinite(value), f"{what}.{key}: {value}"
+
+
+def assert_bandwidth_modes(report: dict, modes) -> None:
+    assert list(report["modes"]) == list(modes)
+    for mode, row in report["modes"].items():
+        assert set(row) == {"median_gbps", "min_gbps", "max_gbps", "median_ms"}, mode
+        assert_finite(row, mode)
+        assert 0 < row["min_gbps"] <= row["median_gbps"] <= row["max_gbps"], (mode, row)
+
+
+def check_datapath(report: dict) -> None:
+    assert_bandwidth_modes(report, ("memcpy_warm", "memcpy_fresh", "stage_stall",
+                                    "stage_commit", "restore_local", "orbax_save",
+                                    "orbax_restore"))
+    assert set(report["ratios"]) == {
+        "staging_vs_memcpy_warm", "stall_vs_memcpy_warm", "restore_vs_memcpy_fresh",
+        "restore_vs_memcpy_warm", "restore_vs_orbax_restore", "staging_vs_orbax_save"}
+    assert_finite(report["ratios"], "ratios")
+    assert all(isinstance(met, bool) for met in report["meets_targets"].values())
+    assert report["restore_matches"] is True
+
+
+def check_restore(report: dict) -> None:
+    modes = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local", "restore_peer",
+             "restore_durable", "orbax_restore")
+    assert "error" not in report, report
+    assert_bandwidth_modes(report, modes)
+    assert set(report["ratios"]) == {
+        "peer_transfer_vs_raw_tcp", "restore_peer_vs_orbax", "restore_peer_vs_peer_transfer",
+        "restore_local_vs_orbax", "restore_durable_vs_orbax"}
+    assert_finite(report["ratios"], "ratios")
+    assert all(isinstance(met, bool) for met in report["meets_targets"].values())
+    assert report["matches"] == dict.fromkeys(modes, True)
+    # warm-up and timed rounds, each from the tier the mode is named after
+    assert report["sources"] == {"restore_local": ["memory"] * 2, "restore_peer": ["peer"] * 2,
+                                 "restore_durable": ["durable"] * 2}
+    assert report["problems"] == []
+    assert isinstance(report["daemon_log"], dict)
+
+
+def check_overhead(report: dict) -> None:
+    assert list(report["modes"]) == ["none", "bubblesnap", "eager", "orbax_async"]
+    for mode, row in report["modes"].items():
+        assert row["measured_steps"] == 3, mode
+        assert_finite({k: row[k] for k in ("median_step_seconds", "min_step_seconds",
+                                           "max_step_seconds", "overhead_pct")}, mode)
+    assert report["modes"]["none"]["snapshots"] == 0
+    assert report["modes"]["orbax_async"]["snapshots"] == 3  # it saves every step
+    assert [s["stage"] for s in report["per_stage"]] == [0, 1]
+    for stage in report["per_stage"]:
+        assert_finite({k: stage[k] for k in ("bubble_seconds_per_iteration",
+                                             "naive_copy_seconds", "copy_to_bubble_ratio")},
+                      f"stage {stage['stage']}")
+        assert stage["state_bytes"] > 0
+    assert_finite(report["noise_pct"], "noise_pct")
+    assert set(report["checks"]) == {
+        "bubblesnap_overhead_le_1pct", "bubblesnap_snapshot_every_iteration",
+        "bubblesnap_below_third_of_orbax_async", "naive_copy_ge_third_of_bubble_every_stage"}
+    assert all(isinstance(ok, bool) for ok in report["checks"].values())
+
+
+def check_plan_scale(report: dict) -> None:
+    assert report["stages"] == 64
+    assert_finite({k: report["plan_seconds"][k] for k in ("median", "min", "max")},
+                  "plan_seconds")
+    assert report["plan_seconds"]["runs"] == 2
+    assert isinstance(report["plan_under_one_second"], bool)
+    assert report["interval"] >= 1
+    assert_finite({"predicted_overhead": report["predicted_overhead"]}, "report")
+    assert report["spill_bytes"] >= 0
+    # every stage of a 1F1B schedule idles (p-1)(f+b) per iteration
+    idle = report["idle_seconds_per_stage"]
+    for bound in ("min", "max"):
+        assert math.isclose(idle[bound], idle["formula_(p-1)(f+b)"], rel_tol=1e-9), idle
+    for use in ("per_host_daemon", "one_daemon_all_ranks"):
+        row = report["bubble_plans"][use]
+        assert row["interval"] >= 1 and row["steady_start_seconds"]["runs"] > 0, use
+        assert_finite({k: row[k] for k in ("record_two_iterations_seconds",
+                                           "plan_and_answer_seconds")}, use)
+
+
+def check_log_cost(report: dict) -> None:
+    assert list(report["modes"]) == ["none", "training_log", "boundary_log"]
+    for mode, row in report["modes"].items():
+        assert row["measured_steps"] == 2, mode
+        assert_finite({k: row[k] for k in ("median_step_ms", "min_step_ms", "max_step_ms",
+                                           "overhead_pct")}, mode)
+    assert report["training_log_bytes_per_step"] > 0
+    boundary = report["boundary_log_bytes_per_step"]
+    assert len(boundary["per_boundary"]) == 2 and min(boundary["per_boundary"]) > 0
+    assert boundary["all_boundaries"] == sum(boundary["per_boundary"])
+    assert len(report["state_bytes_per_stage"]) == 3
+
+
+CHECKS = {"datapath": check_datapath, "log_cost": check_log_cost, "overhead": check_overhead,
+          "plan_scale": check_plan_scale, "restore": check_restore}
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_benchmark_runs_quick_and_reports_what_the_readme_documents(name, quick_runs):
+    report = report_of(quick_runs[name])
+    assert report["benchmark"] == name
+    CHECKS[name](report)
+
+
+def test_every_benchmark_is_tested_and_none_shadows_an_installed_module():
+    modules = {path.stem for path in BENCHMARKS.glob("*.py")}
+    assert modules == {*PROGRAMS, "bench_common"}
+    for name in modules:  # a script's folder comes first on sys.path when it runs
+        assert name not in sys.stdlib_module_names, name
+        assert importlib.util.find_spec(name) is None, name

@@ -1,0 +1,77 @@
+"""bubblesnap.testing: the daemon processes every test, example and benchmark starts."""
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.testing import DaemonError, DaemonProcess, Ring, free_port, wait_for
+
+
+def test_a_daemon_is_ready_healthy_and_stops_cleanly_with_its_own_shm_dir(tmp_path):
+    log = tmp_path / "daemon.log"
+    with DaemonProcess("--keep", "1", own_shm_dir=True, stderr=log, log_level="INFO") as daemon:
+        assert daemon.ready["event"] == "ready" and daemon.ready["pid"] == daemon.proc.pid
+        assert os.path.dirname(daemon.shm_dir) == daemon.own_shm_dir
+        assert daemon.healthy()
+        assert daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.shm_dir == \
+            daemon.shm_dir
+    assert daemon.exit_code == 0
+    assert not daemon.healthy(timeout=1)
+    assert not os.path.exists(daemon.own_shm_dir)
+    assert "shutting down" in daemon.stderr_text()
+
+
+def test_stop_kills_a_daemon_that_ignores_sigterm():
+    daemon = DaemonProcess(own_shm_dir=True)
+    daemon.proc.send_signal(signal.SIGSTOP)  # SIGTERM stays pending
+    started = time.monotonic()
+    assert daemon.stop(timeout=1) == -signal.SIGKILL
+    assert time.monotonic() - started < 20
+
+
+def test_kill_is_sigkill_and_leaves_nothing_in_its_own_shm_dir():
+    daemon = DaemonProcess(own_shm_dir=True)
+    assert daemon.kill() == -signal.SIGKILL
+    assert not daemon.alive() and not os.path.exists(daemon.own_shm_dir)
+
+
+def test_a_daemon_that_cannot_start_raises_with_its_log(tmp_path):
+    port = free_port()
+    with DaemonProcess("--listen", f"127.0.0.1:{port}"), \
+            pytest.raises(DaemonError, match=r"(?s)exited with code \d+: .*cannot listen"):
+        DaemonProcess("--listen", f"127.0.0.1:{port}", stderr=tmp_path / "second.log")
+
+
+def test_a_ring_replaces_a_host_and_stops_every_daemon_it_started():
+    ring = Ring(2, "--replicas", "1")
+    try:
+        first = ring.daemons[1]
+        first.kill()
+        replacement = ring.replace(1)
+        assert replacement is ring.daemons[1] and replacement.alive()
+        assert ring.addresses == [d.address for d in ring.daemons]
+        assert ring.peers[1] == replacement.ready["peer_address"]
+        assert wait_for(ring.daemons[0].healthy, "daemon 0 healthy", timeout=30)
+    finally:
+        ring.stop()
+    assert [d.exit_code for d in ring.started] == [0, -signal.SIGKILL, 0]
+
+
+def test_wait_for_returns_what_it_awaited_and_names_it_when_it_gives_up():
+    answers = iter([None, grpc.RpcError(), "there"])
+
+    def check():
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert wait_for(check, "an answer", interval=0.01) == "there"
+    with pytest.raises(TimeoutError, match="waiting for nothing"):
+        wait_for(lambda: False, "nothing", timeout=0.1, interval=0.01)
+    with pytest.raises(RuntimeError, match="while waiting for x: it broke"):
+        wait_for(lambda: False, "x", failed=lambda: "it broke")
