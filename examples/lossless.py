@@ -55,7 +55,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 STAGES = 3
@@ -81,7 +80,7 @@ def train_main(args) -> int:
     from pipeline.schedules import SCHEDULES
     from pipeline.snapshot_modes import DaemonSnapshots
     from pipeline.stage import StageRunner
-    from pipeline.transport import ThreadLinks
+    from pipeline.transport import ThreadLinks, run_stage_threads
 
     class DiesMidFetch(DaemonSnapshots):
         """Stage 0 of a failing run with --fail-point bubble: SIGKILLed inside a bubble of
@@ -163,27 +162,15 @@ def train_main(args) -> int:
     hooks = [LoggedSteps(modes[0].client, loader.record, modes[0]) if snapshotting else modes[0],
              *modes[1:]]
 
-    errors = []
-
     def work(stage: int):
-        try:
-            inbox, send = links.endpoint(stage)
-            runner = StageRunner(programs[stage], SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage),
-                                 stage, STAGES, inbox, send, {"m": hooks[stage]},
-                                 batch=loader.batch)
-            runner.run(["m"] * (args.steps - first), first_iteration=first,
-                       after_iteration=after(stage))
-        except BaseException as err:
-            errors.append(err)
-            raise
+        inbox, send = links.endpoint(stage)
+        runner = StageRunner(programs[stage], SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage),
+                             stage, STAGES, inbox, send, {"m": hooks[stage]},
+                             batch=loader.batch)
+        runner.run(["m"] * (args.steps - first), first_iteration=first,
+                   after_iteration=after(stage))
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(STAGES)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise SystemExit(f"a stage failed: {errors[0]!r}")
+    run_stage_threads(work, STAGES)
     for mode in modes:
         mode.close()
     digests = [[checksum(jax.device_get(leaf).tobytes()) for leaf in jax.tree.leaves(p.state)]

@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -142,27 +141,16 @@ def run_threads(args) -> list[dict]:
                                f"device_count={args.stages * args.devices_per_stage}")
     import jax
 
-    from pipeline.transport import ThreadLinks
-    links, results, errors = ThreadLinks(args.stages), [None] * args.stages, []
+    from pipeline.transport import ThreadLinks, run_stage_threads
+    links, results = ThreadLinks(args.stages), [None] * args.stages
     devices = jax.devices()
 
     def work(stage):
-        try:
-            d = args.devices_per_stage
-            inbox, send = links.endpoint(stage)
-            results[stage] = run_stage(args, stage, devices[stage * d:(stage + 1) * d], inbox, send)
-        except BaseException as err:  # surfaced below, after every thread stopped
-            errors.append(err)
-            raise
+        d = args.devices_per_stage
+        inbox, send = links.endpoint(stage)
+        results[stage] = run_stage(args, stage, devices[stage * d:(stage + 1) * d], inbox, send)
 
-    threads = [threading.Thread(target=work, args=(s,), name=f"stage{s}")
-               for s in range(args.stages)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise SystemExit(f"a stage failed: {errors[0]!r}")
+    run_stage_threads(work, args.stages)
     return results
 
 

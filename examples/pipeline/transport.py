@@ -76,6 +76,28 @@ class Inbox:
             return self._items.pop(key)
 
 
+def run_stage_threads(work, stages: int) -> None:
+    """Runs ``work(stage)`` for every stage on its own thread, waits for all of them, and
+    raises SystemExit naming the first failure (after every thread stopped)."""
+    errors = []
+
+    def guarded(stage: int) -> None:
+        try:
+            work(stage)
+        except BaseException as err:
+            errors.append(err)
+            raise
+
+    threads = [threading.Thread(target=guarded, args=(s,), name=f"stage{s}")
+               for s in range(stages)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise SystemExit(f"a stage failed: {errors[0]!r}")
+
+
 class ThreadLinks:
     """Stages as threads of one process: sending is filing into the neighbour's inbox."""
 
