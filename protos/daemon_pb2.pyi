@@ -35,16 +35,18 @@ class ShardSpec(_message.Message):
     def __init__(self, index: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ..., nbytes: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
-    __slots__ = ("name", "dtype", "global_shape", "shards")
+    __slots__ = ("name", "dtype", "global_shape", "shards", "job_wide")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    JOB_WIDE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     global_shape: _containers.RepeatedScalarFieldContainer[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardSpec]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ...) -> None: ...
+    job_wide: bool
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., shards: _Optional[_Iterable[_Union[ShardSpec, _Mapping]]] = ..., job_wide: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("job", "rank", "world_size", "tensors", "replica_group")
@@ -345,7 +347,7 @@ class PlanStatus(_message.Message):
     def __init__(self, interval: _Optional[int] = ..., version: _Optional[int] = ..., predicted_overhead: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps", "plan", "replicas", "durable_steps", "corrupt_copies")
+    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps", "plan", "replicas", "durable_steps", "corrupt_copies", "coverage")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +357,7 @@ class JobStatus(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DURABLE_STEPS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_COPIES_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     registered_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -364,7 +367,18 @@ class JobStatus(_message.Message):
     replicas: int
     durable_steps: _containers.RepeatedScalarFieldContainer[int]
     corrupt_copies: _containers.RepeatedCompositeFieldContainer[CorruptCopy]
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ..., replicas: _Optional[int] = ..., durable_steps: _Optional[_Iterable[int]] = ..., corrupt_copies: _Optional[_Iterable[_Union[CorruptCopy, _Mapping]]] = ...) -> None: ...
+    coverage: Coverage
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ..., replicas: _Optional[int] = ..., durable_steps: _Optional[_Iterable[int]] = ..., corrupt_copies: _Optional[_Iterable[_Union[CorruptCopy, _Mapping]]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ...) -> None: ...
+
+class Coverage(_message.Message):
+    __slots__ = ("whole", "known", "missing")
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    whole: bool
+    known: bool
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, whole: _Optional[bool] = ..., known: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemoryStatus(_message.Message):
     __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes", "log_bytes")
@@ -391,21 +405,43 @@ class StatusResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "replica_group", "alone")
+    __slots__ = ("job", "rank", "step", "replica_group", "alone", "world_size", "tensors")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     ALONE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     replica_group: _containers.RepeatedScalarFieldContainer[int]
     alone: bool
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ..., alone: _Optional[bool] = ...) -> None: ...
+    world_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorRequest]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ..., alone: _Optional[bool] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRequest, _Mapping]]] = ...) -> None: ...
+
+class TensorRequest(_message.Message):
+    __slots__ = ("name", "dtype", "global_shape", "regions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    global_shape: _containers.RepeatedScalarFieldContainer[int]
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., global_shape: _Optional[_Iterable[int]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("index",)
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    index: _containers.RepeatedCompositeFieldContainer[Slice]
+    def __init__(self, index: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail")
+    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail", "world_size")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +449,7 @@ class RestoreResponse(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     step: int
     segment_path: str
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -420,7 +457,26 @@ class RestoreResponse(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     source: str
     source_detail: str
-    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ...) -> None: ...
+    world_size: int
+    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class WaitCommittedRequest(_message.Message):
+    __slots__ = ("job", "step", "timeout_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    timeout_seconds: float
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class WaitCommittedResponse(_message.Message):
+    __slots__ = ("committed", "latest_committed_step")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    LATEST_COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    latest_committed_step: int
+    def __init__(self, committed: _Optional[bool] = ..., latest_committed_step: _Optional[int] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("job",)

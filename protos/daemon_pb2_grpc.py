@@ -69,6 +69,11 @@ class DaemonStub:
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.WaitCommitted = channel.unary_unary(
+                '/bubblesnap.v1.Daemon/WaitCommitted',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedResponse.FromString,
+                _registered_method=True)
         self.ListSnapshots = channel.unary_unary(
                 '/bubblesnap.v1.Daemon/ListSnapshots',
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.ListSnapshotsRequest.SerializeToString,
@@ -155,6 +160,14 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitCommitted(self, request, context):
+        """Waits (at most timeout_seconds, capped by the daemon) until a step is
+        committed for the whole job, or answers at once when it already is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListSnapshots(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -230,6 +243,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreResponse.SerializeToString,
+            ),
+            'WaitCommitted': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitCommitted,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedResponse.SerializeToString,
             ),
             'ListSnapshots': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSnapshots,
@@ -446,6 +464,33 @@ class Daemon:
             '/bubblesnap.v1.Daemon/Restore',
             bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.SerializeToString,
             bubblesnap_dot_protos_dot_daemon__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitCommitted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Daemon/WaitCommitted',
+            bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedResponse.FromString,
             options,
             channel_credentials,
             insecure,

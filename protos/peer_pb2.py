@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from bubblesnap.protos import daemon_pb2 as bubblesnap_dot_protos_dot_daemon__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62ubblesnap/protos/peer.proto\x12\rbubblesnap.v1\x1a\x1e\x62ubblesnap/protos/daemon.proto\"-\n\x0bJoinRequest\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x0e\n\x0cJoinResponse\"\x1e\n\x0fHoldingsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x85\x01\n\x08HeldCopy\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.bubblesnap.v1.CopyRole\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x15\n\rreplica_group\x18\x06 \x03(\x05\"J\n\x10HoldingsResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\'\n\x06\x63opies\x18\x02 \x03(\x0b\x32\x17.bubblesnap.v1.HeldCopy\"\xcb\x01\n\x10ReplicateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x11\n\tchecksums\x18\x06 \x03(\x04\x12\x14\n\x0c\x64\x61ta_address\x18\x07 \x01(\t\x12\x0e\n\x06ticket\x18\x08 \x01(\x0c\x12\x15\n\rreplica_group\x18\t \x03(\x05\"\x13\n\x11ReplicateResponse\":\n\x0fOpenReadRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\xa2\x01\n\x10OpenReadResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x03\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x12\n\nworld_size\x18\x06 \x01(\x05\",\n\x0fRollbackRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"*\n\x10RollbackResponse\x12\x16\n\x0e\x64ropped_copies\x18\x01 \x01(\x05\"Y\n\x11LogReplicaRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12)\n\x07records\x18\x03 \x03(\x0b\x32\x18.bubblesnap.v1.LogRecord\"\x14\n\x12LogReplicaResponse*?\n\x08\x43opyRole\x12\x19\n\x15\x43OPY_ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PRIMARY\x10\x01\x12\x0b\n\x07REPLICA\x10\x02\x32\xa8\x04\n\x04Peer\x12?\n\x04Join\x12\x1a.bubblesnap.v1.JoinRequest\x1a\x1b.bubblesnap.v1.JoinResponse\x12K\n\x08Holdings\x12\x1e.bubblesnap.v1.HoldingsRequest\x1a\x1f.bubblesnap.v1.HoldingsResponse\x12N\n\tReplicate\x12\x1f.bubblesnap.v1.ReplicateRequest\x1a .bubblesnap.v1.ReplicateResponse\x12K\n\x08OpenRead\x12\x1e.bubblesnap.v1.OpenReadRequest\x1a\x1f.bubblesnap.v1.OpenReadResponse\x12K\n\x08Rollback\x12\x1e.bubblesnap.v1.RollbackRequest\x1a\x1f.bubblesnap.v1.RollbackResponse\x12W\n\x10\x41ppendLogReplica\x12 .bubblesnap.v1.LogReplicaRequest\x1a!.bubblesnap.v1.LogReplicaResponse\x12O\n\x0eReadLogReplica\x12\x1d.bubblesnap.v1.ReadLogRequest\x1a\x1e.bubblesnap.v1.ReadLogResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62ubblesnap/protos/peer.proto\x12\rbubblesnap.v1\x1a\x1e\x62ubblesnap/protos/daemon.proto\"-\n\x0bJoinRequest\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x0e\n\x0cJoinResponse\"\x1e\n\x0fHoldingsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x85\x01\n\x08HeldCopy\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.bubblesnap.v1.CopyRole\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x15\n\rreplica_group\x18\x06 \x03(\x05\"J\n\x10HoldingsResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\'\n\x06\x63opies\x18\x02 \x03(\x0b\x32\x17.bubblesnap.v1.HeldCopy\"\xcb\x01\n\x10ReplicateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x11\n\tchecksums\x18\x06 \x03(\x04\x12\x14\n\x0c\x64\x61ta_address\x18\x07 \x01(\t\x12\x0e\n\x06ticket\x18\x08 \x01(\x0c\x12\x15\n\rreplica_group\x18\t \x03(\x05\"\x13\n\x11ReplicateResponse\"I\n\x0fOpenReadRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05slots\x18\x04 \x03(\x05\"\xc6\x01\n\x10OpenReadResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x03\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\"\n\x05slots\x18\x07 \x03(\x0b\x32\x13.bubblesnap.v1.Slot\":\n\x0f\x44\x65scribeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\x1d\n\x0eLayoutsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"q\n\nRankLayout\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x15\n\rreplica_group\x18\x04 \x03(\x05\";\n\x0fLayoutsResponse\x12(\n\x05ranks\x18\x01 \x03(\x0b\x32\x19.bubblesnap.v1.RankLayout\"@\n\x0fRollbackRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\"*\n\x10RollbackResponse\x12\x16\n\x0e\x64ropped_copies\x18\x01 \x01(\x05\"Y\n\x11LogReplicaRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12)\n\x07records\x18\x03 \x03(\x0b\x32\x18.bubblesnap.v1.LogRecord\"\x14\n\x12LogReplicaResponse*?\n\x08\x43opyRole\x12\x19\n\x15\x43OPY_ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PRIMARY\x10\x01\x12\x0b\n\x07REPLICA\x10\x02\x32\xbf\x05\n\x04Peer\x12?\n\x04Join\x12\x1a.bubblesnap.v1.JoinRequest\x1a\x1b.bubblesnap.v1.JoinResponse\x12K\n\x08Holdings\x12\x1e.bubblesnap.v1.HoldingsRequest\x1a\x1f.bubblesnap.v1.HoldingsResponse\x12N\n\tReplicate\x12\x1f.bubblesnap.v1.ReplicateRequest\x1a .bubblesnap.v1.ReplicateResponse\x12K\n\x08OpenRead\x12\x1e.bubblesnap.v1.OpenReadRequest\x1a\x1f.bubblesnap.v1.OpenReadResponse\x12K\n\x08\x44\x65scribe\x12\x1e.bubblesnap.v1.DescribeRequest\x1a\x1f.bubblesnap.v1.OpenReadResponse\x12H\n\x07Layouts\x12\x1d.bubblesnap.v1.LayoutsRequest\x1a\x1e.bubblesnap.v1.LayoutsResponse\x12K\n\x08Rollback\x12\x1e.bubblesnap.v1.RollbackRequest\x1a\x1f.bubblesnap.v1.RollbackResponse\x12W\n\x10\x41ppendLogReplica\x12 .bubblesnap.v1.LogReplicaRequest\x1a!.bubblesnap.v1.LogReplicaResponse\x12O\n\x0eReadLogReplica\x12\x1d.bubblesnap.v1.ReadLogRequest\x1a\x1e.bubblesnap.v1.ReadLogResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bubblesnap.protos.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COPYROLE']._serialized_start=1041
-  _globals['_COPYROLE']._serialized_end=1104
+  _globals['_COPYROLE']._serialized_start=1379
+  _globals['_COPYROLE']._serialized_end=1442
   _globals['_JOINREQUEST']._serialized_start=79
   _globals['_JOINREQUEST']._serialized_end=124
   _globals['_JOINRESPONSE']._serialized_start=126
@@ -49,17 +49,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICATERESPONSE']._serialized_start=592
   _globals['_REPLICATERESPONSE']._serialized_end=611
   _globals['_OPENREADREQUEST']._serialized_start=613
-  _globals['_OPENREADREQUEST']._serialized_end=671
-  _globals['_OPENREADRESPONSE']._serialized_start=674
-  _globals['_OPENREADRESPONSE']._serialized_end=836
-  _globals['_ROLLBACKREQUEST']._serialized_start=838
-  _globals['_ROLLBACKREQUEST']._serialized_end=882
-  _globals['_ROLLBACKRESPONSE']._serialized_start=884
-  _globals['_ROLLBACKRESPONSE']._serialized_end=926
-  _globals['_LOGREPLICAREQUEST']._serialized_start=928
-  _globals['_LOGREPLICAREQUEST']._serialized_end=1017
-  _globals['_LOGREPLICARESPONSE']._serialized_start=1019
-  _globals['_LOGREPLICARESPONSE']._serialized_end=1039
-  _globals['_PEER']._serialized_start=1107
-  _globals['_PEER']._serialized_end=1659
+  _globals['_OPENREADREQUEST']._serialized_end=686
+  _globals['_OPENREADRESPONSE']._serialized_start=689
+  _globals['_OPENREADRESPONSE']._serialized_end=887
+  _globals['_DESCRIBEREQUEST']._serialized_start=889
+  _globals['_DESCRIBEREQUEST']._serialized_end=947
+  _globals['_LAYOUTSREQUEST']._serialized_start=949
+  _globals['_LAYOUTSREQUEST']._serialized_end=978
+  _globals['_RANKLAYOUT']._serialized_start=980
+  _globals['_RANKLAYOUT']._serialized_end=1093
+  _globals['_LAYOUTSRESPONSE']._serialized_start=1095
+  _globals['_LAYOUTSRESPONSE']._serialized_end=1154
+  _globals['_ROLLBACKREQUEST']._serialized_start=1156
+  _globals['_ROLLBACKREQUEST']._serialized_end=1220
+  _globals['_ROLLBACKRESPONSE']._serialized_start=1222
+  _globals['_ROLLBACKRESPONSE']._serialized_end=1264
+  _globals['_LOGREPLICAREQUEST']._serialized_start=1266
+  _globals['_LOGREPLICAREQUEST']._serialized_end=1355
+  _globals['_LOGREPLICARESPONSE']._serialized_start=1357
+  _globals['_LOGREPLICARESPONSE']._serialized_end=1377
+  _globals['_PEER']._serialized_start=1445
+  _globals['_PEER']._serialized_end=2148
 # @@protoc_insertion_point(module_scope)

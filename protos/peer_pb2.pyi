@@ -86,6 +86,36 @@ class ReplicateResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenReadRequest(_message.Message):
+    __slots__ = ("job", "rank", "step", "slots")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenReadResponse(_message.Message):
+    __slots__ = ("ticket", "data_address", "segment_bytes", "checksums", "tensors", "world_size", "slots")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    data_address: str
+    segment_bytes: int
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[_daemon_pb2.TensorSpec]
+    world_size: int
+    slots: _containers.RepeatedCompositeFieldContainer[_daemon_pb2.Slot]
+    def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., world_size: _Optional[int] = ..., slots: _Optional[_Iterable[_Union[_daemon_pb2.Slot, _Mapping]]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
     __slots__ = ("job", "rank", "step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -95,29 +125,39 @@ class OpenReadRequest(_message.Message):
     step: int
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
-class OpenReadResponse(_message.Message):
-    __slots__ = ("ticket", "data_address", "segment_bytes", "checksums", "tensors", "world_size")
-    TICKET_FIELD_NUMBER: _ClassVar[int]
-    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
-    TENSORS_FIELD_NUMBER: _ClassVar[int]
+class LayoutsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class RankLayout(_message.Message):
+    __slots__ = ("rank", "world_size", "tensors", "replica_group")
+    RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    ticket: bytes
-    data_address: str
-    segment_bytes: int
-    checksums: _containers.RepeatedScalarFieldContainer[int]
-    tensors: _containers.RepeatedCompositeFieldContainer[_daemon_pb2.TensorSpec]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
     world_size: int
-    def __init__(self, ticket: _Optional[bytes] = ..., data_address: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., world_size: _Optional[int] = ...) -> None: ...
+    tensors: _containers.RepeatedCompositeFieldContainer[_daemon_pb2.TensorSpec]
+    replica_group: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[_daemon_pb2.TensorSpec, _Mapping]]] = ..., replica_group: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LayoutsResponse(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankLayout]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
-    __slots__ = ("job", "step")
+    __slots__ = ("job", "step", "world_size")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    world_size: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class RollbackResponse(_message.Message):
     __slots__ = ("dropped_copies",)

@@ -55,6 +55,16 @@ class PeerStub:
                 request_serializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/bubblesnap.v1.Peer/Describe',
+                request_serializer=bubblesnap_dot_protos_dot_peer__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.FromString,
+                _registered_method=True)
+        self.Layouts = channel.unary_unary(
+                '/bubblesnap.v1.Peer/Layouts',
+                request_serializer=bubblesnap_dot_protos_dot_peer__pb2.LayoutsRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.LayoutsResponse.FromString,
+                _registered_method=True)
         self.Rollback = channel.unary_unary(
                 '/bubblesnap.v1.Peer/Rollback',
                 request_serializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.SerializeToString,
@@ -105,6 +115,21 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """The layout and checksums of one copy, without opening it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Layouts(self, request, context):
+        """The layouts of the ranks registered here (coverage of job-wide arrays is
+        judged from every daemon's ranks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Rollback(self, request, context):
         """The job was restored to `step` and resumes from there: copies of later
         steps belong to an abandoned run and are dropped.
@@ -149,6 +174,16 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.OpenRead,
                     request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.DescribeRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.SerializeToString,
+            ),
+            'Layouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.Layouts,
+                    request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.LayoutsRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_peer__pb2.LayoutsResponse.SerializeToString,
             ),
             'Rollback': grpc.unary_unary_rpc_method_handler(
                     servicer.Rollback,
@@ -274,6 +309,60 @@ class Peer:
             '/bubblesnap.v1.Peer/OpenRead',
             bubblesnap_dot_protos_dot_peer__pb2.OpenReadRequest.SerializeToString,
             bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Peer/Describe',
+            bubblesnap_dot_protos_dot_peer__pb2.DescribeRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_peer__pb2.OpenReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Layouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Peer/Layouts',
+            bubblesnap_dot_protos_dot_peer__pb2.LayoutsRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_peer__pb2.LayoutsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,10 +7,15 @@ failed their checksums. Nothing here changes anything.
 """
 
 import dataclasses
+import time
 
 from bubblesnap.service.bubbles.planner import Plan
 from bubblesnap.service.restore import CorruptCopy
 from bubblesnap.service.store.views import JobView, MemoryView
+
+#: The longest one WaitCommitted call waits (a client waiting longer calls again).
+_MAX_WAIT_SECONDS = 30.0
+_WAIT_POLL_SECONDS = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,17 @@ class Status:
         """NotFound when ``job`` is named and not registered here."""
         return DaemonStatus([self._job(view) for view in self._store.jobs(job)],
                             self._store.memory(), self._logs.bytes_held())
+
+    def wait_committed(self, job: str, step: int, timeout: float) -> tuple[bool, int]:
+        """Waits up to ``timeout`` (capped) for ``step`` to be committed for the job;
+        (committed, latest committed step). Polls: commits are rare next to the poll."""
+        deadline = time.monotonic() + max(0.0, min(timeout, _MAX_WAIT_SECONDS))
+        while True:
+            committed = self._store.committed(job)
+            latest = committed[-1] if committed else -1
+            if step in committed or time.monotonic() >= deadline:
+                return step in committed, latest
+            time.sleep(_WAIT_POLL_SECONDS)
 
     def copies(self, job: str) -> dict[tuple[int, int], int]:
         """(rank, step) -> copies in the group's memory (1 for a lone daemon's own)."""

@@ -6,8 +6,10 @@ Answers are built here from the parts' plain values.
 """
 
 import dataclasses
+import math
 
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.bubbles.plans import BubbleEvent
 from bubblesnap.service.errors import InvalidArgument
 from bubblesnap.service.store import layout as layout_lib
@@ -64,6 +66,13 @@ def replica(request) -> tuple:
     return request.job, request.world_size, request.rank, request.step, layout, group
 
 
+def seconds(value: float) -> float:
+    """A duration from the wire: finite and not negative."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"a duration of {value!r} seconds: send a finite number >= 0")
+    return value
+
+
 def usage(u: pb.BubbleUsage) -> BubbleUsage:
     return BubbleUsage(u.offered_seconds, u.used_seconds, u.spilled_seconds, u.spilled_bytes,
                        u.bubbles, u.iterations, u.overrun_seconds)
@@ -104,7 +113,7 @@ def bubble_event(event: pb.BubbleEvent) -> BubbleEvent:
 def tensor_specs(layout) -> list[pb.TensorSpec]:
     """A validated layout as the wire describes it (daemon and peer protos share it)."""
     return [pb.TensorSpec(
-        name=t.name, dtype=t.dtype, global_shape=t.global_shape,
+        name=t.name, dtype=t.dtype, global_shape=t.global_shape, job_wide=t.job_wide,
         shards=[pb.ShardSpec(index=[pb.Slice(start=a, stop=b) for a, b in s.index],
                              nbytes=s.nbytes) for s in t.shards])
         for t in layout.tensors]
@@ -125,6 +134,14 @@ def restored(answer) -> pb.RestoreResponse:
                               slots=slots(found.slots), checksums=found.checksums,
                               tensors=tensor_specs(found.layout), source=answer.source,
                               source_detail=answer.detail)
+
+
+def open_read(copy, ticket: bytes, data_address: str) -> ppb.OpenReadResponse:
+    """A held copy as a peer sees it (OpenRead with a ticket, Describe without)."""
+    return ppb.OpenReadResponse(ticket=ticket, data_address=data_address,
+                                segment_bytes=copy.segment.nbytes, checksums=copy.checksums,
+                                tensors=tensor_specs(copy.layout), world_size=copy.world_size,
+                                slots=slots(copy.slots))
 
 
 def fetch_plan(found) -> pb.FetchPlan:

@@ -41,11 +41,19 @@ class PeerServicer:
     @unary
     def OpenRead(self, request, context):
         pinned, ticket = self._transfers.offer(*messages.job_rank_step(request))
-        return ppb.OpenReadResponse(ticket=ticket, data_address=self._transfers.data_address,
-                                    segment_bytes=pinned.segment.nbytes,
-                                    checksums=pinned.checksums,
-                                    tensors=messages.tensor_specs(pinned.layout),
-                                    world_size=pinned.world_size)
+        return messages.open_read(pinned, ticket, self._transfers.data_address)
+
+    @unary
+    def Describe(self, request, context):
+        copy = self._store.describe(*messages.job_rank_step(request))
+        return messages.open_read(copy, b"", self._transfers.data_address)
+
+    @unary
+    def Layouts(self, request, context):
+        return ppb.LayoutsResponse(ranks=[
+            ppb.RankLayout(rank=r.rank, world_size=r.world_size,
+                           tensors=messages.tensor_specs(r.layout), replica_group=r.group)
+            for r in self._store.layouts(messages.job(request.job))])
 
     @unary
     def Rollback(self, request, context):

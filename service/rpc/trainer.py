@@ -3,6 +3,7 @@
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.rpc import messages
 from bubblesnap.service.rpc.status_codes import streaming, unary
+from bubblesnap.service.store import layout as layout_lib
 
 
 class DaemonServicer:
@@ -49,6 +50,13 @@ class DaemonServicer:
                                           tuple(request.replica_group), request.alone)
         self.metrics.restores.labels(restored.source).inc()
         return messages.restored(restored)
+
+    @unary
+    def WaitCommitted(self, request, context):
+        layout_lib.check_step(request.step)
+        committed, latest = self._status.wait_committed(messages.job(request.job), request.step,
+                                                        messages.seconds(request.timeout_seconds))
+        return pb.WaitCommittedResponse(committed=committed, latest_committed_step=latest)
 
     @unary
     def Status(self, request, context):

@@ -10,6 +10,7 @@ import math
 import re
 
 from bubblesnap.service.errors import FailedPrecondition, InvalidArgument
+from bubblesnap.service.store import regions
 
 #: Job names are used as labels and map keys, never as paths; still, keep them
 #: to a safe alphabet so they can be logged, exported and typed.
@@ -39,10 +40,18 @@ class Shard:
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
+    """A tensor of a rank's layout: ``shards`` are the regions this rank copies.
+
+    ``job_wide``: one global array of the job (its regions spread over the
+    ranks, which together cover it); otherwise the rank's own tensor, which
+    its shards cover alone.
+    """
+
     name: str
     dtype: str
     global_shape: tuple[int, ...]
     shards: tuple[Shard, ...]
+    job_wide: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +164,15 @@ def build_layout(tensors) -> Layout:
         shape = tuple(spec.global_shape)
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"tensor {spec.name!r} has a negative dimension in {shape}")
-        if not spec.shards:
-            raise InvalidArgument(f"tensor {spec.name!r} has no shards")
         shards = tuple(_build_shard(spec.name, spec.dtype, shape, s) for s in spec.shards)
-        built.append(Tensor(spec.name, spec.dtype, shape, shards))
+        if not spec.job_wide:
+            gap = regions.missing(shape, [shard.index for shard in shards])
+            if gap is not None:
+                raise FailedPrecondition(
+                    f"tensor {spec.name!r} is this rank's own (not job_wide), but its shards "
+                    f"leave {regions.describe(spec.name, gap)} uncovered: list every region "
+                    "of it, or mark it job_wide if other ranks copy the rest")
+        built.append(Tensor(spec.name, spec.dtype, shape, shards, spec.job_wide))
     return Layout(tuple(built))
 
 

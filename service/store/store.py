@@ -32,6 +32,7 @@ from bubblesnap.service.store.views import (
     JobView,
     MemoryView,
     PinnedCopy,
+    RankLayout,
     Registration,
     Restorable,
     Staging,
@@ -191,6 +192,27 @@ class SnapshotStore:
             for step in steps & set(held.steps):
                 self._state.memory.free(held, step)
         return len(steps)
+
+    def committed(self, job: str) -> list[int]:
+        """The job's committed steps, oldest first (none for a job not held here)."""
+        with self._lock:
+            entry = self._state.jobs.get(job)
+            return list(entry.committed_steps()) if entry is not None else []
+
+    def layouts(self, job: str) -> list[RankLayout]:
+        """The layouts of the ranks trainers registered here (not replicas held for peers)."""
+        with self._lock:
+            entry = self._state.jobs.get(job)
+            if entry is None:
+                return []
+            return [RankLayout(rank, entry.world_size, held.layout, held.group)
+                    for rank, held in sorted(entry.ranks.items()) if not held.replica]
+
+    def describe(self, job: str, rank: int, step: int) -> PinnedCopy:
+        """A LOCAL copy's layout and checksums (its segment may be recycled later)."""
+        pinned = self.pin(job, rank, step)
+        self.unpin(pinned)
+        return pinned
 
     def world_size(self, job: str) -> int:
         with self._lock:

@@ -106,6 +106,16 @@ class PinnedCopy:
 
 
 @dataclasses.dataclass(frozen=True)
+class RankLayout:
+    """A rank a trainer registered here: its world size, layout and replica group."""
+
+    rank: int
+    world_size: int
+    layout: Layout
+    group: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryView:
     budget_bytes: int
     used_bytes: int
