@@ -47,7 +47,9 @@ class DaemonClient:
         return self._session.world_size
 
     def wait(self) -> SnapshotResult | None:
-        """Waits for the last snapshot's commit; returns its outcome (None if none pending)."""
+        """Waits for the commits in flight (this rank's copies checked and kept by its
+        daemon); returns the newest one's outcome (``waited_for == "rank"``; None if
+        none was pending)."""
         return self._session.wait()
 
     def log(self, step: int, payload: bytes, stream: str = "") -> None:

@@ -38,9 +38,15 @@ class NumpyClient(DaemonClient):
         self.last_restore_source = ""
 
     def snapshot(self, step: int, arrays: dict[str, np.ndarray],
-                 wait: bool = True) -> SnapshotResult:
-        """Copies ``arrays`` (step ``step``) into the daemon's memory; with ``wait`` (the
-        default) until the daemon committed them. Never raises for daemon trouble."""
+                 wait: bool | str = True) -> SnapshotResult:
+        """Copies ``arrays`` (step ``step``) into the daemon's memory. Never raises for
+        daemon trouble.
+
+        ``wait``: True (the default) or ``"rank"`` waits until the daemon checked
+        and kept this rank's copy; ``"job"`` until the whole job committed the
+        step (at most ``ClientOptions.commit_timeout_seconds``); False not at
+        all. ``SnapshotResult.waited_for`` says which one ``committed`` reports.
+        """
         names = sorted(arrays)
         specs = [_spec(name, np.asarray(arrays[name])) for name in names]
         return self._session.snapshot(
@@ -48,8 +54,8 @@ class NumpyClient(DaemonClient):
 
     def restore(self, step: int | None = None,
                 alone: bool = False) -> tuple[int, dict[str, np.ndarray]]:
-        """The latest committed step (or ``step``) as ``(step, {name: array})``;
-        ``alone``: see SnapshotClient.restore.
+        """The latest committed step (or ``step``) as ``(step, {name: array})``: this
+        rank's own copy, as it was registered; ``alone``: see SnapshotClient.restore.
 
         The arrays are private, writable copies. :attr:`last_restore_source`
         says where the daemon found them (memory, peer, durable).

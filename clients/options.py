@@ -24,6 +24,9 @@ class ClientOptions:
         writes that memory again). Default False.
       restore_timeout_seconds: deadline of a restore, which may pull the
         state from a peer or the durable tier first, > 0. Default 300 s.
+      commit_timeout_seconds: how long ``snapshot(..., wait="job")`` waits for
+        the whole job to commit the step (every rank's copy, with its
+        replicas), > 0. Default 60 s.
     """
 
     daemon: str = "127.0.0.1:7070"
@@ -31,11 +34,12 @@ class ClientOptions:
     backoff_seconds: float = 10.0
     verify_restore: bool = False
     restore_timeout_seconds: float = 300.0
+    commit_timeout_seconds: float = 60.0
 
     def __post_init__(self):
         require(self, "daemon", isinstance(self.daemon, str) and bool(self.daemon),
                      "an address such as 127.0.0.1:7070")
-        for name in ("rpc_timeout_seconds", "restore_timeout_seconds"):
+        for name in ("rpc_timeout_seconds", "restore_timeout_seconds", "commit_timeout_seconds"):
             value = getattr(self, name)
             require(self, name, is_number(value) and value > 0, "> 0")
         require(self, "backoff_seconds",

@@ -9,14 +9,28 @@ class SnapshotResult:
 
     Attributes:
       step: the training step.
-      taken: the bytes reached the daemon's memory (and, if the call waited,
-        the daemon committed them).
-      committed: every rank of the job holds this step (None: not waited for).
-      reason: why no snapshot was taken, empty when it was.
+      taken: this rank's bytes reached the daemon's memory (and, if the call
+        waited, the daemon checked and kept them: the rank's copy is LOCAL).
+      committed: what ``waited_for`` says was waited for:
+
+        - ``waited_for == ""`` (``wait=False``): None, nothing was waited for
+          (False when the snapshot failed: nothing to commit).
+        - ``"rank"`` (``wait=True`` or ``"rank"``): the daemon answered this
+          rank's commit. True when the whole job had committed the step by
+          then; False says only "not yet" (other ranks, or the copies to
+          peers, may still come: in a multi-process job only the last rank
+          to commit sees True).
+        - ``"job"`` (``wait="job"``): True once every rank's copy (and its
+          replicas) made the step committed for the job; False when that did
+          not happen within ``ClientOptions.commit_timeout_seconds``
+          (``reason`` says so and names the latest committed step).
+      reason: why no snapshot was taken, empty when it was; or, waiting for
+        the job, why the step is not known committed.
       stall_seconds: how long the call held the training loop.
       copied_by: for a rank of a data-parallel replica group that is not its
         copier (lowest rank): the rank whose snapshot holds this state.
         Nothing was copied (``taken`` is False); None otherwise.
+      waited_for: ``""``, ``"rank"`` or ``"job"``: what ``committed`` reports.
     """
 
     step: int
@@ -25,6 +39,7 @@ class SnapshotResult:
     reason: str = ""
     stall_seconds: float = 0.0
     copied_by: int | None = None
+    waited_for: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,16 +48,19 @@ class RawStep:
 
     Attributes:
       step: the training step.
-      tensors: the ``pb.TensorSpec`` of each tensor, in registration order.
+      tensors: the ``pb.TensorSpec`` of each tensor, in registration order
+        (a restore by regions: the tensors asked, one shard per region asked).
       shards: (tensor index, shard index) -> read-only uint8 view of the
         daemon's segment.
       source: where the daemon found it: ``memory``, ``peer`` or ``durable``.
+      world_size: the world size the step was taken with (0: not said).
     """
 
     step: int
     tensors: tuple
     shards: dict
     source: str = "memory"
+    world_size: int = 0
 
 
 class LogError(RuntimeError):

@@ -10,14 +10,16 @@ step" with the reason, and after a timeout the session stops asking for a
 while instead of paying the deadline every step.
 """
 
+import dataclasses
 import logging
-import threading
 import time
 
 import grpc
 import numpy as np
 
 from bubblesnap.clients._bubble_stream import BubbleStream
+from bubblesnap.clients._log_calls import LogCalls
+from bubblesnap.clients._regions import in_request_order
 from bubblesnap.clients._shared_memory import SegmentMaps, map_restored
 from bubblesnap.clients.options import ClientOptions
 from bubblesnap.clients.results import LogError, RawStep, RestoreError, SnapshotResult
@@ -29,8 +31,15 @@ from bubblesnap.protos.checksum import checksum
 log = logging.getLogger("bubblesnap.client")
 
 
-#: Kept boundary records are sent once they reach this many bytes, even before wait_log.
-LOG_BATCH_BYTES = 8 << 20
+def wait_mode(wait: bool | str) -> str:
+    """What a snapshot's ``wait`` asks for: "" (nothing), "rank" (True: this rank's copy
+    checked and kept by its daemon) or "job" (the job committed the step)."""
+    if wait is False or wait is True:
+        return "rank" if wait else ""
+    if wait in ("rank", "job"):
+        return wait
+    raise ValueError(f"wait={wait!r}: pass False, True (or 'rank': until this rank's copy is "
+                     "safe in its daemon) or 'job' (until the job committed the step)")
 
 
 class Session:
@@ -61,10 +70,7 @@ class Session:
         self._registered = False
         self._quiet_until = 0.0
         self._in_flight: list = []  # (step, future, started) of commits not yet collected
-        self._log_pending: list = []  # (what, future, is training log) not awaited
-        self._log_kept: dict[str, list] = {}  # boundary records not sent yet, by stream
-        self._log_kept_bytes = 0
-        self._log_lock = threading.Lock()
+        self._logs = LogCalls(job, rank, self._stub, options)
 
     # -- calls with deadlines -------------------------------------------------
 
@@ -87,18 +93,27 @@ class Session:
 
     # -- snapshot -------------------------------------------------------------
 
-    def snapshot(self, step: int, tensors, fetch, wait: bool = True) -> SnapshotResult:
+    def snapshot(self, step: int, tensors, fetch, wait: bool | str = True) -> SnapshotResult:
         """Stages one step: ``fetch()`` returns host arrays in slot order.
 
         ``tensors`` is the layout of this step; it is (re)registered when it
-        differs from the last one. Never raises for daemon trouble.
+        differs from the last one. ``wait``: False returns once the bytes are
+        in shared memory; True or ``"rank"`` waits for the daemon to check and
+        keep this rank's copy; ``"job"`` then waits (at most
+        ``options.commit_timeout_seconds``) for the whole job to commit the
+        step. :class:`SnapshotResult` says which (``waited_for``). Never
+        raises for daemon trouble.
         """
+        mode = wait_mode(wait)
         started = time.perf_counter()
         refusal = self.refusal(step)
         if refusal is not None:
             return refusal
         if self.copier != self.rank:
-            return self._held_by_copier(step, tensors, started)
+            held = self._held_by_copier(step, tensors, started)
+            if mode != "job" or held.copied_by is None:
+                return held
+            return self._job_outcome(held, started)
         try:
             staging = self.begin(step, tensors)
             for (offset, nbytes), array in zip(staging.slots, fetch(), strict=True):
@@ -106,9 +121,41 @@ class Session:
             self.commit(step, started)
         except (grpc.RpcError, OSError, ValueError) as err:
             return self.failed(step, started, err)
-        if not wait:
+        if not mode:
             return SnapshotResult(step, True, None, "", time.perf_counter() - started)
-        return self.wait()
+        outcome = self.wait()
+        if mode == "rank" or not outcome.taken:
+            return outcome
+        return self._job_outcome(outcome, started)
+
+    def _job_outcome(self, outcome: SnapshotResult, started: float) -> SnapshotResult:
+        """``outcome`` once the job committed its step, or the deadline passed."""
+        step, timeout = outcome.step, self.options.commit_timeout_seconds
+        try:
+            committed, latest = self.wait_committed(step, timeout)
+            why = "" if committed else (f"the job did not commit step {step} within "
+                                        f"{timeout:g} s (latest committed step: {latest})")
+        except grpc.RpcError as err:
+            committed = False
+            why = (f"waiting for the job to commit step {step}: daemon {self.options.daemon}: "
+                   f"{err.code().name}: {err.details()}")
+        return dataclasses.replace(
+            outcome, committed=committed, waited_for="job",
+            reason="; ".join(r for r in (outcome.reason, why) if r),
+            stall_seconds=time.perf_counter() - started)
+
+    def wait_committed(self, step: int, timeout: float) -> tuple[bool, int]:
+        """Waits until ``step`` is committed for the whole job, at most ``timeout`` seconds;
+        (committed, latest committed step). The daemon caps one wait, so this asks
+        again until the deadline. Raises grpc.RpcError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            answer = self._stub.WaitCommitted(
+                pb.WaitCommittedRequest(job=self.job, step=step, timeout_seconds=left),
+                timeout=left + self.options.rpc_timeout_seconds)
+            if answer.committed or time.monotonic() >= deadline:
+                return answer.committed, answer.latest_committed_step
 
     def _held_by_copier(self, step: int, tensors, started: float) -> SnapshotResult:
         """A replica's snapshot: nothing is fetched or copied, the copier's copy holds
@@ -178,7 +225,7 @@ class Session:
             try:
                 response = future.result()
                 outcome = SnapshotResult(step, True, response.job_committed, "",
-                                         time.perf_counter() - started)
+                                         time.perf_counter() - started, waited_for="rank")
             except grpc.RpcError as err:
                 outcome = self.failed(step, started, err)
         self._in_flight = still
@@ -210,10 +257,17 @@ class Session:
 
     # -- restore --------------------------------------------------------------
 
-    def restore(self, step: int | None = None, alone: bool = False) -> RawStep:
-        """Maps a committed step handed over by the daemon; raises RestoreError."""
+    def restore(self, step: int | None = None, alone: bool = False,
+                tensors=()) -> RawStep:
+        """Maps a committed step handed over by the daemon; raises RestoreError.
+
+        ``tensors`` (``pb.TensorRequest``): restore these regions, wherever
+        the job holds them; the answer comes back in request order (see
+        ``RawStep``), checked against the request. Empty: the rank's own copy.
+        """
         request = pb.RestoreRequest(job=self.job, rank=self.rank,
-                                    replica_group=self._replica_group, alone=alone)
+                                    replica_group=self._replica_group, alone=alone,
+                                    world_size=self.world_size, tensors=tensors)
         if step is not None:
             request.step = step
         try:
@@ -234,7 +288,9 @@ class Session:
                     f"step {found.step}: {found.tensors[slot.tensor].name!r} shard {slot.shard} "
                     "does not match its checksum in this process; restore again")
             shards[(slot.tensor, slot.shard)] = data
-        return RawStep(found.step, tuple(found.tensors), shards, found.source or "memory")
+        raw = RawStep(found.step, tuple(found.tensors), shards, found.source or "memory",
+                      found.world_size)
+        return in_request_order(tensors, raw) if tensors else raw
 
     def bubble_stream(self) -> BubbleStream:
         """A Bubbles stream on this session's channel."""
@@ -244,79 +300,19 @@ class Session:
 
     def log(self, step: int, payload: bytes, stream: str = "") -> None:
         """Sends one record to the training log (""), or keeps one for a boundary
-        ``stream`` until :meth:`wait_log` sends the kept ones in one call (a
-        stage sends a tensor per microbatch: one call each would cost more than
-        the bytes). :meth:`wait_log` collects the answers. Thread-safe."""
-        record = pb.LogRecord(step=step, payload=payload)
-        if stream:
-            with self._log_lock:
-                self._log_kept.setdefault(stream, []).append(record)
-                self._log_kept_bytes += len(payload)
-                full = self._log_kept_bytes >= LOG_BATCH_BYTES
-            if full:
-                self._send_kept()
-            return
-        request = pb.AppendLogRequest(job=self.job, rank=self.rank, records=[record])
-        future = self._stub.AppendLog.future(request, timeout=self.options.rpc_timeout_seconds)
-        with self._log_lock:
-            self._log_pending.append((f"step {step}", future, True))
-
-    def _send_kept(self) -> None:
-        with self._log_lock:
-            kept, self._log_kept, self._log_kept_bytes = self._log_kept, {}, 0
-            if not kept:
-                return
-            request = pb.AppendLogsRequest(logs=[
-                pb.AppendLogRequest(job=self.job, rank=self.rank, stream=stream, records=records)
-                for stream, records in kept.items()])
-            future = self._stub.AppendLogs.future(request,
-                                                  timeout=self.options.rpc_timeout_seconds)
-            self._log_pending.append((
-                "boundary records of steps " + ", ".join(sorted(
-                    {str(r.step) for records in kept.values() for r in records})),
-                future, False))
+        ``stream`` until :meth:`wait_log` (see ``LogCalls.log``). Thread-safe."""
+        self._logs.log(step, payload, stream)
 
     def wait_log(self) -> int:
-        """Sends the kept boundary records, waits for every record sent so far; returns
-        the fewest daemons holding one of the training-log records (0: none
-        pending; boundary records are held by this host's daemon alone). Raises
-        LogError if one was not stored."""
-        self._send_kept()
-        with self._log_lock:
-            pending, self._log_pending = self._log_pending, []
-        copies, failed = [], []
-        for what, future, training in pending:
-            try:
-                answer = future.result()
-                if training:
-                    copies.append(answer.copies)
-            except grpc.RpcError as err:
-                failed.append(f"{what}: {err.code().name}: {err.details()}")
-        if failed:
-            raise LogError(f"not logged by daemon {self.options.daemon}: {'; '.join(failed)}")
-        return min(copies, default=0)
+        """Sends the kept boundary records and waits for every record sent so far; the
+        fewest daemons holding a training-log record (0: none). Raises LogError."""
+        return self._logs.wait_log()
 
     def read_log(self, after_step: int, stream: str = "",
                  until_step: int | None = None) -> tuple[list[tuple[int, bytes]], str]:
         """(step, payload) records after ``after_step`` (through ``until_step``) without
-        gaps, and their sources (the daemon answers a page at a time)."""
-        records, sources = [], set()
-        while True:
-            try:
-                answer = self._stub.ReadLog(pb.ReadLogRequest(job=self.job, rank=self.rank,
-                                                              after_step=after_step,
-                                                              stream=stream,
-                                                              until_step=until_step),
-                                            timeout=self.options.restore_timeout_seconds)
-            except grpc.RpcError as err:
-                raise LogError(f"daemon {self.options.daemon}: {err.code().name}: "
-                               f"{err.details()}") from None
-            if answer.records:
-                records += [(r.step, r.payload) for r in answer.records]
-                sources.add(answer.source)
-            if not answer.records or (until_step is not None and records[-1][0] >= until_step):
-                return records, ", ".join(sorted(sources)) or "memory"
-            after_step = records[-1][0]
+        gaps, and their sources. Raises LogError."""
+        return self._logs.read_log(after_step, stream, until_step)
 
     def status(self) -> pb.JobStatus:
         """This job's status as the daemon reports it; raises grpc.RpcError."""

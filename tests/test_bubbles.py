@@ -61,7 +61,7 @@ def test_cpu_fetch_takes_the_shards_orbax_takes():
               for spec in (P(), P("a"), P("a", "b"), P(None, "b"))]
     ours = _transfer.fetch_to_host(leaves)
     theirs = [np.asarray(rs.unsliced_data).reshape(-1).view(np.uint8)
-              for r in replica_slices.transfer_arrays_to_host(leaves, None, False,
+              for r in replica_slices.transfer_arrays_to_host(leaves, 0, False,
                                                               enable_pinned_host_transfer=False)
               for rs in r.replica_slices]
     assert [(a.ctypes.data, a.nbytes) for a in ours] == [(b.ctypes.data, b.nbytes)

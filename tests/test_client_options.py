@@ -11,7 +11,8 @@ from bubblesnap.clients.jax import BubbleSnapshotOptions
 def test_defaults_are_the_documented_ones():
     assert ClientOptions() == ClientOptions(daemon="127.0.0.1:7070", rpc_timeout_seconds=5.0,
                                             backoff_seconds=10.0, verify_restore=False,
-                                            restore_timeout_seconds=300.0)
+                                            restore_timeout_seconds=300.0,
+                                            commit_timeout_seconds=60.0)
     assert BubbleSnapshotOptions() == BubbleSnapshotOptions(warmup_iterations=2, eager=False,
                                                             min_report_seconds=1e-3,
                                                             smoothing=0.3)

@@ -1,10 +1,18 @@
-"""Pytrees of jax.Arrays <-> the daemon's tensor specs: names, dtypes, shards."""
+"""Pytrees of jax.Arrays <-> the daemon's tensor specs: names, dtypes, shards, regions.
+
+Snapshot side: which shards this process copies (Orbax's multi-host rule:
+each distinct region by the process whose device holds it with replica id
+0). Restore side: which regions this process's devices need.
+"""
 
 import jax
 import numpy as np
 from orbax.checkpoint._src.serialization import replica_slices
 
 from bubblesnap.protos import daemon_pb2 as pb
+
+#: A region of a tensor: (start, stop) per dimension, half-open.
+Index = tuple[tuple[int, int], ...]
 
 
 def _key_name(key) -> str:
@@ -29,7 +37,7 @@ def flatten(tree) -> tuple[list[str], list, object]:
     return names, leaves, treedef
 
 
-def normalize_index(index, shape) -> tuple[tuple[int, int], ...]:
+def normalize_index(index, shape) -> Index:
     """A tuple of slices (possibly open-ended) as (start, stop) pairs."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     out = []
@@ -41,28 +49,43 @@ def normalize_index(index, shape) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def owned_indices(array) -> list[tuple[tuple[int, int], ...]]:
-    """The shard indices this process stages for ``array``, one per distinct shard.
+def owned_indices(array) -> list[Index]:
+    """The shard indices this process copies for ``array``, one per distinct region.
 
-    Uses Orbax's choice of replica slices, so a shard replicated over several
-    local devices is copied once.
+    Orbax's multi-host rule: the shards this process's devices hold with
+    replica id 0. Every distinct region of an array has exactly one such
+    shard in the whole job, so each is copied once (a region replicated over
+    several devices or processes included), and a process may copy none of
+    an array whose replica-0 shards all live elsewhere.
     """
     if isinstance(array, np.ndarray):
         return [tuple((0, d) for d in array.shape)]
-    slices = replica_slices.get_replica_slices(array, replica_id=None, use_replica_parallel=False)
+    slices = replica_slices.get_replica_slices(array, replica_id=0, use_replica_parallel=False)
     return [normalize_index(rs.index, array.shape) for rs in slices.replica_slices]
 
 
+def is_job_wide(leaf) -> bool:
+    """Whether ``leaf`` is one global array of the job: its devices span several processes."""
+    return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+
+
+def _slices(index: Index) -> list[pb.Slice]:
+    return [pb.Slice(start=a, stop=b) for a, b in index]
+
+
+def _volume(index: Index) -> int:
+    return int(np.prod([b - a for a, b in index], dtype=np.int64))
+
+
 def tensor_specs(names, leaves) -> list[pb.TensorSpec]:
+    """What this process registers: per leaf, the regions it copies (possibly none)."""
     specs = []
     for name, leaf in zip(names, leaves, strict=True):
         dtype = np.dtype(leaf.dtype)
         specs.append(pb.TensorSpec(
-            name=name, dtype=dtype.name, global_shape=leaf.shape, shards=[
-                pb.ShardSpec(index=[pb.Slice(start=a, stop=b) for a, b in index],
-                             nbytes=int(np.prod([b - a for a, b in index], dtype=np.int64))
-                             * dtype.itemsize)
-                for index in owned_indices(leaf)]))
+            name=name, dtype=dtype.name, global_shape=leaf.shape, job_wide=is_job_wide(leaf),
+            shards=[pb.ShardSpec(index=_slices(index), nbytes=_volume(index) * dtype.itemsize)
+                    for index in owned_indices(leaf)]))
     return specs
 
 
@@ -79,3 +102,25 @@ class SpecCache:
         if signature != self._signature:
             self._signature, self._specs = signature, tensor_specs(names, leaves)
         return self._specs
+
+
+def target_sharding(leaf) -> jax.sharding.Sharding:
+    """The sharding a restored leaf gets: its own, else the first local device."""
+    return getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+        jax.local_devices()[0])
+
+
+def needed_regions(shape, sharding) -> tuple[dict, list[Index]]:
+    """What this process's devices hold of an array of ``shape`` with ``sharding``:
+    device -> region, and the distinct regions in first-seen order (a region
+    several local devices hold is asked for once)."""
+    per_device = {device: normalize_index(index, shape)
+                  for device, index in sharding.addressable_devices_indices_map(shape).items()}
+    return per_device, list(dict.fromkeys(per_device.values()))
+
+
+def tensor_request(name: str, leaf, regions: list[Index]) -> pb.TensorRequest:
+    """The restore request of one target leaf: its dtype, global shape and regions."""
+    return pb.TensorRequest(name=name, dtype=np.dtype(leaf.dtype).name,
+                            global_shape=leaf.shape,
+                            regions=[pb.Region(index=_slices(index)) for index in regions])

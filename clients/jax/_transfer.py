@@ -6,6 +6,10 @@ from orbax.checkpoint._src.serialization import replica_slices
 
 from bubblesnap.clients._shared_memory import as_bytes
 
+#: Orbax's multi-host rule, shared by both fetch paths and by ``_layout.owned_indices``:
+#: a process copies the shards its devices hold with this replica id.
+_REPLICA_ID = 0
+
 
 def fetch_to_host(leaves) -> list[np.ndarray]:
     """Host bytes of every staged shard of ``leaves``, in layout order.
@@ -32,7 +36,8 @@ def fetch_to_host(leaves) -> list[np.ndarray]:
 
 def _fetch_through_orbax(leaves, arrays) -> list[np.ndarray]:
     transferred = iter(replica_slices.transfer_arrays_to_host(
-        arrays, replica_id=None, use_replica_parallel=False, enable_pinned_host_transfer=True))
+        arrays, replica_id=_REPLICA_ID, use_replica_parallel=False,
+        enable_pinned_host_transfer=True))
     host = []
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
@@ -46,14 +51,15 @@ _CHOICES: dict = {}
 
 
 def _orbax_choice(array: jax.Array) -> tuple[int, ...]:
-    """Positions in ``array.addressable_shards`` of the shards Orbax stages, in its order."""
+    """Positions in ``array.addressable_shards`` of the shards Orbax stages, in its order
+    (none when every replica-0 shard of the array lives in another process)."""
     key = (array.shape, array.dtype, array.sharding)
     choice = _CHOICES.get(key)
     if choice is None:
         shards = array.addressable_shards
         where = {(s.device, tuple(_slice_key(i) for i in s.index)): n
                  for n, s in enumerate(shards)}
-        chosen = replica_slices.get_replica_slices(array, replica_id=None,
+        chosen = replica_slices.get_replica_slices(array, replica_id=_REPLICA_ID,
                                                    use_replica_parallel=False).replica_slices
         choice = tuple(where[(rs.unsliced_data.device, tuple(_slice_key(i) for i in rs.index))]
                        for rs in chosen)
@@ -67,32 +73,17 @@ def _slice_key(index: slice) -> tuple:
     return index.start, index.stop, index.step
 
 
-def place(global_shape, dtype, sharding, stored: dict, index_of) -> jax.Array:
-    """Builds a jax.Array with ``sharding`` from stored host shards.
+def place(global_shape, sharding, per_device: dict, host_of) -> jax.Array:
+    """Builds a jax.Array with ``sharding`` from host copies of its local regions.
 
-    ``stored`` maps a shard index ((start, stop) per dimension) to a read-only
-    host array holding it (a view of the daemon's segment, which the daemon
-    never reuses once restored from). A device whose index was stored as-is
-    gets that array: the CPU backend aliases it, an accelerator copies it in
-    one transfer. Otherwise the global array is assembled once and sliced,
-    which handles a change of sharding.
+    ``per_device`` maps each addressable device to the region it holds;
+    ``host_of(region)`` is a read-only host array of exactly that region (a
+    view of the daemon's segment, which the daemon never reuses once
+    restored from). Each device gets one host-to-device transfer of it; the
+    CPU backend aliases the host array instead of copying. The other
+    processes place their own devices' regions: together they make the
+    global array.
     """
-    device_map = sharding.addressable_devices_indices_map(global_shape)
-    assembled = None
-    per_device = []
-    for device, index in device_map.items():
-        key = index_of(index)
-        host = stored.get(key)
-        if host is None:
-            if assembled is None:
-                held = sum(int(np.prod([b - a for a, b in idx])) for idx in stored)
-                if held != int(np.prod(global_shape)):
-                    raise ValueError(
-                        f"this rank holds {held} of the {int(np.prod(global_shape))} elements; "
-                        "the requested sharding needs shards held by other ranks")
-                assembled = np.empty(global_shape, dtype)
-                for (idx, data) in stored.items():
-                    assembled[tuple(slice(a, b) for a, b in idx)] = data
-            host = np.ascontiguousarray(assembled[tuple(slice(a, b) for a, b in key)])
-        per_device.append(jax.device_put(host, device, may_alias=True))
-    return jax.make_array_from_single_device_arrays(global_shape, sharding, per_device)
+    arrays = [jax.device_put(host_of(region), device, may_alias=True)
+              for device, region in per_device.items()]
+    return jax.make_array_from_single_device_arrays(global_shape, sharding, arrays)

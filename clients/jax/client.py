@@ -1,7 +1,6 @@
 """The JAX client: snapshot a pytree of jax.Arrays into the daemon, restore it back."""
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -15,13 +14,15 @@ from bubblesnap.clients.results import RestoreError, SnapshotResult
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """A restored state: the step it was taken at, the pytree, how long it took, and
-    where the daemon found it (``memory``, ``peer`` or ``durable``)."""
+    """A restored state: the step it was taken at, the pytree, how long it took, where
+    the daemon found it (``memory``, ``peer`` or ``durable``), and the world size
+    the step was taken with (0: the daemon did not say)."""
 
     step: int
     state: object
     seconds: float
     source: str = "memory"
+    world_size: int = 0
 
 
 class SnapshotClient(DaemonClient):
@@ -29,7 +30,7 @@ class SnapshotClient(DaemonClient):
 
     Typical use, once per training step::
 
-        client = SnapshotClient("my-job")
+        client = SnapshotClient("my-job", jax.process_index(), jax.process_count())
         for step in range(start, steps):
             state = train_step(state, batch)
             client.snapshot(step, state)
@@ -42,10 +43,19 @@ class SnapshotClient(DaemonClient):
     ``snapshot`` never raises for daemon trouble and never waits longer than
     its deadline: it returns a :class:`SnapshotResult` saying what happened.
 
-    With data parallelism, give each rank its ``replica_group`` (the ranks
-    whose state equals its own, itself included): the group's lowest rank
-    copies the state, the others' ``snapshot`` copies nothing and their
-    ``restore`` gets the lowest rank's copy.
+    Multi-host (one process per host under ``jax.distributed``, ``rank`` the
+    process index): each distinct region of a global array is copied once
+    in the whole job, by the process whose device holds it with replica id
+    0, and a restore asks for the regions the target shardings need on this
+    process's devices, wherever they were copied: another process count or
+    mesh restores as well.
+
+    With data parallelism outside one global mesh (ranks that each hold a
+    whole copy of the same state in their own arrays), give each rank its
+    ``replica_group`` (the ranks whose state equals its own, itself
+    included): the group's lowest rank copies the state, the others'
+    ``snapshot`` copies nothing and their ``restore`` gets the lowest rank's
+    copy.
 
     The training log (``log``, ``wait_log``, ``read_log``), ``wait``,
     ``status`` and ``close`` are :class:`DaemonClient`'s.
@@ -56,13 +66,25 @@ class SnapshotClient(DaemonClient):
         super().__init__(job, rank, world_size, options, replica_group)
         self._specs = _layout.SpecCache()
 
-    def snapshot(self, step: int, state, wait: bool = False) -> SnapshotResult:
-        """Copies ``state`` (step ``step``) into the daemon's memory.
+    def snapshot(self, step: int, state, wait: bool | str = False) -> SnapshotResult:
+        """Copies this process's part of ``state`` (step ``step``) into the daemon's memory.
 
-        Holds training for the device-to-host fetch and one memcpy; the daemon
-        checksums and commits in the background unless ``wait`` is set. A
-        replica that is not its group's copier fetches nothing
-        (``SnapshotResult.copied_by``).
+        Holds training for the device-to-host fetch and one memcpy. ``wait``:
+
+        - False (default): returns then; the daemon checksums and commits in
+          the background (``waited_for == ""``, ``committed`` None).
+        - True or ``"rank"``: also waits until this rank's copy is checked
+          and kept by its daemon (LOCAL): after a crash of this process it
+          is there. It says nothing of the other ranks (``committed`` is
+          True only if the job had committed the step by then).
+        - ``"job"``: then waits until the whole job committed the step, at
+          most ``ClientOptions.commit_timeout_seconds``: every rank's copy is
+          LOCAL (with its replicas, with peers), so a restore of the job can
+          pick it (``committed`` True; False after the timeout).
+
+        A process that holds no replica-0 shard of some array copies none of
+        it (another process does). A data-parallel replica that is not its
+        group's copier fetches nothing (``SnapshotResult.copied_by``).
         """
         names, leaves, _ = _layout.flatten(state)
         return self._session.snapshot(step, self._specs.specs(names, leaves),
@@ -73,9 +95,16 @@ class SnapshotClient(DaemonClient):
 
         ``target`` is a pytree like the saved state whose leaves are
         jax.Arrays or jax.ShapeDtypeStructs; each restored array gets the
-        leaf's sharding (default: the first local device). Raises
-        :class:`RestoreError` when nothing restorable is held or the layout
-        does not match.
+        leaf's sharding (default: the first local device). The daemon is
+        asked, per leaf, for the regions that sharding puts on this
+        process's devices, and serves them from wherever the job copied them
+        (this daemon, a peer, the durable tier): a job-wide array restores
+        into any mesh and process count; a rank's own tensors only into the
+        world size they were taken with. Each device gets one host-to-device
+        transfer (the CPU backend aliases the daemon's read-only memory).
+        Raises :class:`RestoreError` when nothing restorable is held, the
+        target does not match the step, or the daemon's answer lacks a
+        region asked.
 
         Restoring a step resumes the whole job from it: with peers or a
         durable tier, the daemons drop every later copy as the abandoned
@@ -85,33 +114,25 @@ class SnapshotClient(DaemonClient):
         """
         started = time.perf_counter()
         names, leaves, treedef = _layout.flatten(target)
-        raw = self._session.restore(step, alone)
-        by_name = {t.name: i for i, t in enumerate(raw.tensors)}
-        missing = [n for n in names if n not in by_name]
-        if missing:
-            raise RestoreError(f"step {raw.step} has no tensors {missing[:5]}; it holds "
-                               f"{list(by_name)[:5]}...: restore into the state structure it "
-                               "was saved from")
+        shardings = [_layout.target_sharding(leaf) for leaf in leaves]
+        needs = [_layout.needed_regions(leaf.shape, sharding)
+                 for leaf, sharding in zip(leaves, shardings, strict=True)]
+        raw = self._session.restore(step, alone, tensors=[
+            _layout.tensor_request(name, leaf, regions)
+            for name, leaf, (_, regions) in zip(names, leaves, needs, strict=True)])
         arrays = []
-        for name, leaf in zip(names, leaves, strict=True):
-            tensor_index = by_name[name]
-            spec = raw.tensors[tensor_index]
-            dtype = np.dtype(spec.dtype)
-            shape = tuple(spec.global_shape)
-            if shape != tuple(leaf.shape) or dtype != np.dtype(leaf.dtype):
-                raise RestoreError(f"{name!r} was saved as {dtype.name}{list(shape)}; the target "
-                                   f"asks for {np.dtype(leaf.dtype).name}{list(leaf.shape)}")
-            stored = {}
-            for shard_index, shard in enumerate(spec.shards):
-                index = tuple((s.start, s.stop) for s in shard.index)
-                stored[index] = raw.shards[(tensor_index, shard_index)].view(dtype).reshape(
-                    [b - a for a, b in index])
-            sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
-                jax.local_devices()[0])
+        for t, (name, leaf, sharding, (per_device, regions)) in enumerate(
+                zip(names, leaves, shardings, needs, strict=True)):
+            dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+            position = {region: r for r, region in enumerate(regions)}
+
+            def host_of(region, t=t, dtype=dtype, position=position):
+                return raw.shards[(t, position[region])].view(dtype).reshape(
+                    [b - a for a, b in region])
             try:
-                index_of = functools.partial(_layout.normalize_index, shape=shape)
-                arrays.append(_transfer.place(shape, dtype, sharding, stored, index_of))
-            except ValueError as err:
-                raise RestoreError(f"{name!r}: {err}") from None
+                arrays.append(_transfer.place(shape, sharding, per_device, host_of))
+            except ValueError as err:  # a region's bytes do not fit its shape
+                raise RestoreError(f"step {raw.step}: {name!r}: {err}") from None
         state = jax.tree_util.tree_unflatten(treedef, arrays)
-        return Restored(raw.step, state, time.perf_counter() - started, raw.source)
+        return Restored(raw.step, state, time.perf_counter() - started, raw.source,
+                        raw.world_size)
