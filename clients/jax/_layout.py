@@ -64,9 +64,16 @@ def owned_indices(array) -> list[Index]:
     return [normalize_index(rs.index, array.shape) for rs in slices.replica_slices]
 
 
-def is_job_wide(leaf) -> bool:
-    """Whether ``leaf`` is one global array of the job: its devices span several processes."""
-    return isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+def is_job_wide(leaf, world_size: int) -> bool:
+    """Whether ``leaf`` is one global array of the job rather than this rank's own.
+
+    An array whose devices span several processes is; so is every array of
+    a job that is this one process (world size 1): its arrays are the job's
+    global arrays, and declaring them so lets more processes restore them
+    later (1 -> N). An array on this process's devices alone in a job of
+    several ranks (a pipeline stage's parameters) is the rank's own.
+    """
+    return world_size == 1 or (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable)
 
 
 def _slices(index: Index) -> list[pb.Slice]:
@@ -77,13 +84,15 @@ def _volume(index: Index) -> int:
     return int(np.prod([b - a for a, b in index], dtype=np.int64))
 
 
-def tensor_specs(names, leaves) -> list[pb.TensorSpec]:
-    """What this process registers: per leaf, the regions it copies (possibly none)."""
+def tensor_specs(names, leaves, world_size: int) -> list[pb.TensorSpec]:
+    """What a rank of a job of ``world_size`` registers: per leaf, the regions it
+    copies (possibly none) and whether the leaf is job-wide."""
     specs = []
     for name, leaf in zip(names, leaves, strict=True):
         dtype = np.dtype(leaf.dtype)
         specs.append(pb.TensorSpec(
-            name=name, dtype=dtype.name, global_shape=leaf.shape, job_wide=is_job_wide(leaf),
+            name=name, dtype=dtype.name, global_shape=leaf.shape,
+            job_wide=is_job_wide(leaf, world_size),
             shards=[pb.ShardSpec(index=_slices(index), nbytes=_volume(index) * dtype.itemsize)
                     for index in owned_indices(leaf)]))
     return specs
@@ -92,7 +101,8 @@ def tensor_specs(names, leaves) -> list[pb.TensorSpec]:
 class SpecCache:
     """Tensor specs of the last state layout seen; recomputed only when the layout changes."""
 
-    def __init__(self):
+    def __init__(self, world_size: int):
+        self._world_size = world_size
         self._signature = None
         self._specs = None
 
@@ -100,7 +110,8 @@ class SpecCache:
         signature = tuple((n, leaf.shape, str(leaf.dtype), getattr(leaf, "sharding", None))
                           for n, leaf in zip(names, leaves, strict=True))
         if signature != self._signature:
-            self._signature, self._specs = signature, tensor_specs(names, leaves)
+            self._signature = signature
+            self._specs = tensor_specs(names, leaves, self._world_size)
         return self._specs
 
 

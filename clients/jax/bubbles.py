@@ -104,7 +104,7 @@ class BubbleSnapshotter:
         self._stage = stage
         self.options = options
         self._stream = self._session.bubble_stream()
-        self._specs = _layout.SpecCache()
+        self._specs = _layout.SpecCache(self._session.world_size)
         self._registered = False
         self._iteration, self._iteration_started = -1, 0.0
         self._last_iteration_seconds = 0.0

@@ -64,7 +64,7 @@ class SnapshotClient(DaemonClient):
     def __init__(self, job: str, rank: int = 0, world_size: int = 1,
                  options: ClientOptions = ClientOptions(), replica_group=()):
         super().__init__(job, rank, world_size, options, replica_group)
-        self._specs = _layout.SpecCache()
+        self._specs = _layout.SpecCache(world_size)
 
     def snapshot(self, step: int, state, wait: bool | str = False) -> SnapshotResult:
         """Copies this process's part of ``state`` (step ``step``) into the daemon's memory.
