@@ -23,6 +23,7 @@ import time
 import grpc
 
 from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service import assembly, region_plan
 from bubblesnap.service.errors import (
     DaemonError,
     DataLoss,
@@ -69,36 +70,110 @@ class Restorer:
         self._writer = durable_writer
         self._corrupt: collections.deque = collections.deque(maxlen=_CORRUPT_KEPT)
         self._lock = threading.Lock()
+        self._assembler = assembly.Assembler(store, transfers, durable_reader, self._record)
 
     @property
     def resumes_job(self) -> bool:
         """Whether a restore resumes the whole job (drops later copies everywhere)."""
         return self._group is not None or self._durable is not None
 
-    def restore(self, job: str, rank: int, step: int | None = None,
-                replica_group=(), alone: bool = False) -> Restored:
-        """The rank's copy of ``step`` (default: the latest the whole job can restore).
+    def restore(self, job: str, rank: int, step: int | None = None, replica_group=(),
+                alone: bool = False, world_size: int = 0, asked=()) -> Restored:
+        """The rank's state at ``step`` (default: the latest the whole job can restore).
 
-        A member of a replica group gets its copier's copy. With peers or a
-        durable tier the rank need not be registered here: a replacement
-        host's trainer restores first, naming its ``replica_group``, and
-        registers after.
+        ``asked`` (region_plan.Asked per tensor): the regions the caller's
+        devices need, gathered from every rank's copy that holds them, so a
+        job restores onto another mesh or number of processes
+        (``world_size``, the caller's; 0: not said). Without ``asked``: the
+        rank's own copy as it was taken, which only a caller of the same world
+        size gets. A member of a replica group gets its copier's copy. With
+        peers or a durable tier the rank need not be registered here: a
+        replacement host's trainer restores first, naming its
+        ``replica_group``, and registers after.
         """
         holdings = self.holdings(job)
-        world = self._world_size(job, holdings)
+        world = world_size or self._world_size(job, holdings)
         layout_lib.check_rank(rank, world)
-        asked = layout_lib.check_replica_group(rank, world, replica_group) \
+        group_asked = layout_lib.check_replica_group(rank, world, replica_group) \
             if replica_group else ()
-        copier, group = self._store.copier_of(job, rank, asked)
+        copier, group = self._store.copier_of(job, rank, group_asked)
         if copier != rank:  # the copier's word, not the caller's, says whom its copies hold
             for declared in {h.group for h in holdings if h.rank == copier and h.group}:
                 layout_lib.check_held_for(job, rank, copier, declared)
         durable = self.durable_steps(job, world)
         step = _chosen(job, world, holdings, group_view.restorable_steps(world, holdings,
                                                                           durable), step)
+        step_world = self._step_world(job, step, holdings, durable, world)
+        if asked:
+            sources = self._sources(job, step, holdings, durable)
+            plan = region_plan.plan(list(asked), {r: s.layout for r, s in sources.items()},
+                                    step_world, copier, world_size)
+        elif world_size and world_size != step_world:
+            raise FailedPrecondition(
+                f"step {step} of job {job!r} was taken by {step_world} ranks; rank {rank}'s own "
+                f"copy restores only into {step_world}, not {world_size}. Ask for the regions "
+                "the target shardings need (the JAX client does) to restore onto another "
+                "number of processes")
+        if not alone:  # its ranks may register under the caller's world size (a new epoch)
+            self._store.resume(job, world_size or step_world, step)
         if self.resumes_job and not alone:
-            self._roll_back(job, step, holdings, durable)
-        return self._fetch(job, world, rank, copier, step, group, holdings, durable)
+            self._roll_back(job, step, holdings, durable, world_size or step_world)
+        if not asked:
+            return self._fetch(job, world, rank, copier, step, group, holdings, durable)
+        return self._fetch_regions(job, step, step_world, copier, list(asked), plan, sources)
+
+    def _fetch_regions(self, job: str, step: int, world: int, copier: int, asked, plan,
+                       sources) -> Restored:
+        exact = plan.exact_copy()
+        places = dict(sources[exact].places) if exact is not None else {}
+        if "memory" in places or "peer" in places:  # one copy holds it all: no bytes move
+            if "memory" not in places:
+                self._transfers.fetch(places["peer"], job, world, exact, step,
+                                      sources[exact].group)
+            found = assembly.exact_answer(self._store.serve_copy(job, exact, step), plan, asked)
+            return Restored(found, "memory" if "memory" in places else "peer", "")
+        found, used = self._assembler.assemble(job, step, world, copier, plan, asked, sources)
+        return Restored(found, used, "")
+
+    def _sources(self, job: str, step: int, holdings, durable) -> dict[int, assembly.Source]:
+        """Every rank whose copy of ``step`` exists (a replica group by its copier): its
+        layout and the places that hold it, fastest first."""
+        here = self._group.index if self._group is not None else 0
+        places: dict[int, list] = {}
+        groups: dict[int, tuple[int, ...]] = {}
+        for h in sorted(holdings, key=lambda h: (h.index != here, h.index)):
+            if h.step == step:
+                places.setdefault(h.rank, []).append(
+                    ("memory", None) if h.index == here else ("peer", h.index))
+                groups[h.rank] = h.group or (h.rank,)
+        written = self._durable.step_layouts(job, step) if step in durable else {}
+        for rank, copy in written.items():
+            places.setdefault(rank, []).append(("durable", None))
+            groups.setdefault(rank, copy.group)
+        return {rank: assembly.Source(self._layout_of(job, step, rank, where, written),
+                                      tuple(where), groups[rank])
+                for rank, where in places.items()}
+
+    def _layout_of(self, job: str, step: int, rank: int, places, written):
+        for kind, index in places:
+            try:
+                if kind == "memory":
+                    return self._store.describe(job, rank, step).layout
+                if kind == "peer":
+                    return self._transfers.describe(index, job, rank, step).layout
+                return written[rank].layout
+            except (DaemonError, grpc.RpcError, OSError):
+                continue
+        raise Unavailable(f"no daemon holding step {step} of rank {rank} of job {job!r} "
+                          "answered; try again")
+
+    def _step_world(self, job: str, step: int, holdings, durable, world: int) -> int:
+        worlds = {h.world_size for h in holdings if h.step == step and h.world_size}
+        if len(worlds) == 1:
+            return worlds.pop()
+        if step in durable:
+            return self._durable.world_size(job) or world
+        return world
 
     def holdings(self, job: str) -> list[group_view.Holding]:
         """The committed copies of ``job`` in the group (this daemon's alone, without peers)."""
@@ -166,18 +241,21 @@ class Restorer:
                               f"not be fetched now; tried: {'; '.join(tried)}. Try again")
         raise NotFound(f"step {step} of rank {rank} of job {job!r} is held nowhere")
 
-    def _roll_back(self, job: str, step: int, holdings, durable) -> None:
-        """Restoring ``step`` resumes the job from it: later copies, here, at every peer
+    def _roll_back(self, job: str, step: int, holdings, durable, world_size: int) -> None:
+        """Restoring ``step`` resumes the job from it, under ``world_size`` ranks (a new
+        epoch when the job ran with another number): later copies, here, at every peer
         and in the durable tier, belong to an abandoned run. Dropped before anything
         is installed, so a resumed run never mixes with them."""
-        if not any(h.step > step for h in holdings) and not any(s > step for s in durable):
+        later = any(h.step > step for h in holdings) or any(s > step for s in durable)
+        if not later and world_size == self._current_world(job, world_size):
             return
-        log.info("job %s resumes from step %d: dropping later copies in the group", job, step)
+        log.info("job %s resumes from step %d under %d ranks: dropping later copies in the "
+                 "group", job, step, world_size)
         self.roll_back_here(job, step)
         if self._writer is not None:
             self._writer.discard_after(job, step)
         if self._group is not None:
-            request = ppb.RollbackRequest(job=job, step=step)
+            request = ppb.RollbackRequest(job=job, step=step, world_size=world_size)
             for index in self._group.others():
                 try:
                     self._group.call(index, "Rollback", request)
@@ -202,6 +280,12 @@ class Restorer:
         fill, checksums = self._durable.load(job, copier, step, layout)
         self._store.install(job, world, copier, step, layout, checksums, fill, for_restore=True,
                             group=group)
+
+    def _current_world(self, job: str, default: int) -> int:
+        try:
+            return self._store.world_size(job)
+        except NotFound:
+            return default
 
     def _world_size(self, job: str, holdings) -> int:
         try:

@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 
-from bubblesnap.protos.checksum import SlotHasher
+from bubblesnap.protos.checksum import SlotHasher, new_hasher
 from bubblesnap.service.errors import Aborted, InvalidArgument
 from bubblesnap.sockets import recv_exact, recv_exact_into
 
@@ -45,14 +45,18 @@ _MAX_CONNECTIONS = 64
 @dataclasses.dataclass
 class _Offer:
     path: str
-    nbytes: int
+    allowed: tuple[tuple[int, int], ...]  # the byte ranges of the file that may be read
     deadline: float
     done: object
     served: set = dataclasses.field(default_factory=set)  # distinct (start, stop) sent
     active: int = 0  # connections sending now: the offer does not expire under them
 
+    def permits(self, start: int, stop: int) -> bool:
+        return start < stop and any(a <= start and stop <= b for a, b in self.allowed)
+
     def complete(self) -> bool:
-        return sum(stop - start for start, stop in self.served) >= self.nbytes
+        return sum(stop - start for start, stop in self.served) >= \
+            sum(b - a for a, b in self.allowed)
 
 
 def check_address(address: str) -> None:
@@ -81,13 +85,17 @@ class DataServer:
         self._closed = False
         threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
 
-    def offer(self, path: str, nbytes: int, done) -> bytes:
-        """A ticket for reading ``nbytes`` of the file at ``path``; ``done()`` runs once:
-        when every byte was sent, the ticket was cancelled, or it expired unused
-        for ``TICKET_SECONDS``."""
+    def offer(self, path: str, nbytes: int, done, ranges=None) -> bytes:
+        """A ticket for reading the first ``nbytes`` of the file at ``path``, or only its
+        byte ``ranges`` ((start, stop) each); ``done()`` runs once: when every byte
+        offered was sent, the ticket was cancelled, or it expired unused for
+        ``TICKET_SECONDS``."""
         ticket = secrets.token_bytes(TICKET_BYTES)
+        allowed = tuple((a, b) for a, b in (ranges if ranges is not None else [(0, nbytes)])
+                        if a < b)
         with self._lock:
-            self._offers[ticket] = _Offer(path, nbytes, time.monotonic() + TICKET_SECONDS, done)
+            self._offers[ticket] = _Offer(path, allowed, time.monotonic() + TICKET_SECONDS,
+                                          done)
         return ticket
 
     def cancel(self, ticket: bytes) -> None:
@@ -148,7 +156,7 @@ class DataServer:
             ticket, start, stop = _HEADER.unpack(recv_exact(conn, _HEADER.size))
             with self._lock:
                 offer = self._offers.get(ticket)
-                if offer is not None and 0 <= start < stop <= offer.nbytes:
+                if offer is not None and offer.permits(start, stop):
                     offer.active += 1
                 else:
                     offer = None
@@ -207,6 +215,13 @@ def pull(address: str, ticket: bytes, view, ranges, ssl_context: ssl.SSLContext 
 
 
 def _pull_range(address, ticket, view, start, stop, ssl_context, timeout, received) -> None:
+    _receive(address, ticket, start, stop, memoryview(view).cast("B")[start:stop], ssl_context,
+             timeout, None if received is None else lambda a, b: received(start + a, start + b))
+
+
+def _receive(address, ticket, start, stop, target, ssl_context, timeout, received) -> None:
+    """Bytes [start, stop) of the offer into ``target``; ``received(a, b)`` hears each
+    range of ``target`` as it lands."""
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=timeout) as raw:
         conn = raw
@@ -214,11 +229,46 @@ def _pull_range(address, ticket, view, start, stop, ssl_context, timeout, receiv
             conn = ssl_context.wrap_socket(raw, server_hostname=host)
         conn.sendall(_HEADER.pack(ticket, start, stop))
         try:
-            recv_exact_into(conn, memoryview(view).cast("B")[start:stop],
-                            None if received is None else
-                            lambda a, b: received(start + a, start + b))
+            recv_exact_into(conn, target, received)
         except ConnectionError as err:
             raise ConnectionError(f"{address} closed the data channel: {err}") from None
+
+
+def read_ranges(address: str, ticket: bytes, ranges, ssl_context, timeout: float, what: str,
+                streams: int = PULL_STREAMS) -> list[tuple[bytearray, int]]:
+    """Each (start, stop) of ``ranges`` of an offer into a buffer of its own, over up to
+    ``streams`` connections at once, hashed as it lands: [(bytes, checksum)] in order.
+    ``what`` names the copy in errors (Aborted when a transfer breaks off)."""
+    check_address(address)
+    buffers = [bytearray(stop - start) for start, stop in ranges]
+    hashers = [new_hasher() for _ in ranges]
+    pending = [(i, r) for i, r in enumerate(ranges) if r[0] < r[1]]  # zero-size shards
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        while not errors:
+            with lock:
+                if not pending:
+                    return
+                i, (start, stop) = pending.pop(0)
+            view = memoryview(buffers[i])
+            try:
+                _receive(address, ticket, start, stop, view, ssl_context, timeout,
+                         lambda a, b, i=i, view=view: hashers[i].update(view[a:b]))
+            except BaseException as err:  # reported by the caller's thread
+                errors.append(err)
+
+    threads = [threading.Thread(target=work, name="data-recv")
+               for _ in range(min(streams, len(pending)) - 1)]
+    for t in threads:
+        t.start()
+    work()
+    for t in threads:
+        t.join()
+    if errors:
+        raise Aborted(f"pulling {what} from {address} failed: {errors[0]}") from errors[0]
+    return [(buffer, h.intdigest()) for buffer, h in zip(buffers, hashers, strict=True)]
 
 
 def split(slots, nbytes: int, streams: int) -> list[list[tuple[int, int]]]:

@@ -38,25 +38,34 @@ def copiers(holdings) -> dict[int, int]:
     return {member: h.rank for h in holdings for member in h.group}
 
 
+def _held_whole(world_size: int, holdings, copies_wanted: int) -> list[int]:
+    """Steps whose every rank holds ``copies_wanted`` copies. Each step is judged on its
+    own copies: the world size and replica groups it was taken with (a job's epochs
+    differ in them); copies that disagree on the world size, or name none (0), are
+    judged by ``world_size``."""
+    by_step = defaultdict(list)
+    for h in holdings:
+        by_step[h.step].append(h)
+    whole = []
+    for step, copies in sorted(by_step.items()):
+        worlds = {h.world_size for h in copies}
+        world = worlds.pop() if len(worlds) == 1 and 0 not in worlds else world_size
+        found, copier = holders(copies), copiers(copies)
+        if world and all(len(found.get((copier.get(r, r), step), ())) >= copies_wanted
+                         for r in range(world)):
+            whole.append(step)
+    return whole
+
+
 def committed_steps(world_size: int, holdings, copies_wanted: int) -> list[int]:
     """Steps every rank holds with at least ``copies_wanted`` copies, oldest first."""
-    found = holders(holdings)
-    copier = copiers(holdings)
-    steps = {step for _, step in found}
-    return sorted(s for s in steps
-                  if all(len(found.get((copier.get(r, r), s), ())) >= copies_wanted
-                         for r in range(world_size)))
+    return _held_whole(world_size, holdings, copies_wanted)
 
 
 def restorable_steps(world_size: int, holdings, durable_steps=()) -> list[int]:
-    """Steps every rank can get back from some peer's memory or the durable tier."""
-    found = holders(holdings)
-    copier = copiers(holdings)
-    durable = set(durable_steps)
-    steps = {step for _, step in found} | durable
-    return sorted(s for s in steps
-                  if s in durable or all(found.get((copier.get(r, r), s))
-                                         for r in range(world_size)))
+    """Steps every rank can get back from some peer's memory, or that the durable tier
+    holds whole."""
+    return sorted(set(_held_whole(world_size, holdings, 1)) | set(durable_steps))
 
 
 def successors(index: int, ring_size: int, live, count: int) -> list[int]:

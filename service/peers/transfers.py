@@ -6,11 +6,22 @@ the data channel straight into a segment of its own, hashing them as they
 land, and the store keeps the copy only if every checksum matches.
 """
 
+import dataclasses
+
 from bubblesnap.protos import peer_pb2 as ppb
-from bubblesnap.service.errors import DataLoss
+from bubblesnap.service.errors import DataLoss, InvalidArgument
 from bubblesnap.service.peers import data_channel
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.views import PinnedCopy
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerCopy:
+    """A copy a peer holds, as Describe tells it."""
+
+    layout: layout_lib.Layout
+    checksums: tuple[int, ...]
+    world_size: int
 
 
 class Transfers:
@@ -25,12 +36,22 @@ class Transfers:
     def data_address(self) -> str:
         return self._data.address
 
-    def offer(self, job: str, rank: int, step: int) -> tuple[PinnedCopy, bytes]:
-        """Pins a LOCAL copy and offers it; it is unpinned once read, cancelled or expired.
-        NotFound when it is not held."""
+    def offer(self, job: str, rank: int, step: int,
+              slots=()) -> tuple[PinnedCopy, bytes]:
+        """Pins a LOCAL copy and offers it, or only its ``slots`` (indices in layout
+        order); it is unpinned once read, cancelled or expired. NotFound when it is
+        not held, InvalidArgument for a slot it does not have."""
         pinned = self._store.pin(job, rank, step)
+        ranges = None
+        if slots:
+            if not all(0 <= s < len(pinned.slots) for s in slots):
+                self._store.unpin(pinned)
+                raise InvalidArgument(f"the copy of step {step} of rank {rank} has "
+                                      f"{len(pinned.slots)} slots; asked for {sorted(slots)[:8]}")
+            ranges = [(pinned.slots[s][2], pinned.slots[s][2] + pinned.slots[s][3])
+                      for s in sorted(set(slots))]
         ticket = self._data.offer(pinned.segment.path, pinned.segment.nbytes,
-                                  lambda: self._store.unpin(pinned))
+                                  lambda: self._store.unpin(pinned), ranges)
         return pinned, ticket
 
     def cancel(self, ticket: bytes) -> None:
@@ -49,6 +70,39 @@ class Transfers:
                                    f"step {step} of rank {rank}")
         return self._store.install(job, world_size, rank, step, layout, checksums, fill,
                                    for_restore=for_restore, group=group)
+
+    def describe(self, index: int, job: str, rank: int, step: int) -> PeerCopy:
+        """The layout and checksums of peer ``index``'s copy of ``step`` of ``rank``."""
+        answer = self._group.call(index, "Describe",
+                                  ppb.DescribeRequest(job=job, rank=rank, step=step))
+        return PeerCopy(layout_lib.build_layout(answer.tensors), tuple(answer.checksums),
+                        answer.world_size)
+
+    def read_slots(self, index: int, job: str, rank: int, step: int,
+                   slots: list[int], expected: PeerCopy) -> dict[int, bytearray]:
+        """The bytes of ``slots`` of peer ``index``'s copy, each verified against the
+        checksum ``expected`` (what Describe said) before it is returned; DataLoss
+        for a slot that does not match, Aborted when the transfer breaks off."""
+        answer = self._group.call(index, "OpenRead", ppb.OpenReadRequest(
+            job=job, rank=rank, step=step, slots=slots))
+        if tuple(answer.checksums) != expected.checksums:
+            # Not read: the peer unpins it when the ticket expires.
+            raise DataLoss(f"peer {index}'s copy of step {step} of rank {rank} changed between "
+                           "Describe and OpenRead")
+        where = {i: (s.offset, s.offset + s.nbytes) for i, s in enumerate(answer.slots)}
+        options = self._group.options
+        got = data_channel.read_ranges(answer.data_address, answer.ticket,
+                                       [where[s] for s in slots],
+                                       options.security.client_ssl_context(),
+                                       options.transfer_timeout_seconds,
+                                       f"step {step} of rank {rank}")
+        pieces = {}
+        for slot, (data, digest) in zip(slots, got, strict=True):
+            if digest != expected.checksums[slot]:
+                raise DataLoss(f"peer {index}'s copy of step {step} of rank {rank}: slot "
+                               f"{slot} does not match its checksum")
+            pieces[slot] = data
+        return pieces
 
     def fetch(self, index: int, job: str, world_size: int, rank: int, step: int,
               group: tuple[int, ...]) -> None:

@@ -12,6 +12,7 @@ from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.bubbles.plans import BubbleEvent
 from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.region_plan import Asked
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.model import BubbleUsage, CopyState
 
@@ -38,6 +39,13 @@ def job_rank_step(request) -> tuple[str, int, int]:
     return (*job_rank(request), request.step)
 
 
+def world(world_size: int) -> int:
+    """A caller's world size: 0 (not said) or a valid number of ranks."""
+    if world_size:
+        layout_lib.check_world(0, world_size)
+    return world_size
+
+
 def optional_step(request) -> int | None:
     if not request.HasField("step"):
         return None
@@ -53,6 +61,22 @@ def registration(request) -> tuple:
     group = layout_lib.check_replica_group(request.rank, request.world_size,
                                            request.replica_group)
     return request.job, request.rank, request.world_size, layout, group
+
+
+def asked_regions(request) -> list[Asked]:
+    """The tensors and regions a RestoreRequest asks for (none: the rank's own copy)."""
+    asked = []
+    for tensor in request.tensors:
+        layout_lib.check_tensor_name(tensor.name)
+        if tensor.dtype not in layout_lib.ITEMSIZE:
+            raise InvalidArgument(f"tensor {tensor.name!r} asks for unknown dtype "
+                                  f"{tensor.dtype!r}")
+        shape = tuple(tensor.global_shape)
+        boxes = tuple(layout_lib.check_box(tensor.name, shape,
+                                           tuple((s.start, s.stop) for s in region.index))
+                      for region in tensor.regions)
+        asked.append(Asked(tensor.name, tensor.dtype, shape, boxes))
+    return asked
 
 
 def replica(request) -> tuple:
@@ -133,7 +157,7 @@ def restored(answer) -> pb.RestoreResponse:
     return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
                               slots=slots(found.slots), checksums=found.checksums,
                               tensors=tensor_specs(found.layout), source=answer.source,
-                              source_detail=answer.detail)
+                              source_detail=answer.detail, world_size=found.world_size)
 
 
 def open_read(copy, ticket: bytes, data_address: str) -> ppb.OpenReadResponse:

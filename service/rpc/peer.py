@@ -40,7 +40,8 @@ class PeerServicer:
 
     @unary
     def OpenRead(self, request, context):
-        pinned, ticket = self._transfers.offer(*messages.job_rank_step(request))
+        pinned, ticket = self._transfers.offer(*messages.job_rank_step(request),
+                                               tuple(request.slots))
         return messages.open_read(pinned, ticket, self._transfers.data_address)
 
     @unary
@@ -58,8 +59,10 @@ class PeerServicer:
     @unary
     def Rollback(self, request, context):
         layout_lib.check_step(request.step)
-        return ppb.RollbackResponse(dropped_copies=self._restorer.roll_back_here(
-            messages.job(request.job), request.step))
+        job = messages.job(request.job)
+        self._store.resume(job, messages.world(request.world_size), request.step)
+        return ppb.RollbackResponse(dropped_copies=self._restorer.roll_back_here(job,
+                                                                                request.step))
 
     @unary
     def AppendLogReplica(self, request, context):

@@ -47,7 +47,9 @@ class DaemonServicer:
     def Restore(self, request, context):
         restored = self._restorer.restore(*messages.job_rank(request),
                                           messages.optional_step(request),
-                                          tuple(request.replica_group), request.alone)
+                                          tuple(request.replica_group), request.alone,
+                                          messages.world(request.world_size),
+                                          messages.asked_regions(request))
         self.metrics.restores.labels(restored.source).inc()
         return messages.restored(restored)
 

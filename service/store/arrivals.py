@@ -39,8 +39,9 @@ def reserve(state: StoreState, job: str, world_size: int, rank: int, step: int,
     """Reserves the segment of an arriving copy; None when this very copy is held already.
 
     A rank no trainer registered here is held as a replica, of the ranks in
-    ``group``, until one does. An existing copy with other checksums (an
-    abandoned run's) is replaced.
+    ``group``, until one does. The copy keeps its own layout and world size
+    (it may be of an earlier epoch of the job). An existing copy with other
+    checksums (an abandoned run's) is replaced.
     """
     slots = layout.slots()
     if len(checksums) != len(slots):
@@ -48,21 +49,15 @@ def reserve(state: StoreState, job: str, world_size: int, rank: int, step: int,
     entry = state.jobs.get(job)
     if entry is None:
         entry = state.new_job(job, world_size)
-    if entry.world_size != world_size:
-        raise FailedPrecondition(
-            f"job {job!r} has world_size {entry.world_size} here, not {world_size}")
     held = entry.ranks.get(rank)
     if held is None:
-        held = entry.ranks[rank] = Rank.of(layout, group, replica=True)
-    elif held.layout != layout:
-        if not held.replica:
-            raise FailedPrecondition(
-                f"rank {rank} of job {job!r} is registered here with a different "
-                f"layout ({describe_difference(held.layout, layout)})")
-        state.memory.free_all(held)
-        held = entry.ranks[rank] = Rank.of(layout, group, replica=True)
+        held = entry.ranks[rank] = Rank(layout, group, replica=True)
     elif held.replica:
-        held.group = group
+        held.layout, held.group = layout, group
+    elif held.layout is not None and world_size == entry.world_size and held.layout != layout:
+        raise FailedPrecondition(
+            f"rank {rank} of job {job!r} is registered here with a different "
+            f"layout ({describe_difference(held.layout, layout)})")
     existing = held.steps.get(step)
     if existing is not None and existing.local and existing.checksums == checksums:
         return None
@@ -70,7 +65,8 @@ def reserve(state: StoreState, job: str, world_size: int, rank: int, step: int,
         state.memory.free(held, step)
     segment = state.memory.acquire(layout.segment_bytes,
                                    f"step {step} of job {job!r} rank {rank}")
-    rank_step = held.steps[step] = RankStep(segment, CopyState.STAGING, pins=1, arriving=True)
+    rank_step = held.steps[step] = RankStep(segment, CopyState.STAGING, layout, world_size, group,
+                                            pins=1, arriving=True)
     return Arrival(job, rank, step, entry, held, rank_step, checksums)
 
 
@@ -83,7 +79,7 @@ def land(state: StoreState, arrival: Arrival, computed, for_restore: bool) -> in
         raise NotFound(f"step {step} of rank {arrival.rank} was deleted while it arrived")
     bad = mismatches(arrival.checksums, computed)
     if bad:
-        names = held.slot_names(bad)
+        names = rank_step.slot_names(bad)
         state.memory.free(held, step)
         raise DataLoss(f"step {step} of rank {arrival.rank} of job {arrival.job!r}: checksum "
                        f"mismatch on {names}; the copy was dropped")
@@ -93,7 +89,7 @@ def land(state: StoreState, arrival: Arrival, computed, for_restore: bool) -> in
     rank_step.arriving = False
     rank_step.just_verified = for_restore
     state.retain(arrival.job, arrival.entry)
-    return held.layout.nbytes
+    return rank_step.layout.nbytes
 
 
 def abandon(state: StoreState, arrival: Arrival) -> None:

@@ -132,7 +132,7 @@ def check_step(step: int) -> None:
         raise InvalidArgument(f"step {step} is negative; steps count from 0")
 
 
-def _check_tensor_name(name: str) -> None:
+def check_tensor_name(name: str) -> None:
     if not name:
         raise InvalidArgument("a tensor has an empty name")
     if len(name) > _MAX_TENSOR_NAME:
@@ -153,7 +153,7 @@ def build_layout(tensors) -> Layout:
         raise InvalidArgument(f"{len(tensors)} tensors; at most {_MAX_TENSORS} per rank")
     seen, built = set(), []
     for spec in tensors:
-        _check_tensor_name(spec.name)
+        check_tensor_name(spec.name)
         if spec.name in seen:
             raise InvalidArgument(f"tensor name {spec.name!r} appears twice")
         seen.add(spec.name)
@@ -176,16 +176,23 @@ def build_layout(tensors) -> Layout:
     return Layout(tuple(built))
 
 
-def _build_shard(name: str, dtype: str, shape: tuple[int, ...], spec) -> Shard:
-    if len(spec.index) != len(shape):
+def check_box(name: str, shape: tuple[int, ...], box) -> tuple[tuple[int, int], ...]:
+    """A region of tensor ``name``: one (start, stop) per dimension, inside its shape."""
+    if len(box) != len(shape):
         raise InvalidArgument(
-            f"a shard of {name!r} has {len(spec.index)} index dimensions; "
+            f"a region of {name!r} has {len(box)} index dimensions; "
             f"the global shape {shape} has {len(shape)}")
-    index = tuple((s.start, s.stop) for s in spec.index)
-    for (start, stop), dim in zip(index, shape, strict=True):
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"tensor {name!r} has a negative dimension in {shape}")
+    for (start, stop), dim in zip(box, shape, strict=True):
         if not 0 <= start <= stop <= dim:
             raise InvalidArgument(
-                f"a shard of {name!r} covers [{start}, {stop}) on a dimension of size {dim}")
+                f"a region of {name!r} covers [{start}, {stop}) on a dimension of size {dim}")
+    return tuple(box)
+
+
+def _build_shard(name: str, dtype: str, shape: tuple[int, ...], spec) -> Shard:
+    index = check_box(name, shape, tuple((s.start, s.stop) for s in spec.index))
     expected = math.prod(stop - start for start, stop in index) * ITEMSIZE[dtype]
     if spec.nbytes != expected:
         raise InvalidArgument(

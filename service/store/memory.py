@@ -40,6 +40,17 @@ class Memory:
         self._in_use += segment.nbytes
         return segment
 
+    def hand_over(self, nbytes: int, what: str) -> Segment:
+        """A segment for a trainer to map and keep (an assembled restore): never pooled."""
+        segment = self.acquire(nbytes, what)
+        segment.handed_out = True
+        return segment
+
+    def drop(self, segment: Segment) -> None:
+        """Frees a handed-over segment (a trainer's mapping of it stays valid)."""
+        self._in_use -= segment.nbytes
+        segment.destroy()
+
     def free(self, held: Rank, step: int) -> None:
         """Drops ``held``'s copy of ``step``; a pinned copy lingers until its last unpin."""
         rank_step = held.steps.pop(step)

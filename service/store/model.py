@@ -1,15 +1,21 @@
 """The store's data model: jobs, their ranks, and each rank's copies of steps.
 
-A job has ``world_size`` ranks. Each rank registered (or held for a peer)
-here has one layout and a copy per step: STAGING while a trainer or a peer
-writes it, LOCAL once its checksums are known. Plain mutable records; every
-change happens under the store's lock (store.py).
+A job has ``world_size`` ranks in its current epoch. Each rank registered
+(or held for a peer) here has the layout its next copies take, and a copy
+per step: STAGING while a trainer or a peer writes it, LOCAL once its
+checksums are known. A copy keeps the layout, world size and replica group
+it was taken with: after a restore onto another topology the job snapshots
+on as a new epoch (another world size, other layouts) while the older
+copies stay restorable. Plain mutable records; every change happens under
+the store's lock (store.py).
 """
 
 import dataclasses
 import enum
+import functools
 
 from bubblesnap.service.errors import NotFound
+from bubblesnap.service.store import regions
 from bubblesnap.service.store.layout import Layout
 from bubblesnap.service.store.segments import Segment
 
@@ -34,10 +40,14 @@ class BubbleUsage:
 
 @dataclasses.dataclass
 class RankStep:
-    """One rank's copy of one step."""
+    """One rank's copy of one step, with the layout, world size and group it was taken with."""
 
     segment: Segment
     state: CopyState
+    layout: Layout
+    world_size: int
+    #: The ranks this copy holds (its replica group, sorted, the rank included).
+    group: tuple[int, ...]
     checksums: tuple[int, ...] = ()
     usage: BubbleUsage = BubbleUsage()
     pins: int = 0          # readers outside the lock (replication, durable writes)
@@ -50,33 +60,41 @@ class RankStep:
     def local(self) -> bool:
         return self.state is CopyState.LOCAL
 
+    @functools.cached_property
+    def slots(self) -> tuple[tuple[int, int, int, int], ...]:
+        return tuple(self.layout.slots())
+
+    def slot_names(self, indices) -> str:
+        """The slots at ``indices`` as a person reads them: 'w' shard 0, ..."""
+        return ", ".join(f"{self.layout.tensors[self.slots[i][0]].name!r} shard "
+                         f"{self.slots[i][1]}" for i in indices)
+
 
 @dataclasses.dataclass
 class Rank:
-    """One rank of a job as this daemon holds it."""
+    """One rank of a job as this daemon holds it.
 
-    layout: Layout
-    slots: list[tuple[int, int, int, int]]
+    ``layout`` and ``group`` are what the rank registered in the job's current
+    epoch (a replica held for a peer: what its last copy had); ``layout`` is
+    None for a rank of an earlier epoch that has not registered in this one.
+    """
+
+    layout: Layout | None
     #: The rank's replica group, sorted, the rank included: group[0] copies
     #: the state, the other members are held through its copies.
     group: tuple[int, ...]
     steps: dict[int, RankStep] = dataclasses.field(default_factory=dict)
     replica: bool = False  # held for a peer; no trainer registered it here
 
-    @classmethod
-    def of(cls, layout: Layout, group: tuple[int, ...], replica: bool = False) -> "Rank":
-        return cls(layout, layout.slots(), group, replica=replica)
+    @property
+    def slots(self) -> list[tuple[int, int, int, int]]:
+        return self.layout.slots() if self.layout is not None else []
 
     def local_steps(self) -> list[int]:
         return sorted(s for s, rs in self.steps.items() if rs.local)
 
     def latest_local(self) -> int:
         return max(self.local_steps(), default=-1)
-
-    def slot_names(self, indices) -> str:
-        """The slots at ``indices`` as a person reads them: 'w' shard 0, ..."""
-        return ", ".join(f"{self.layout.tensors[self.slots[i][0]].name!r} shard "
-                         f"{self.slots[i][1]}" for i in indices)
 
 
 @dataclasses.dataclass
@@ -86,24 +104,26 @@ class Job:
     #: With peers, the steps the peer group has committed (set by the
     #: replicator from every daemon's holdings); None on a lone daemon.
     group_committed: list[int] | None = None
+    #: (world size, step): a restore resumed the job from ``step`` for callers
+    #: of that world size, whose ranks may register as a new epoch.
+    resume: tuple[int, int] | None = None
 
     def committed_steps(self) -> list[int]:
         """Steps committed for the job, oldest first.
 
-        A lone daemon holds every rank: a step is committed when each rank
-        holds it LOCAL, a member of a replica group through its copier's
-        copy. With peers, the group decides.
+        A lone daemon holds every rank: a step is committed when every rank
+        of the world size its copies were taken with holds it LOCAL (a member
+        of a replica group through its copier's copy) and the copies' regions
+        cover every job-wide array. With peers, the group decides.
         """
         if self.group_committed is not None:
             return self.group_committed
-        if len(self.ranks) < self.world_size:
-            return []
-        common = None
-        for copier in {held.group[0] for held in self.ranks.values()}:
-            rank = self.ranks.get(copier)
-            local = set(rank.local_steps()) if rank else set()
-            common = local if common is None else common & local
-        return sorted(common or ())
+        by_step: dict[int, dict[int, RankStep]] = {}
+        for rank, held in self.ranks.items():
+            for step, rank_step in held.steps.items():
+                if rank_step.local:
+                    by_step.setdefault(step, {})[rank] = rank_step
+        return sorted(s for s, copies in by_step.items() if whole(copies))
 
     def group_of(self, rank: int) -> tuple[int, ...] | None:
         """The replica group of ``rank`` as a rank held here declared it (the rank
@@ -114,15 +134,59 @@ class Job:
         return next((h.group for h in self.ranks.values() if rank in h.group), None)
 
 
+def whole(copies: dict[int, RankStep]) -> bool:
+    """Whether one step's copies (rank -> copy) hold the whole job: one world size, every
+    rank held (itself or through its group's copier), every job-wide array covered."""
+    worlds = {c.world_size for c in copies.values()}
+    if len(worlds) != 1:
+        return False
+    held = {member for rank, c in copies.items() for member in (rank, *c.group)}
+    if not held >= set(range(worlds.pop())):
+        return False
+    layouts = tuple(c.layout for _, c in sorted(copies.items()))
+    return conflict(layouts) is None and not uncovered(layouts)
+
+
+@functools.lru_cache(maxsize=256)
+def uncovered(layouts: tuple[Layout, ...]) -> tuple[str, ...]:
+    """The regions of job-wide arrays that no layout of ``layouts`` copies, described for
+    a person (at most 8)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    boxes: dict[str, list] = {}
+    for layout in layouts:
+        for tensor in layout.tensors:
+            if tensor.job_wide:
+                shapes[tensor.name] = tensor.global_shape
+                boxes.setdefault(tensor.name, []).extend(s.index for s in tensor.shards)
+    gaps = (regions.missing(shape, boxes[name]) for name, shape in sorted(shapes.items()))
+    return tuple(regions.describe(name, gap) for name, gap in
+                 zip(sorted(shapes), gaps, strict=True) if gap is not None)[:8]
+
+
+def conflict(layouts: tuple[Layout, ...]) -> str | None:
+    """A job-wide array the layouts declare with different dtypes or global shapes."""
+    declared: dict[str, tuple] = {}
+    for layout in layouts:
+        for tensor in layout.tensors:
+            if tensor.job_wide:
+                kind = (tensor.dtype, tensor.global_shape)
+                if declared.setdefault(tensor.name, kind) != kind:
+                    return (f"{tensor.name!r} is declared {declared[tensor.name][0]}"
+                            f"{list(declared[tensor.name][1])} by one rank and "
+                            f"{kind[0]}{list(kind[1])} by another")
+    return None
+
+
 def lookup(jobs: dict[str, Job], job: str, rank: int) -> tuple[Job, Rank]:
     """The job and a rank registered (or held) here; NotFound saying what is missing."""
     entry = jobs.get(job)
     if entry is None:
         raise NotFound(f"no job {job!r} is registered with this daemon; call Register first")
     held = entry.ranks.get(rank)
-    if held is None:
-        raise NotFound(f"rank {rank} of job {job!r} is not registered; "
-                       f"registered ranks: {sorted(entry.ranks)}")
+    if held is None or held.layout is None:
+        registered = sorted(r for r, h in entry.ranks.items() if h.layout is not None)
+        raise NotFound(f"rank {rank} of job {job!r} is not registered; registered ranks: "
+                       f"{registered}")
     return entry, held
 
 

@@ -57,17 +57,17 @@ def commit(state: StoreState, job: str, rank: int, step: int, checksums=(),
             "or a re-registration)")
     if rank_step.local:
         return _result(state, job, rank, entry, held, step, next_step)
-    if checksums and len(checksums) != len(held.slots):
+    if checksums and len(checksums) != len(rank_step.slots):
         raise InvalidArgument(
-            f"{len(checksums)} checksums for {len(held.slots)} shards; send one per "
+            f"{len(checksums)} checksums for {len(rank_step.slots)} shards; send one per "
             "slot, in the order BeginStep returned, or none to let the daemon compute them")
     if checksums and not state.options.verify_on_commit:
         computed = tuple(checksums)  # verified before every serve instead
     else:
-        computed = state.hash(rank_step.segment, held.slots)
+        computed = state.hash(rank_step.segment, rank_step.slots)
     bad = mismatches(checksums, computed) if checksums else []
     if bad:
-        names = held.slot_names(bad)
+        names = rank_step.slot_names(bad)
         state.memory.free(held, step)
         raise DataLoss(
             f"step {step} of rank {rank}: the bytes in shared memory do not match the "
@@ -96,8 +96,8 @@ def _begin(state: StoreState, job: str, rank: int, entry: Job, held: Rank,
            step: int) -> Staging:
     existing = held.steps.get(step)
     if existing is not None:
-        if not existing.local:
-            return staging_of(held, existing)
+        if not existing.local and existing.layout == held.layout:
+            return staging_of(existing)
         if step in entry.committed_steps():
             raise FailedPrecondition(
                 f"step {step} of job {job!r} is already committed; snapshot a later step")
@@ -120,8 +120,9 @@ def _begin(state: StoreState, job: str, rank: int, entry: Job, held: Rank,
         state.memory.free(held, stale)
     segment = state.memory.acquire(held.layout.segment_bytes,
                                    f"step {step} of job {job!r} rank {rank}")
-    rank_step = held.steps[step] = RankStep(segment, CopyState.STAGING)
-    return staging_of(held, rank_step)
+    rank_step = held.steps[step] = RankStep(segment, CopyState.STAGING, held.layout,
+                                            entry.world_size, held.group)
+    return staging_of(rank_step)
 
 
 def _result(state: StoreState, job: str, rank: int, entry: Job, held: Rank, step: int,

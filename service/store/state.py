@@ -26,6 +26,15 @@ class StoreState:
     hashers: ThreadPoolExecutor
     jobs: dict[str, Job] = dataclasses.field(default_factory=dict)
     on_retained: list = dataclasses.field(default_factory=list)
+    #: (job, rank) -> segments assembled for its restores, freed at its next
+    #: restore or commit (its trainer mapped them by then) or with the job.
+    served: dict = dataclasses.field(default_factory=dict)
+
+    def release_served(self, job: str, rank: int | None = None) -> None:
+        """Frees what was assembled for ``rank``'s restores (every rank's: None)."""
+        for key in [k for k in self.served if k[0] == job and rank in (None, k[1])]:
+            for segment in self.served.pop(key):
+                self.memory.drop(segment)
 
     def new_job(self, name: str, world_size: int) -> Job:
         entry = self.jobs[name] = Job(world_size,

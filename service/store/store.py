@@ -24,7 +24,7 @@ from bubblesnap.service.store.layout import Layout
 from bubblesnap.service.store.memory import Memory
 from bubblesnap.service.store.model import BubbleUsage, lookup
 from bubblesnap.service.store.options import StoreOptions
-from bubblesnap.service.store.segments import shm_free_bytes
+from bubblesnap.service.store.segments import Segment, shm_free_bytes
 from bubblesnap.service.store.state import StoreState
 from bubblesnap.service.store.views import (
     Commit,
@@ -79,6 +79,7 @@ class SnapshotStore:
                     usage: BubbleUsage = BubbleUsage(), next_step: int | None = None) -> Commit:
         with self._lock:
             commit = staging.commit(self._state, job, rank, step, checksums, usage, next_step)
+            self._state.release_served(job, rank)
         if commit.newly_local:
             for listener in self._on_local:
                 listener(job, rank, step)
@@ -92,6 +93,30 @@ class SnapshotStore:
         """Verifies this daemon's copy of ``step`` and hands it to a trainer (reads.serve)."""
         with self._lock:
             return reads.serve(self._state, job, rank, step, asked_group)
+
+    def serve_copy(self, job: str, rank: int, step: int) -> Restorable:
+        """Verifies this daemon's copy of ``step`` of ``rank`` and hands it over as it is."""
+        with self._lock:
+            return reads.serve_copy(self._state, job, rank, step)
+
+    def assembled(self, job: str, rank: int, nbytes: int) -> Segment:
+        """A fresh segment for a restore of ``rank`` assembled from several copies,
+        counted in the budget; freed at the rank's next restore or commit, or with the
+        job. ResourceExhausted when the budget has no room."""
+        with self._lock:
+            self._state.release_served(job, rank)
+            segment = self._state.memory.hand_over(nbytes, f"a restore of rank {rank} of "
+                                                           f"job {job!r}")
+            self._state.served.setdefault((job, rank), []).append(segment)
+            return segment
+
+    def resume(self, job: str, world_size: int, step: int) -> None:
+        """The job resumes from ``step`` under ``world_size`` ranks: they may register as
+        a new epoch (registration.py)."""
+        with self._lock:
+            entry = self._state.jobs.get(job)
+            if entry is not None and world_size and entry.world_size != world_size:
+                entry.resume = (world_size, step)
 
     # -- copies for and from peers and the durable tier ------------------------
 
@@ -183,6 +208,7 @@ class SnapshotStore:
         if not steps:
             for held in entry.ranks.values():
                 self._state.memory.free_all(held)
+            self._state.release_served(job)
             del self._state.jobs[job]
             return len(held_steps)
         missing = sorted(steps - held_steps)
@@ -206,7 +232,8 @@ class SnapshotStore:
             if entry is None:
                 return []
             return [RankLayout(rank, entry.world_size, held.layout, held.group)
-                    for rank, held in sorted(entry.ranks.items()) if not held.replica]
+                    for rank, held in sorted(entry.ranks.items())
+                    if not held.replica and held.layout is not None]
 
     def describe(self, job: str, rank: int, step: int) -> PinnedCopy:
         """A LOCAL copy's layout and checksums (its segment may be recycled later)."""
@@ -253,6 +280,8 @@ class SnapshotStore:
 
     def close(self) -> None:
         with self._lock:
+            for job in list(self._state.jobs):
+                self._state.release_served(job)
             self._state.jobs.clear()
             self._state.memory.close()
         self._state.hashers.shutdown(wait=False)

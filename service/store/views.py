@@ -3,7 +3,7 @@
 import dataclasses
 
 from bubblesnap.service.store.layout import Layout
-from bubblesnap.service.store.model import BubbleUsage, CopyState, Job, Rank, RankStep
+from bubblesnap.service.store.model import BubbleUsage, CopyState, Job, RankStep
 from bubblesnap.service.store.segments import Segment
 
 
@@ -40,6 +40,7 @@ class Restorable:
     slots: tuple[tuple[int, int, int, int], ...]
     checksums: tuple[int, ...]
     layout: Layout
+    world_size: int = 0  # of the epoch the step was taken in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class RankStepView:
     usage: BubbleUsage
     replica: bool
     held_for: tuple[int, ...] = ()  # the rest of its replica group, held through this copy
+    world_size: int = 0  # of the epoch the copy was taken in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +126,8 @@ class MemoryView:
     shm_free_bytes: int
 
 
-def staging_of(held: Rank, rank_step: RankStep) -> Staging:
-    return Staging(rank_step.segment.path, rank_step.segment.nbytes, tuple(held.slots))
+def staging_of(rank_step: RankStep) -> Staging:
+    return Staging(rank_step.segment.path, rank_step.segment.nbytes, rank_step.slots)
 
 
 def job_view(name: str, entry: Job) -> JobView:
@@ -139,24 +141,26 @@ def job_view(name: str, entry: Job) -> JobView:
             if rank_step is None:
                 continue
             shards = tuple(
-                ShardView(held.layout.tensors[t].name, s, n,
+                ShardView(rank_step.layout.tensors[t].name, s, n,
                           rank_step.checksums[i] if rank_step.checksums else 0)
-                for i, (t, s, _, n) in enumerate(held.slots))
-            ranks.append(RankStepView(rank, rank_step.state, held.layout.nbytes, shards,
+                for i, (t, s, _, n) in enumerate(rank_step.slots))
+            ranks.append(RankStepView(rank, rank_step.state, rank_step.layout.nbytes, shards,
                                       rank_step.usage, held.replica,
-                                      tuple(m for m in held.group if m != rank)))
+                                      tuple(m for m in rank_step.group if m != rank),
+                                      rank_step.world_size))
         views.append(StepView(step, step in committed, tuple(ranks)))
-    return JobView(name, entry.world_size, tuple(sorted(entry.ranks)),
+    return JobView(name, entry.world_size,
+                   tuple(sorted(r for r, h in entry.ranks.items() if h.layout is not None)),
                    max(committed, default=-1), tuple(views))
 
 
 def held_copies(name: str, entry: Job) -> list[HeldCopy]:
-    return [HeldCopy(name, rank, step, held.replica, entry.world_size, held.group)
+    return [HeldCopy(name, rank, step, held.replica, rank_step.world_size, rank_step.group)
             for rank, held in sorted(entry.ranks.items())
             for step, rank_step in sorted(held.steps.items()) if rank_step.local]
 
 
-def pinned(name: str, entry: Job, rank: int, held: Rank, step: int,
-           rank_step: RankStep) -> PinnedCopy:
-    return PinnedCopy(name, rank, step, entry.world_size, rank_step.segment, held.layout,
-                      tuple(held.slots), rank_step.checksums, held.group, rank_step)
+def pinned(name: str, rank: int, step: int, rank_step: RankStep) -> PinnedCopy:
+    return PinnedCopy(name, rank, step, rank_step.world_size, rank_step.segment,
+                      rank_step.layout, rank_step.slots, rank_step.checksums, rank_step.group,
+                      rank_step)

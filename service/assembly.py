@@ -1,0 +1,154 @@
+"""Assembling a restore by regions: read the shards a plan names, verified, and cut them
+into one segment laid out as the caller asked.
+
+Each source shard comes whole from the fastest place that holds its rank's
+copy intact (this daemon's memory, a peer, the durable tier) and is checked
+against its checksum before any byte of it is used; a copy that fails is
+recorded and the next place is tried. The pieces are then copied box by
+box (a box of one element size, so no dtype is interpreted) into a fresh
+segment the trainer maps.
+"""
+
+import dataclasses
+
+import numpy as np
+
+from bubblesnap.protos.checksum import checksum
+from bubblesnap.service.errors import DaemonError, DataLoss, NotFound, Unavailable
+from bubblesnap.service.region_plan import Asked, RegionPlan
+from bubblesnap.service.store import layout as layout_lib
+from bubblesnap.service.store import regions
+from bubblesnap.service.store.views import Restorable
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where one rank's copy of the step can be read: ``places`` in order, each
+    ("memory", None), ("peer", ring index) or ("durable", None)."""
+
+    layout: layout_lib.Layout
+    places: tuple[tuple[str, int | None], ...]
+    group: tuple[int, ...]  # the ranks the copy holds
+
+
+def asked_layout(asked: list[Asked]) -> layout_lib.Layout:
+    """The layout of an assembled answer: the tensors asked, one shard per region asked."""
+    return layout_lib.Layout(tuple(
+        layout_lib.Tensor(a.name, a.dtype, a.global_shape, tuple(
+            layout_lib.Shard(box, regions.volume(box) * layout_lib.ITEMSIZE[a.dtype])
+            for box in a.boxes))
+        for a in asked))
+
+
+def exact_answer(found: Restorable, plan: RegionPlan, asked: list[Asked]) -> Restorable:
+    """A copy that holds every region asked, box for box, answered as it is: its
+    segment, with the slots of the regions asked in request order."""
+    slots, checksums = [], []
+    for t, tensor_pieces in enumerate(plan.pieces):
+        for r, pieces in enumerate(tensor_pieces):
+            _, _, offset, nbytes = found.slots[pieces[0].slot]
+            slots.append((t, r, offset, nbytes))
+            checksums.append(found.checksums[pieces[0].slot])
+    return Restorable(found.step, found.segment_path, tuple(slots), tuple(checksums),
+                      asked_layout(asked), found.world_size)
+
+
+class Assembler:
+    """Reads the sources of a plan and writes the regions asked into a new segment."""
+
+    def __init__(self, store, transfers=None, durable=None, record=None):
+        """``record(job, rank, step, source, detail)`` hears every copy that failed."""
+        self._store = store
+        self._transfers = transfers
+        self._durable = durable
+        self._record = record or (lambda *args: None)
+
+    def assemble(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
+                 asked: list[Asked], sources: dict[int, Source]) -> tuple[Restorable, str]:
+        """The segment holding every region asked, and where its bytes came from."""
+        needed: dict[int, list[int]] = {}
+        for rank, slot in plan.sources():
+            needed.setdefault(rank, []).append(slot)
+        shards, used = {}, set()
+        for rank, slots in sorted(needed.items()):
+            got, place = self._read(job, step, rank, slots, sources[rank])
+            shards.update({(rank, slot): data for slot, data in got.items()})
+            used.add(place)
+        layout = asked_layout(asked)
+        slots = layout.slots()
+        segment = self._store.assembled(job, caller, layout.segment_bytes)
+        view = segment.view
+        for t, (request, tensor_pieces) in enumerate(zip(asked, plan.pieces, strict=True)):
+            itemsize = layout_lib.ITEMSIZE[request.dtype]
+            first = next(i for i, s in enumerate(slots) if s[0] == t) if request.boxes else 0
+            for r, (box, pieces) in enumerate(zip(request.boxes, tensor_pieces, strict=True)):
+                _, _, offset, nbytes = slots[first + r]
+                target = _elements(view[offset:offset + nbytes], box, itemsize)
+                for piece in pieces:
+                    source = _elements(shards[(piece.rank, piece.slot)], piece.source_box,
+                                       itemsize)
+                    target[regions.relative(piece.box, box)] = \
+                        source[regions.relative(piece.box, piece.source_box)]
+        checksums = tuple(checksum(view[o:o + n]) for _, _, o, n in slots)
+        return (Restorable(step, segment.path, tuple(slots), checksums, layout, world_size),
+                ", ".join(sorted(used)))
+
+    def _read(self, job: str, step: int, rank: int, slots: list[int],
+              source: Source) -> tuple[dict[int, np.ndarray], str]:
+        """The verified bytes of ``slots`` of ``rank``'s copy, from its first intact place."""
+        tried, corrupt = [], False
+        for kind, index in source.places:
+            try:
+                return self._read_at(kind, index, job, step, rank, slots, source), kind
+            except DataLoss as err:
+                self._record(job, rank, step, kind if index is None else f"peer {index}",
+                             str(err))
+                tried.append(f"{kind}: {err}")
+                corrupt = True
+            except (DaemonError, OSError) as err:
+                tried.append(f"{kind}: {err}")
+        what = f"step {step} of rank {rank} of job {job!r}"
+        if corrupt:
+            raise DataLoss(f"no intact copy of {what}; tried: {'; '.join(tried)}")
+        raise Unavailable(f"the copies of {what} could not be read now; tried: "
+                          f"{'; '.join(tried) or 'nothing holds it'}. Try again")
+
+    def _read_at(self, kind: str, index, job: str, step: int, rank: int, slots: list[int],
+                 source: Source) -> dict[int, np.ndarray]:
+        if kind == "memory":
+            return self._read_memory(job, step, rank, slots)
+        if kind == "peer":
+            described = self._transfers.describe(index, job, rank, step)
+            if described.layout != source.layout:
+                raise NotFound(f"peer {index} holds another layout of step {step} of rank "
+                               f"{rank}")
+            got = self._transfers.read_slots(index, job, rank, step, slots, described)
+            return {slot: np.frombuffer(data, np.uint8) for slot, data in got.items()}
+        layout_slots = source.layout.slots()
+        return {slot: self._durable.read_shard(job, step, rank, layout_slots[slot][0],
+                                               layout_slots[slot][1]) for slot in slots}
+
+    def _read_memory(self, job: str, step: int, rank: int,
+                     slots: list[int]) -> dict[int, np.ndarray]:
+        """Copies of the slots of this daemon's copy, each hashed first (the copy stays
+        pinned meanwhile, so it cannot be recycled under the copy)."""
+        pinned = self._store.pin(job, rank, step)
+        try:
+            got = {}
+            for slot in slots:
+                _, _, offset, nbytes = pinned.slots[slot]
+                data = pinned.segment.view[offset:offset + nbytes]
+                if checksum(data) != pinned.checksums[slot]:
+                    raise DataLoss(f"step {step} of rank {rank}: slot {slot} failed its "
+                                   "checksum in memory")
+                got[slot] = np.array(data)
+            return got
+        finally:
+            self._store.unpin(pinned)
+
+
+def _elements(data: np.ndarray, box, itemsize: int) -> np.ndarray:
+    """Raw bytes of a C-order box as an array of its shape with one trailing axis of
+    ``itemsize`` bytes: boxes of it slice whole elements whatever the dtype."""
+    shape = tuple(stop - start for start, stop in box)
+    return np.asarray(data).reshape(*shape, itemsize)

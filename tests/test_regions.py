@@ -1,0 +1,185 @@
+"""Job-wide arrays on a real daemon, over raw gRPC: coverage at registration, commit only
+when whole, restore by regions gathered from several ranks' copies, epochs."""
+
+import mmap
+
+import grpc
+import numpy as np
+import pytest
+
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.region_plan import Asked, plan
+from bubblesnap.service.store.layout import build_layout
+
+C = grpc.StatusCode
+GLOBAL = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+
+
+def spec(name, box, shape=(8, 6), dtype="float32", job_wide=True, boxes=None):
+    boxes = [box] if boxes is None else boxes
+    itemsize = np.dtype(dtype).itemsize
+    return pb.TensorSpec(name=name, dtype=dtype, global_shape=shape, job_wide=job_wide, shards=[
+        pb.ShardSpec(index=[pb.Slice(start=a, stop=b) for a, b in b_],
+                     nbytes=int(np.prod([b - a for a, b in b_])) * itemsize) for b_ in boxes])
+
+
+def register(stub, job, rank, world, tensors):
+    return stub.Register(pb.RegisterRequest(job=job, rank=rank, world_size=world,
+                                            tensors=tensors), timeout=10)
+
+
+def snapshot(stub, job, rank, step, arrays):
+    """Writes ``arrays`` (one per slot, in slot order) into a step and commits it."""
+    staging = stub.BeginStep(pb.BeginStepRequest(job=job, rank=rank, step=step), timeout=10)
+    with open(staging.segment_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        for slot, array in zip(staging.slots, arrays, strict=True):
+            m[slot.offset:slot.offset + slot.nbytes] = np.ascontiguousarray(array).tobytes()
+    return stub.CommitStep(pb.CommitStepRequest(job=job, rank=rank, step=step), timeout=10)
+
+
+def restore(stub, job, rank, world, asked, step=None):
+    request = pb.RestoreRequest(job=job, rank=rank, world_size=world, tensors=[
+        pb.TensorRequest(name=name, dtype=dtype, global_shape=shape, regions=[
+            pb.Region(index=[pb.Slice(start=a, stop=b) for a, b in box]) for box in boxes])
+        for name, dtype, shape, boxes in asked])
+    if step is not None:
+        request.step = step
+    answer = stub.Restore(request, timeout=30)
+    with open(answer.segment_path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                                         prot=mmap.PROT_READ) as m:
+        got = {}
+        for slot in answer.slots:
+            t = answer.tensors[slot.tensor]
+            box = [(s.start, s.stop) for s in t.shards[slot.shard].index]
+            got[(t.name, slot.shard)] = np.frombuffer(
+                m[slot.offset:slot.offset + slot.nbytes], dtype=t.dtype).reshape(
+                [b - a for a, b in box]).copy()
+    return answer, got
+
+
+def code_of(call, *args):
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args)
+    return info.value.code(), info.value.details()
+
+
+def two_rank_job(daemon, job="wide", steps=(0,)):
+    """Rank 0 copies rows 0:4 of 'w', rank 1 rows 4:8; 's' is a scalar rank 0 copies."""
+    register(daemon.stub, job, 0, 2, [spec("w", ((0, 4), (0, 6))),
+                                      spec("s", (), shape=(), dtype="int32")])
+    register(daemon.stub, job, 1, 2, [spec("w", ((4, 8), (0, 6))),
+                                      spec("s", None, shape=(), dtype="int32", boxes=[])])
+    for step in steps:
+        first = snapshot(daemon.stub, job, 0, step, [GLOBAL[0:4] + step, np.int32(step)])
+        assert not first.job_committed  # rank 1's rows are missing
+        assert snapshot(daemon.stub, job, 1, step, [GLOBAL[4:8] + step]).job_committed
+
+
+def test_registrations_that_can_never_cover_are_refused(daemon):
+    register(daemon.stub, "gap", 0, 2, [spec("w", ((0, 4), (0, 6)))])
+    got, details = code_of(register, daemon.stub, "gap", 1, 2, [spec("w", ((0, 4), (0, 6)))])
+    assert got == C.FAILED_PRECONDITION and "'w' [4:8, 0:6]" in details, details
+    got, details = code_of(register, daemon.stub, "gap", 1, 2,
+                           [spec("w", ((4, 8), (0, 6)), dtype="int32")])
+    assert got == C.FAILED_PRECONDITION and "'w' is declared float32" in details, details
+    register(daemon.stub, "gap", 1, 2, [spec("w", ((4, 8), (0, 6)))])  # nothing was kept
+    job = daemon.stub.Status(pb.StatusRequest(job="gap"), timeout=10).jobs[0]
+    assert list(job.registered_ranks) == [0, 1]
+    # A rank's own tensor must be covered by its own shards.
+    got, details = code_of(register, daemon.stub, "own", 0, 1,
+                           [spec("v", ((0, 4), (0, 6)), job_wide=False)])
+    assert got == C.FAILED_PRECONDITION and "'v' [4:8, 0:6]" in details, details
+
+
+def test_regions_are_gathered_from_every_ranks_copy(daemon):
+    two_rank_job(daemon, steps=(0, 1))
+    # Another mesh: columns split in two, and the whole array once.
+    answer, got = restore(daemon.stub, "wide", 0, 1, [
+        ("w", "float32", (8, 6), [((0, 8), (0, 3)), ((0, 8), (3, 6)), ((0, 8), (0, 6))]),
+        ("s", "int32", (), [()])])
+    assert answer.step == 1 and answer.world_size == 2
+    assert (got[("w", 0)] == GLOBAL[:, 0:3] + 1).all()
+    assert (got[("w", 1)] == GLOBAL[:, 3:6] + 1).all()
+    assert (got[("w", 2)] == GLOBAL + 1).all()
+    assert got[("s", 0)] == 1
+    # A region inside one rank's shard, and one across both.
+    _, got = restore(daemon.stub, "wide", 1, 2, [("w", "float32", (8, 6),
+                                                  [((5, 7), (1, 2)), ((3, 5), (2, 6))])],
+                     step=0)
+    assert (got[("w", 0)] == GLOBAL[5:7, 1:2]).all() and (got[("w", 1)] == GLOBAL[3:5, 2:6]).all()
+
+
+def test_a_rank_asking_for_its_own_shards_gets_its_copy_as_it_is(daemon):
+    two_rank_job(daemon)
+    used = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.used_bytes
+    answer, got = restore(daemon.stub, "wide", 1, 2,
+                          [("w", "float32", (8, 6), [((4, 8), (0, 6))])])
+    assert (got[("w", 0)] == GLOBAL[4:8]).all()
+    # no segment was assembled: the copy itself was handed over
+    assert daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.used_bytes == used
+    assert answer.source == "memory"
+
+
+def test_what_a_restore_by_regions_refuses(daemon):
+    two_rank_job(daemon)
+    cases = [
+        ([("x", "float32", (8, 6), [((0, 1), (0, 1))])], C.NOT_FOUND, "no tensor 'x'"),
+        ([("w", "float32", (8, 7), [((0, 1), (0, 1))])], C.FAILED_PRECONDITION,
+         "saved as float32[8, 6]"),
+        ([("w", "float32", (8, 6), [((0, 9), (0, 1))])], C.INVALID_ARGUMENT, "[0, 9)"),
+        ([("w", "float32", (8, 6), [((0, 1),)])], C.INVALID_ARGUMENT, "index dimensions"),
+        ([("w", "bfloat17", (8, 6), [((0, 1), (0, 1))])], C.INVALID_ARGUMENT, "dtype"),
+    ]
+    for asked, code, words in cases:
+        got, details = code_of(restore, daemon.stub, "wide", 0, 1, asked)
+        assert got == code and words in details, (asked, got, details)
+    # the held copies are untouched
+    _, got = restore(daemon.stub, "wide", 0, 2, [("w", "float32", (8, 6), [((0, 8), (0, 6))])])
+    assert (got[("w", 0)] == GLOBAL).all()
+
+
+def test_a_ranks_own_state_restores_only_into_its_world_size(daemon):
+    register(daemon.stub, "mpmd", 0, 2, [spec("p", ((0, 8), (0, 6)), job_wide=False)])
+    register(daemon.stub, "mpmd", 1, 2, [spec("p", ((0, 2), (0, 6)), shape=(2, 6),
+                                              job_wide=False)])
+    snapshot(daemon.stub, "mpmd", 0, 0, [GLOBAL])
+    snapshot(daemon.stub, "mpmd", 1, 0, [GLOBAL[:2] * 2])
+    _, got = restore(daemon.stub, "mpmd", 1, 2, [("p", "float32", (2, 6), [((0, 2), (0, 6))])])
+    assert (got[("p", 0)] == GLOBAL[:2] * 2).all()  # rank 1's own 'p', not rank 0's
+    got, details = code_of(restore, daemon.stub, "mpmd", 0, 1,
+                           [("p", "float32", (8, 6), [((0, 8), (0, 6))])])
+    assert got == C.FAILED_PRECONDITION and "restores only into 2 ranks, not 1" in details
+    got, details = code_of(daemon.stub.Restore, pb.RestoreRequest(job="mpmd", rank=0,
+                                                                  world_size=1))
+    assert got == C.FAILED_PRECONDITION and "taken by 2 ranks" in details, details
+
+
+def test_after_a_restore_under_another_world_size_the_job_goes_on_as_a_new_epoch(daemon):
+    two_rank_job(daemon, steps=(0, 1))
+    one = [spec("w", ((0, 8), (0, 6))), spec("s", (), shape=(), dtype="int32")]
+    got, details = code_of(register, daemon.stub, "wide", 0, 1, one)
+    assert got == C.FAILED_PRECONDITION and "restore the job first" in details
+    restore(daemon.stub, "wide", 0, 1, [("w", "float32", (8, 6), [((0, 8), (0, 6))])])
+    register(daemon.stub, "wide", 0, 1, one)
+    assert snapshot(daemon.stub, "wide", 0, 2, [GLOBAL * 10, np.int32(2)]).job_committed
+    job = daemon.stub.Status(pb.StatusRequest(job="wide"), timeout=10).jobs[0]
+    assert job.world_size == 1 and [s.step for s in job.steps if s.committed] == [1, 2]
+    # the older epoch's step is still restorable, into either world size
+    _, got = restore(daemon.stub, "wide", 0, 1,
+                     [("w", "float32", (8, 6), [((2, 6), (0, 6))])], step=1)
+    assert (got[("w", 0)] == GLOBAL[2:6] + 1).all()
+    _, got = restore(daemon.stub, "wide", 0, 1,
+                     [("w", "float32", (8, 6), [((0, 8), (0, 6))])])
+    assert (got[("w", 0)] == GLOBAL * 10).all()
+
+
+def test_the_plan_takes_one_shard_when_one_holds_the_region():
+    layouts = {0: build_layout([spec("w", ((0, 4), (0, 6)))]),
+               1: build_layout([spec("w", ((4, 8), (0, 6)))])}
+    whole = plan([Asked("w", "float32", (8, 6), (((0, 8), (0, 6)),))], layouts, 2, 0, 1)
+    assert [(p.rank, p.box) for p in whole.pieces[0][0]] == [(0, ((0, 4), (0, 6))),
+                                                             (1, ((4, 8), (0, 6)))]
+    inside = plan([Asked("w", "float32", (8, 6), (((5, 6), (0, 6)),))], layouts, 2, 0, 1)
+    assert [p.rank for p in inside.pieces[0][0]] == [1] and inside.exact_copy() is None
+    own = plan([Asked("w", "float32", (8, 6), (((4, 8), (0, 6)),))], layouts, 2, 1, 2)
+    assert own.exact_copy() == 1
