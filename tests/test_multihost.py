@@ -149,7 +149,8 @@ def test_the_restored_job_snapshots_on_under_its_new_world_size(restored_in_one)
 
 def test_rank_own_state_is_refused_into_another_world_size(restored_in_one):
     (outcome,) = restored_in_one["own/same"]
-    assert "world size" in outcome.get("error", ""), outcome
+    assert "FAILED_PRECONDITION" in outcome.get("error", ""), outcome
+    assert "'w'" in outcome["error"] and "only into 2 ranks" in outcome["error"], outcome
 
 
 @pytest.fixture(scope="module")
