@@ -17,6 +17,7 @@ from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.multihost import JaxJob
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.testing import DaemonProcess, Ring
+from tests.helpers import run_example
 
 CASES = str(Path(__file__).resolve().parent / "programs" / "multihost_cases.py")
 GLOBAL_BYTES = {"f32": 8 * 6 * 4, "bf16": 8 * 6 * 2, "i32": 8 * 4 * 4, "scalar": 4,
@@ -245,3 +246,14 @@ def test_wait_says_what_it_waited_for(daemon):
     assert job.committed is True and job.waited_for == "job" and job.reason == ""
     with pytest.raises(ValueError, match="wait="):
         rank0.snapshot(3, arrays, wait="host")
+
+
+def test_the_example_resumes_two_processes_in_one_on_another_mesh():
+    code, report = run_example("multihost.py", "--steps", "8", "--kill-at", "4",
+                               "--resume-mesh", "1x4", timeout=300)
+    assert code == 0, report
+    assert report["state_matches_snapshot"] is True and report["restored_step"] == 4
+    assert (report["processes_before"], report["processes_after"]) == (2, 1)
+    assert report["world_size_of_the_step"] == 2 and report["last_snapshot_committed"]
+    assert all(n > 0 for n in report["bytes_copied_per_process"])  # both hold model halves
+    assert report["restore_seconds"] > 0 and report["final_step"] == 7
