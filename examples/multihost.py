@@ -53,6 +53,7 @@ def build(mesh_shape: tuple[int, int]):
     import optax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+    from quickstart import step_of
 
     # With 2 processes x 2 devices, the "model" axis runs across the processes: each
     # holds (and snapshots) its half of the hidden layer, and splits its batch over
@@ -94,15 +95,9 @@ def build(mesh_shape: tuple[int, int]):
         return (jax.device_put(x, batch_sharding),
                 jax.device_put(np.sin(x @ true_w), batch_sharding))
 
-    def step_fn(state, x, y):
-        def loss_fn(params):
-            return jnp.mean((model.apply(params, x) - y) ** 2)
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state, "step": state["step"] + 1}, loss
-
-    train_step = jax.jit(step_fn, in_shardings=(shardings, batch_sharding, batch_sharding),
+    # The quickstart's step, compiled for this mesh: the state keeps its shardings.
+    train_step = jax.jit(step_of(model, optimizer),
+                         in_shardings=(shardings, batch_sharding, batch_sharding),
                          out_shardings=(shardings, NamedSharding(mesh, P())))
     return shardings, jax.jit(init, out_shardings=shardings), train_step, batch
 

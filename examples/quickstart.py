@@ -61,7 +61,16 @@ def build_training():
         return {"params": params, "opt_state": optimizer.init(params),
                 "step": jnp.zeros((), jnp.int32)}
 
-    @jax.jit
+    return init, batch, jax.jit(step_of(model, optimizer))
+
+
+def step_of(model, optimizer):
+    """One training step (mean squared error, one optimizer update, the step counted) on
+    a state {"params", "opt_state", "step"}; examples/multihost.py shares it."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
     def train_step(state, x, y):
         def loss_fn(params):
             return jnp.mean((model.apply(params, x) - y) ** 2)
@@ -70,7 +79,7 @@ def build_training():
         return {"params": optax.apply_updates(state["params"], updates),
                 "opt_state": opt_state, "step": state["step"] + 1}, loss
 
-    return init, batch, train_step
+    return train_step
 
 
 def digest(state) -> str:
