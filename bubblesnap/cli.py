@@ -251,6 +251,12 @@ def format_status(status) -> str:
             lines.append(f"  peers: {1 + job.replicas} copies wanted per step and rank")
         if job.durable_steps:
             lines.append(f"  durable tier holds steps {list(job.durable_steps)}")
+        if job.coverage.missing:
+            lines.append(f"  job-wide arrays NOT covered (no step can commit): "
+                         f"{'; '.join(job.coverage.missing)}")
+        elif not job.coverage.known:
+            lines.append("  job-wide arrays: coverage not judged yet (some ranks' layouts "
+                         "unknown here)")
         lines.append(f"  {'step':>8}  {'committed':<9}  {'rank':>4}  {'state':<8}  "
                      f"{'copies':>6}  {'shards':>6}  {'bytes':>10}  "
                      f"{'bubble ms offered/used/spilled':>30}")

@@ -21,6 +21,7 @@ from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
 from bubblesnap.service.peers.data_channel import DataServer
 from bubblesnap.service.peers.group import PeerGroup, PeerOptions
+from bubblesnap.service.peers.layouts import GroupLayouts
 from bubblesnap.service.peers.log_replication import LogReplication
 from bubblesnap.service.peers.replicator import Replicator
 from bubblesnap.service.peers.security import TokenInterceptor
@@ -167,11 +168,11 @@ class Daemon:
             self.store.listen(on_job_deleted=forget)
         self.store.listen(on_retained=self.logs.drop_boundary_through)
         self._build_tiers()
-        status = Status(self.store, self.plans, self.logs, self.restorer, self.replicator,
-                        options.peers.replicas if self.group else 0)
+        status = Status(self.store, self.plans, self.logs, self.restorer, self.layouts,
+                        self.replicator, options.peers.replicas if self.group else 0)
         self._server.add_generic_rpc_handlers((generic_handler(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
-            DaemonServicer(self.store, self.plans, self.restorer,
+            DaemonServicer(self.store, self.layouts, self.plans, self.restorer,
                            LogReplication(self.logs, self.group), status, self.metrics)),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -185,12 +186,13 @@ class Daemon:
         what a trainer commits here fans out to them."""
         options = self.options
         self.data = self.transfers = self.replicator = None
+        self.layouts = GroupLayouts(self.store, self.group, options.peers.refresh_seconds)
         if self.group is not None:
             data_listen = options.peers.data_listen or \
                 f"{self.group.address(self.group.index).rsplit(':', 1)[0]}:0"
             self.data = DataServer(data_listen, options.peers.security.server_ssl_context())
             self.transfers = Transfers(self.store, self.group, self.data)
-            self.replicator = Replicator(self.store, self.group, self.transfers)
+            self.replicator = Replicator(self.store, self.group, self.transfers, self.layouts)
             self.store.listen(on_local=self.replicator.committed)
         reader = self.durable = None
         if options.durable.enabled:

@@ -168,9 +168,10 @@ class Restorer:
                           "answered; try again")
 
     def _step_world(self, job: str, step: int, holdings, durable, world: int) -> int:
-        worlds = {h.world_size for h in holdings if h.step == step and h.world_size}
-        if len(worlds) == 1:
-            return worlds.pop()
+        """The world size ``step`` was taken with (``world`` when nothing says)."""
+        held = group_view.step_worlds(holdings, 0).get(step, 0)
+        if held:
+            return held
         if step in durable:
             return self._durable.world_size(job) or world
         return world

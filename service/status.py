@@ -11,6 +11,7 @@ import time
 
 from bubblesnap.service.bubbles.planner import Plan
 from bubblesnap.service.restore import CorruptCopy
+from bubblesnap.service.store.registration import Coverage
 from bubblesnap.service.store.views import JobView, MemoryView
 
 #: The longest one WaitCommitted call waits (a client waiting longer calls again).
@@ -28,6 +29,7 @@ class JobStatus:
     durable_steps: list[int]
     replicas: int
     corrupt_copies: list[CorruptCopy]
+    coverage: Coverage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +42,10 @@ class DaemonStatus:
 class Status:
     """Answers Status for one job or all of them."""
 
-    def __init__(self, store, plans, logs, restorer, replicator=None, replicas: int = 0):
+    def __init__(self, store, plans, logs, restorer, layouts, replicator=None,
+                 replicas: int = 0):
         self._store = store
+        self._layouts = layouts
         self._plans = plans
         self._logs = logs
         self._restorer = restorer
@@ -74,4 +78,5 @@ class Status:
         plan, profiles, version = self._plans.plan_of(view.job)
         return JobStatus(view, plan, profiles, version, self.copies(view.job),
                          self._restorer.durable_steps(view.job, view.world_size),
-                         self._replicas, self._restorer.corrupt_copies(view.job))
+                         self._replicas, self._restorer.corrupt_copies(view.job),
+                         self._layouts.coverage(view.job))

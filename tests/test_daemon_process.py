@@ -99,6 +99,7 @@ def test_status_command_table_and_json(daemon):
     table = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "job cli: 1/2 ranks registered, latest committed step none" in table
     assert "LOCAL" in table
+    assert "coverage not judged yet" in table  # rank 1's layout is not known
     data = json.loads(subprocess.run([*cmd, "--json", "--job", "cli"], capture_output=True,
                                      text=True, check=True).stdout)
     assert data["jobs"][0]["steps"][0]["ranks"][0]["state"] == "LOCAL"

@@ -10,6 +10,7 @@ import pytest
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.region_plan import Asked, plan
 from bubblesnap.service.store.layout import build_layout
+from bubblesnap.testing import wait_for
 
 C = grpc.StatusCode
 GLOBAL = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
@@ -183,3 +184,32 @@ def test_the_plan_takes_one_shard_when_one_holds_the_region():
     assert [p.rank for p in inside.pieces[0][0]] == [1] and inside.exact_copy() is None
     own = plan([Asked("w", "float32", (8, 6), (((4, 8), (0, 6)),))], layouts, 2, 1, 2)
     assert own.exact_copy() == 1
+
+
+def test_a_ring_judges_coverage_and_gathers_regions_from_a_peer(start_ring):
+    ring = start_ring(2, "--replicas", "0")  # each rank's only copy is on its own host
+    a, b = ring.daemons
+    register(a.stub, "ring", 0, 2, [spec("w", ((0, 4), (0, 6)))])
+
+    def refused():  # b judges with rank 0's layout, asked of a
+        try:
+            register(b.stub, "ring", 1, 2, [spec("w", ((0, 4), (0, 6)))])
+        except grpc.RpcError as err:
+            assert err.code() == C.FAILED_PRECONDITION and "'w' [4:8, 0:6]" in err.details()
+            return True
+        # a did not answer yet (just started): b could not judge; try again
+        b.stub.DeleteSnapshots(pb.DeleteSnapshotsRequest(job="ring"), timeout=10)
+        return False
+
+    wait_for(refused, "peers' layouts judged at registration")
+    register(b.stub, "ring", 1, 2, [spec("w", ((4, 8), (0, 6)))])
+    snapshot(a.stub, "ring", 0, 0, [GLOBAL[0:4]])
+    snapshot(b.stub, "ring", 1, 0, [GLOBAL[4:8]])
+    wait_for(lambda: a.stub.Status(pb.StatusRequest(job="ring"), timeout=10)
+             .jobs[0].latest_committed_step == 0, "step 0 committed by the group")
+    # status judges coverage from every daemon's ranks (a view at most a second old)
+    wait_for(lambda: a.stub.Status(pb.StatusRequest(job="ring"), timeout=10)
+             .jobs[0].coverage.whole, "coverage of the ring's ranks shown whole")
+    answer, got = restore(a.stub, "ring", 0, 1, [("w", "float32", (8, 6), [((2, 7), (1, 5))])])
+    assert (got[("w", 0)] == GLOBAL[2:7, 1:5]).all()
+    assert answer.source == "memory, peer"

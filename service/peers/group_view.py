@@ -38,6 +38,16 @@ def copiers(holdings) -> dict[int, int]:
     return {member: h.rank for h in holdings for member in h.group}
 
 
+def step_worlds(holdings, world_size: int) -> dict[int, int]:
+    """step -> the world size its copies were taken with; copies that disagree, or name
+    none (0), count as ``world_size``."""
+    seen: dict[int, set[int]] = defaultdict(set)
+    for h in holdings:
+        seen[h.step].add(h.world_size)
+    return {step: worlds.pop() if len(worlds) == 1 and 0 not in worlds else world_size
+            for step, worlds in seen.items()}
+
+
 def _held_whole(world_size: int, holdings, copies_wanted: int) -> list[int]:
     """Steps whose every rank holds ``copies_wanted`` copies. Each step is judged on its
     own copies: the world size and replica groups it was taken with (a job's epochs
@@ -46,10 +56,10 @@ def _held_whole(world_size: int, holdings, copies_wanted: int) -> list[int]:
     by_step = defaultdict(list)
     for h in holdings:
         by_step[h.step].append(h)
+    worlds = step_worlds(holdings, world_size)
     whole = []
     for step, copies in sorted(by_step.items()):
-        worlds = {h.world_size for h in copies}
-        world = worlds.pop() if len(worlds) == 1 and 0 not in worlds else world_size
+        world = worlds[step]
         found, copier = holders(copies), copiers(copies)
         if world and all(len(found.get((copier.get(r, r), step), ())) >= copies_wanted
                          for r in range(world)):

@@ -32,8 +32,9 @@ log = logging.getLogger("bubblesnap.daemon")
 class Replicator:
     """The background thread that replicates and tracks the group's copies."""
 
-    def __init__(self, store, group, transfers):
+    def __init__(self, store, group, transfers, layouts):
         self._store = store
+        self._layouts = layouts  # the group's layouts: a step is committed only when whole
         self._group = group
         self._transfers = transfers
         self._views: dict[str, list[group_view.Holding]] = {}
@@ -118,6 +119,10 @@ class Replicator:
                 continue
             wanted = self._group.options.copies_wanted
             committed = group_view.committed_steps(world, holdings, wanted)
+            coverage = self._layouts.coverage(job)
+            if coverage.known and not coverage.whole:  # the current epoch can never be whole
+                worlds = group_view.step_worlds(holdings, world)
+                committed = [s for s in committed if worlds.get(s) != world]
             self._store.set_group_committed(job, committed)
             if only_job:
                 continue

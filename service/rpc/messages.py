@@ -210,7 +210,11 @@ def _job_status(status) -> pb.JobStatus:
                 held_for=r.held_for)
             for r in s.ranks]) for s in job.steps],
         plan=_plan_status(status.plan, status.profiles, status.plan_version),
-        replicas=status.replicas, durable_steps=durable, corrupt_copies=[
+        replicas=status.replicas, durable_steps=durable,
+        coverage=pb.Coverage(whole=status.coverage.whole, known=status.coverage.known,
+                             missing=[status.coverage.conflict] if status.coverage.conflict
+                             else status.coverage.gaps),
+        corrupt_copies=[
             pb.CorruptCopy(rank=c.rank, step=c.step, source=c.source, detail=c.detail,
                            unix_time=c.unix_time)
             for c in status.corrupt_copies])

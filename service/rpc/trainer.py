@@ -9,8 +9,9 @@ from bubblesnap.service.store import layout as layout_lib
 class DaemonServicer:
     """Each method converts its request, calls one method of a part, converts the answer."""
 
-    def __init__(self, store, plans, restorer, logs, status, metrics):
+    def __init__(self, store, layouts, plans, restorer, logs, status, metrics):
         self._store = store
+        self._layouts = layouts  # peers.layouts.GroupLayouts
         self._plans = plans
         self._restorer = restorer
         self._logs = logs  # peers.log_replication.LogReplication
@@ -19,7 +20,7 @@ class DaemonServicer:
 
     @unary
     def Register(self, request, context):
-        reg = self._store.register(*messages.registration(request))
+        reg = self._layouts.register(*messages.registration(request))
         return pb.RegisterResponse(reattached=reg.reattached,
                                    latest_local_step=reg.latest_local_step,
                                    step_bytes=reg.step_bytes)

@@ -18,25 +18,26 @@ from bubblesnap.service.store.views import Registration
 
 
 def register(state: StoreState, job: str, rank: int, world_size: int, layout: Layout,
-             group: tuple[int, ...]) -> Registration:
+             group: tuple[int, ...], others: dict) -> Registration:
     """Declares one rank's layout and replica group (see RegisterRequest). Refused, and
-    nothing kept, when the layout conflicts with the other ranks' or when the ranks
-    registered would leave part of a job-wide array uncovered."""
+    nothing kept, when the layout conflicts with the other ranks' (here, or ``others``
+    registered at peers) or when they would leave part of a job-wide array uncovered."""
     entry = state.jobs.get(job)
-    if entry is not None and entry.world_size != world_size:
-        if entry.resume is None or entry.resume[0] != world_size:
-            raise FailedPrecondition(
-                f"job {job!r} is registered with world_size {entry.world_size}, not "
-                f"{world_size}. To go on under another world size, restore the job first "
-                f"from {world_size} processes (each names its world size), which starts a "
-                "new epoch; or delete the job's snapshots to start it over")
-        _new_epoch(entry, world_size)
-    if entry is not None:
+    switching = entry is not None and entry.world_size != world_size
+    if switching and (entry.resume is None or entry.resume[0] != world_size):
+        raise FailedPrecondition(
+            f"job {job!r} is registered with world_size {entry.world_size}, not "
+            f"{world_size}. To go on under another world size, restore the job first "
+            f"from {world_size} processes (each names its world size), which starts a "
+            "new epoch; or delete the job's snapshots to start it over")
+    registered = registered_layouts(entry) if entry is not None and not switching else {}
+    if registered:
         _check_group_agrees(job, entry, rank, group, layout)
-        _check_job_wide(job, entry, rank, group, layout)
-    else:
+    _check_job_wide(job, world_size, {**others, **registered}, rank, group, layout)
+    if entry is None:
         entry = state.new_job(job, world_size)
-        _check_job_wide(job, entry, rank, group, layout)
+    elif switching:
+        _new_epoch(entry, world_size)
     held = entry.ranks.get(rank)
     if held is not None and (held.replica or held.layout is None):
         # A trainer takes over a rank this daemon held replicas of (a replacement
@@ -94,9 +95,9 @@ def judge(world_size: int, ranks: dict[int, tuple[Layout, tuple[int, ...]]]) -> 
     return Coverage(known, model.conflict(layouts), model.uncovered(layouts) if known else ())
 
 
-def _check_job_wide(job: str, entry: Job, rank: int, group: tuple[int, ...],
-                    layout: Layout) -> None:
-    coverage = judge(entry.world_size, {**registered_layouts(entry), rank: (layout, group)})
+def _check_job_wide(job: str, world_size: int, registered: dict, rank: int,
+                    group: tuple[int, ...], layout: Layout) -> None:
+    coverage = judge(world_size, {**registered, rank: (layout, group)})
     if coverage.conflict:
         raise FailedPrecondition(
             f"rank {rank} of job {job!r} cannot register: {coverage.conflict}; every rank "

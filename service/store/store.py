@@ -67,9 +67,12 @@ class SnapshotStore:
     # -- a trainer's copies ---------------------------------------------------
 
     def register(self, job: str, rank: int, world_size: int, layout: Layout,
-                 group: tuple[int, ...]) -> Registration:
+                 group: tuple[int, ...], others=None) -> Registration:
+        """``others``: rank -> (layout, group) of ranks registered at peers, judged with
+        the ones here (registration.py)."""
         with self._lock:
-            return registration.register(self._state, job, rank, world_size, layout, group)
+            return registration.register(self._state, job, rank, world_size, layout, group,
+                                         others or {})
 
     def begin_step(self, job: str, rank: int, step: int) -> Staging:
         with self._lock:
