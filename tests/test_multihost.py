@@ -13,7 +13,9 @@ import grpc
 import numpy as np
 import pytest
 
-from bubblesnap.clients import ClientOptions, NumpyClient
+from bubblesnap.clients import ClientOptions, NumpyClient, RestoreError
+from bubblesnap.clients._regions import in_request_order
+from bubblesnap.clients.results import RawStep
 from bubblesnap.multihost import JaxJob
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.testing import DaemonProcess, Ring
@@ -63,7 +65,9 @@ def _assert_restored(outcomes: list, step: int = STEPS - 1) -> None:
 
 
 def test_each_region_is_copied_by_the_process_holding_replica_zero():
-    p0, p1 = _run("layouts", 2, {"meshes": ["diagonal", "default"]})
+    found = _run("layouts", 2, {"meshes": ["diagonal", "default"]})
+    assert all(f[mesh]["fast_path_matches"] for f in found for mesh in f)
+    p0, p1 = ({mesh: f[mesh]["copied"] for mesh in f} for f in found)
     # Diagonal mesh [[p0d0, p1d0], [p1d1, p0d1]]: each process holds rows 0:4 and 4:8 of
     # P("x"), but replica 0 of rows 0:4 is on p0's device and of rows 4:8 on p1's.
     assert p0["diagonal"]["bf16"]["regions"] == [[[0, 4], [0, 6]]]
@@ -77,6 +81,29 @@ def test_each_region_is_copied_by_the_process_holding_replica_zero():
             assert len({str(r) for r in regions}) == len(regions), (mesh, name)
             assert p0[mesh][name]["job_wide"] and p1[mesh][name]["job_wide"]
     assert p1["default"]["i32"]["regions"] == []  # P(None, "y"): both columns are p0's
+
+
+def _rows(a: int, b: int) -> list[pb.Slice]:
+    return [pb.Slice(start=a, stop=b), pb.Slice(start=0, stop=8)]
+
+
+def test_an_answer_without_the_regions_asked_is_refused():
+    # A daemon that predates restores by region answers with the rank's own copy.
+    own = RawStep(3, (pb.TensorSpec(name="w", dtype="float32", global_shape=[8, 8],
+                                    shards=[pb.ShardSpec(index=_rows(0, 4))]),),
+                  {(0, 0): np.zeros(128, np.uint8)})
+    asked = pb.TensorRequest(name="w", dtype="float32", global_shape=[8, 8],
+                             regions=[pb.Region(index=_rows(4, 8)), pb.Region(index=_rows(0, 4))])
+    with pytest.raises(RestoreError, match=r"lacks 'w' \[4:8, 0:8\]"):
+        in_request_order([asked], own)
+    both = RawStep(3, (pb.TensorSpec(name="w", dtype="float32", global_shape=[8, 8], shards=[
+        pb.ShardSpec(index=_rows(0, 4)), pb.ShardSpec(index=_rows(4, 8))]),),
+        {(0, 0): np.zeros(128, np.uint8), (0, 1): np.ones(128, np.uint8)})
+    ordered = in_request_order([asked], both)  # any order in, request order out
+    assert ordered.shards[(0, 0)][0] == 1 and ordered.shards[(0, 1)][0] == 0
+    wrong = pb.TensorRequest(name="w", dtype="int32", global_shape=[8, 8], regions=[])
+    with pytest.raises(RestoreError, match="saved as float32"):
+        in_request_order([wrong], both)
 
 
 # -- one daemon ------------------------------------------------------------------------

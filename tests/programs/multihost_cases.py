@@ -15,9 +15,10 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src.serialization import replica_slices
 
 from bubblesnap.clients import ClientOptions, RestoreError
-from bubblesnap.clients.jax import SnapshotClient, _layout
+from bubblesnap.clients.jax import SnapshotClient, _layout, _transfer
 from bubblesnap.multihost import event
 
 #: The job-wide state: name -> (shape, dtype, partition spec on the ("x", "y") mesh).
@@ -120,8 +121,18 @@ def _result(r) -> dict:
 
 
 def layouts(args) -> dict:
-    """Which regions this process copies of the global state on each mesh."""
-    return {kind: copied_regions(state_at("global", kind, 0)) for kind in args["meshes"]}
+    """Which regions this process copies of the global state on each mesh, and whether
+    the CPU fast path fetches the very buffers Orbax's transfer path picks."""
+    found = {}
+    for kind in args["meshes"]:
+        state = state_at("global", kind, 0)
+        _, leaves, _ = _layout.flatten(state)
+        ours = _transfer.fetch_to_host(leaves)
+        theirs = [rs.unsliced_data for r in replica_slices.transfer_arrays_to_host(
+            leaves, 0, False, enable_pinned_host_transfer=False) for rs in r.replica_slices]
+        found[kind] = {"copied": copied_regions(state), "fast_path_matches": [
+            a.tobytes() for a in ours] == [np.asarray(b).tobytes() for b in theirs]}
+    return found
 
 
 def train(args) -> dict:
