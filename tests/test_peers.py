@@ -52,8 +52,9 @@ def committed(daemon, step: int) -> bool:
     return any(s.step == step and s.committed for s in job_status(daemon).steps)
 
 
-def assert_restores(daemon, rank: int, step: int, source: str, run: int = 0) -> None:
-    c = client(daemon, rank)
+def assert_restores(daemon, rank: int, step: int, source: str, run: int = 0,
+                    world: int = 3) -> None:
+    c = client(daemon, rank, world)
     got_step, arrays = c.restore()
     assert (got_step, c.last_restore_source) == (step, source)
     for name, expected in state(rank, step, run).items():
@@ -239,7 +240,7 @@ def test_bad_peer_input_gets_precise_codes(start_ring):
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert "restorable steps: [0]" in info.value.details()
     for rank in range(2):
-        assert_restores(ring.daemons[rank], rank, 0, "memory")
+        assert_restores(ring.daemons[rank], rank, 0, "memory", world=2)
 
 
 def _spec():
