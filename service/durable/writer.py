@@ -54,7 +54,8 @@ class DurableWriter:
         self._reader = reader
         self._job_layouts = job_layouts or self._registered_layouts
         self._last_write: dict[tuple[str, int], float] = {}
-        self._unfinished: set[tuple[str, int, int]] = set()  # (job, step, rank) written here
+        # (job, step, rank) written here, not final yet -> why the step is not whole
+        self._unfinished: dict[tuple[str, int, int], str] = {}
         self._worker = CoalescingWorker("durable", self._write_batch, tick=self._recheck,
                                         every_seconds=_RECHECK_SECONDS, discard=store.unpin)
         os.makedirs(options.directory, exist_ok=True)
@@ -129,7 +130,7 @@ class DurableWriter:
             log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s", step,
                      rank, job, pinned.layout.nbytes / 1e6, time.perf_counter() - started,
                      step_dir)
-        self._unfinished.add((job, step, rank))
+        self._unfinished.setdefault((job, step, rank), "")
         self._finish(job, step, rank)
         self._retire(job)
 
@@ -200,15 +201,17 @@ class DurableWriter:
         """Finalizes the step if its sidecars are whole; forgets it once it is final."""
         step_dir = fmt.step_path(self.options.directory, job, step)
         if not os.path.isdir(step_dir) or fmt.is_finalized(step_dir):
-            self._unfinished.discard((job, step, rank))
+            self._unfinished.pop((job, step, rank), None)
             return
         written = self._reader.sidecars(job, step)
         why = policy.incomplete(written)
         if why is not None:
-            log.debug("durable: step %d of %s is not whole yet: %s", step, job, why)
+            if self._unfinished.get((job, step, rank)) != why:  # each reason once
+                log.info("durable: step %d of %s is not whole yet: %s", step, job, why)
+                self._unfinished[(job, step, rank)] = why
             return
         checkpoint.finalize(step_dir, written, rank)
-        self._unfinished.discard((job, step, rank))
+        self._unfinished.pop((job, step, rank), None)
         log.info("durable: step %d of %s is one Orbax checkpoint (ranks %s), finalized here",
                  step, job, sorted(written))
 
