@@ -205,12 +205,16 @@ class DurableWriter:
             return
         written = self._reader.sidecars(job, step)
         why = policy.incomplete(written)
+        if why is None:
+            try:
+                checkpoint.finalize(step_dir, written, rank)
+            except Exception as err:  # tried again at the next recheck
+                why = f"finalizing failed: {err!r}"
         if why is not None:
             if self._unfinished.get((job, step, rank)) != why:  # each reason once
                 log.info("durable: step %d of %s is not whole yet: %s", step, job, why)
                 self._unfinished[(job, step, rank)] = why
             return
-        checkpoint.finalize(step_dir, written, rank)
         self._unfinished.pop((job, step, rank), None)
         log.info("durable: step %d of %s is one Orbax checkpoint (ranks %s), finalized here",
                  step, job, sorted(written))
