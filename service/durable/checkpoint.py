@@ -57,12 +57,6 @@ def context():
     return ts_utils.get_ts_context(use_ocdbt=True)
 
 
-def chunk_shape(step_dir: str, rank: int, part: ArrayPart) -> tuple[int, ...]:
-    """The zarr chunks Orbax chooses for ``part`` (its write shape, cut further only
-    past OCDBT's target file size): the same on every daemon of the step."""
-    return tuple(_write_spec(step_dir, rank, part).metadata.chunk_shape)
-
-
 def write_parts(step_dir: str, rank: int, parts: list[ArrayPart]) -> dict[str, tuple]:
     """Writes ``parts`` into ``rank``'s database of the step; returns each array's
     chunks once every region is durable. FailedPrecondition, before anything is
@@ -116,7 +110,8 @@ class _Batch:
     def commit(self) -> None:
         for write in self._writes:
             write.result()  # copied into the transaction
-        self._txn.commit_async().result()  # durable: TensorStore fsyncs what it writes
+        # Durable once committed: TensorStore's file driver fsyncs (file_io_sync, on by default).
+        self._txn.commit_async().result()
         self._txn, self._bytes, self._writes = self._ts.Transaction(), 0, []
 
 
