@@ -292,7 +292,7 @@ class Bench:
                  failed=lambda: "; ".join(daemons.logged(self.a, "did not take")[:1]))
         wait_for(lambda: self.b.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs,
                  "B to hold the replica", _WAIT_SECONDS)
-        marker = os.path.join(durable_dir, JOB, f"step_{STEP}", "rank_0.json")
+        marker = os.path.join(durable_dir, JOB, f"step_{STEP}", ".bubblesnap", "complete.json")
         wait_for(lambda: os.path.exists(marker), f"A to write {marker}", _WAIT_SECONDS)
         common.log("A and B hold the step, the durable tier has it")
 

@@ -58,7 +58,7 @@ def test_persisted_step_loads_with_plain_orbax_and_through_a_new_daemon(start_da
         time.sleep(0.2)
 
     # No daemon involved: Orbax alone, into another sharding on other devices.
-    path = durable / "dur" / "step_4" / "rank_0"
+    path = durable / "dur" / "step_4"
     assert_state(ocp.StandardCheckpointer().restore(path, other_target()), 4)
 
     # The host dies; a new daemon on it has an empty memory and restores from disk.
@@ -82,8 +82,10 @@ def test_damaged_durable_checkpoint_is_reported_not_served(start_daemon, tmp_pat
         assert time.monotonic() < deadline
         time.sleep(0.2)
     daemon.kill()
-    for root, _, files in os.walk(durable / "bad" / "step_0" / "rank_0" / "d"):
-        for name in files:  # the array data files
+    for root, _, files in os.walk(durable / "bad" / "step_0"):
+        if os.path.basename(root) != "d":
+            continue
+        for name in files:  # the OCDBT data files (small chunks live inline in the nodes)
             with open(os.path.join(root, name), "r+b") as f:
                 data = bytearray(f.read())
                 data[len(data) // 2] ^= 0xFF

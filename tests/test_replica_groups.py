@@ -149,7 +149,10 @@ def test_durable_tier_writes_a_group_once_and_restores_a_member(start_daemon, tm
     while list(job_status(daemon).durable_steps) != [0]:
         assert time.monotonic() < deadline, "step 0 never became durable for both ranks"
         time.sleep(0.2)
-    assert sorted(os.listdir(durable / JOB / "step_0")) == ["rank_0", "rank_0.json"]
+    step_dir = durable / JOB / "step_0"  # one checkpoint; the group is written once, by rank 0
+    assert sorted(os.listdir(step_dir / ".bubblesnap")) == ["complete.json", "rank_0.json"]
+    assert [p for p in os.listdir(step_dir) if p.startswith("ocdbt.process_")] == \
+        ["ocdbt.process_0"]
     c0.close()
     c1.close()
 

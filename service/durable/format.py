@@ -1,13 +1,19 @@
-"""The durable tier's files: one Orbax checkpoint per written rank and step, and its sidecar.
+"""The durable tier's files: one Orbax checkpoint per step, written by several daemons.
 
-``<directory>/<job>/step_<step>/rank_<rank>/`` is an Orbax checkpoint of the
-rank's state as a nested dict of numpy arrays (tensor names split at "/"),
-so ``orbax.checkpoint.StandardCheckpointer().restore(path)`` loads it with
-no daemon, into any sharding. Beside it, ``rank_<rank>.json`` lists each
-tensor's dtype, shape and xxh3 checksum; it is written last, so a rank
-directory without it is an unfinished write and is ignored. The members of a
-data-parallel replica group are written once, as their copier (the lowest
-rank); its ``.json`` names the group.
+``<directory>/<job>/step_<step>/`` is one standard Orbax checkpoint (OCDBT,
+zarr) of the job's global state (orbax_layout.py says where each tensor
+goes), so ``orbax.checkpoint.StandardCheckpointer().restore(path, target)``
+loads it with no daemon, in any topology. Inside it:
+
+- ``ocdbt.process_<r>/``: the regions written for rank ``r`` by the daemon
+  holding its copy (Orbax's per-process database, one per writer, so writers
+  never share a file);
+- ``.bubblesnap/rank_<r>.json``: that write's sidecar (sidecar.py), written
+  atomically once its regions are durable;
+- once the sidecars make a whole step, the daemon that sees it finalizes:
+  Orbax's merged ``manifest.ocdbt`` and ``d/``, ``_METADATA``,
+  ``_CHECKPOINT_METADATA``, ``commit_success.txt``, and last
+  ``.bubblesnap/complete.json``. Only steps with that marker are listed.
 
 Orbax and JAX are imported on first use: a daemon without ``--durable-dir``
 does not need them.
@@ -16,82 +22,132 @@ does not need them.
 import json
 import os
 import re
+import shutil
+import uuid
 
 import numpy as np
 
-from bubblesnap.service.errors import DataLoss, FailedPrecondition, NotFound
+from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
+from bubblesnap.service.errors import DataLoss, NotFound
 
-FORMAT = "bubblesnap-durable-1"
 _STEP_DIR = re.compile(r"step_(\d+)")
-_RANK_META = re.compile(r"rank_(\d+)\.json")
+_SIDECAR = re.compile(r"rank_(\d+)\.json")
+STATE_DIR = ".bubblesnap"
+MARKER = "complete.json"
+#: Orbax's prefix of a per-process OCDBT database (ocdbt_process_spec.PROCESS_PREFIX).
+CHILD_PREFIX = "ocdbt.process_"
+#: What finalizing adds at the top of a step: undone first when a step is rewritten.
+ORBAX_ROOT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA", "_METADATA", "_sharding",
+                    "manifest.ocdbt", "d")
 
 
-def rank_path(directory: str, job: str, step: int, rank: int) -> str:
-    return os.path.join(directory, job, f"step_{step}", f"rank_{rank}")
+def job_path(directory: str, job: str) -> str:
+    return os.path.join(directory, job)
+
+
+def step_path(directory: str, job: str, step: int) -> str:
+    return os.path.join(directory, job, f"step_{step}")
+
+
+def child_path(step_dir: str, rank: int) -> str:
+    """Where the regions written for ``rank`` go: Orbax's process database named by rank."""
+    return os.path.join(step_dir, f"{CHILD_PREFIX}{rank}")
+
+
+def sidecar_path(step_dir: str, rank: int) -> str:
+    return os.path.join(step_dir, STATE_DIR, f"rank_{rank}.json")
+
+
+def marker_path(step_dir: str) -> str:
+    return os.path.join(step_dir, STATE_DIR, MARKER)
 
 
 def step_numbers(directory: str, job: str) -> list[int]:
-    """Steps with a directory under the job (finished or not)."""
-    return [int(m[1]) for m in map(_STEP_DIR.fullmatch, _listdir(os.path.join(directory, job)))
-            if m]
+    """Steps with a directory under the job (finished or not), oldest first."""
+    return sorted(int(m[1]) for m in map(_STEP_DIR.fullmatch, _listdir(job_path(directory, job)))
+                  if m)
 
 
-def written_ranks(directory: str, job: str, step: int) -> list[int]:
+def written_ranks(step_dir: str) -> list[int]:
     """Ranks of a step whose sidecar is written (finished writes)."""
-    step_dir = os.path.join(directory, job, f"step_{step}")
-    return [int(m[1]) for m in map(_RANK_META.fullmatch, _listdir(step_dir)) if m]
+    return sorted(int(m[1]) for m in map(_SIDECAR.fullmatch,
+                                         _listdir(os.path.join(step_dir, STATE_DIR))) if m)
 
 
-def read_meta(path: str) -> dict:
-    """The sidecar of the rank checkpoint at ``path``; NotFound or DataLoss."""
+def child_ranks(step_dir: str) -> list[int]:
+    """Ranks with a process database in the step (finished writes or not)."""
+    return sorted(int(name[len(CHILD_PREFIX):]) for name in _listdir(step_dir)
+                  if name.startswith(CHILD_PREFIX) and name[len(CHILD_PREFIX):].isdigit())
+
+
+def read_json(path: str) -> dict:
+    """A JSON file of the tier; NotFound when absent, DataLoss when unreadable."""
     try:
-        with open(path + ".json") as f:
+        with open(path) as f:
             return json.load(f)
     except FileNotFoundError as err:
         raise NotFound(f"the durable tier has no {path}") from err
     except (OSError, ValueError) as err:
-        raise DataLoss(f"{path}.json is unreadable: {err}") from err
+        raise DataLoss(f"{path} is unreadable: {err}") from err
 
 
-def write_meta(path: str, meta: dict) -> None:
-    """Writes the sidecar atomically (fsynced, then renamed): it marks the write finished."""
-    tmp = path + ".json.tmp"
-    with open(tmp, "w") as f:
-        json.dump(meta, f)
+def write_json(path: str, data: dict) -> None:
+    """Writes ``path`` atomically: a private temporary file, fsynced, then renamed, so
+    a reader (or a second daemon writing the same file) never sees half of it."""
+    write_bytes(path, json.dumps(data).encode())
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path + ".json")
+    os.replace(tmp, path)
+
+
+def read_sidecar(step_dir: str, rank: int) -> WrittenRank:
+    """The sidecar of ``rank``'s write; NotFound, or DataLoss when it is not one."""
+    path = sidecar_path(step_dir, rank)
+    try:
+        return WrittenRank.from_json(read_json(path))
+    except (KeyError, TypeError, ValueError) as err:
+        raise DataLoss(f"{path} is not a {FORMAT} sidecar: {err}") from err
+
+
+def is_finalized(step_dir: str) -> bool:
+    return os.path.exists(marker_path(step_dir))
+
+
+def unfinalize(step_dir: str) -> None:
+    """Takes back a finalized step (its marker first, so it is no longer listed, then
+    Orbax's merged files), for a rank rewritten with another copy."""
+    for path in (marker_path(step_dir), *(os.path.join(step_dir, f) for f in ORBAX_ROOT_FILES)):
+        remove(path)
+
+
+def remove_rank(step_dir: str, rank: int) -> None:
+    """Removes what was written for ``rank``: the sidecar first (the write no longer
+    counts), then its regions."""
+    remove(sidecar_path(step_dir, rank))
+    remove(child_path(step_dir, rank))
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def numpy_dtype(name: str) -> np.dtype:
     import ml_dtypes  # bfloat16 and float8, which numpy lacks (a dependency of JAX)
 
     return np.dtype(getattr(ml_dtypes, name, name))
-
-
-def nest(arrays: dict[str, np.ndarray]) -> dict:
-    """Tensor names split at "/" as nested dicts (what a Flax/optax state looks like)."""
-    tree: dict = {}
-    for name, array in arrays.items():
-        node = tree
-        *parents, leaf = name.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise FailedPrecondition(f"tensor {name!r} nests under another tensor's name; "
-                                         "the durable tier cannot write this state")
-        if leaf in node or not leaf:
-            raise FailedPrecondition(f"tensor name {name!r} cannot be a path of a nested "
-                                     "checkpoint (empty part or used twice)")
-        node[leaf] = array
-    return tree
-
-
-def lookup(tree, name: str):
-    node = tree
-    for part in name.split("/"):
-        node = node[part]
-    return node
 
 
 def orbax():
@@ -107,5 +163,5 @@ def orbax():
 def _listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []

@@ -1,8 +1,12 @@
-"""When the durable tier writes a step and which written steps it keeps: pure functions."""
+"""When the durable tier writes a step, when a step's checkpoint is whole, and which
+steps it keeps: pure functions."""
 
 import dataclasses
 
 from bubblesnap.options import require
+from bubblesnap.service.durable import orbax_layout
+from bubblesnap.service.durable.sidecar import WrittenRank
+from bubblesnap.service.store import regions
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -19,8 +23,8 @@ class DurableOptions:
         passed since the last write (``--durable-every-seconds``). 0: off.
         Hosts decide independently, so a step chosen this way may be whole
         only once every host wrote it.
-      keep: whole steps (written by every rank) kept; a rank's older steps are
-        deleted (``--durable-keep``). Default 2.
+      keep: whole steps (finalized checkpoints) kept; older steps, finished
+        or not, are deleted (``--durable-keep``). Default 2.
     """
 
     directory: str = ""
@@ -57,11 +61,64 @@ def is_whole(world_size: int, written: dict[int, tuple[int, ...]]) -> bool:
     return covered >= set(range(world_size))
 
 
-def steps_to_retire(written_here: list[int], whole_steps: list[int], keep: int) -> list[int]:
-    """A rank's written steps older than the ``keep`` newest whole steps.
+def incomplete(written: dict[int, WrittenRank]) -> str | None:
+    """Why the ranks ``written`` (rank -> its sidecar) do not make a whole checkpoint of
+    their step; None when they do.
 
-    Counting only this rank's steps would be wrong: hosts that fall behind
-    write different steps, and the step all ranks share could go.
+    Whole: one world size; every rank written, itself or through a written
+    rank's replica group; every job-wide array covered by the regions written,
+    each element once, with one dtype, shape and chunk grid; no two leaves at
+    one place of the tree.
+    """
+    if not written:
+        return "no rank is written"
+    sizes = {w.world_size for w in written.values()}
+    if len(sizes) != 1:
+        return f"ranks were written under different world sizes {sorted(sizes)}"
+    world = sizes.pop()
+    if not is_whole(world, {rank: w.group for rank, w in written.items()}):
+        covered = {m for rank, w in written.items() for m in (rank, *w.group)}
+        return f"ranks {sorted(set(range(world)) - covered)[:8]} are not written yet"
+    tensors = [t for w in written.values() for t in w.tensors]
+    why = orbax_layout.conflict(orbax_layout.leaf(t.key, rank, t.job_wide)
+                                for rank, w in written.items() for t in w.tensors)
+    if why is not None:
+        return why
+    arrays: dict[tuple[str, ...], list] = {}
+    for t in tensors:
+        arrays.setdefault(t.key, []).append(t)
+    for key, parts in arrays.items():
+        why = _array_incomplete("/".join(key), parts)
+        if why is not None:
+            return why
+    return None
+
+
+def _array_incomplete(name: str, parts) -> str | None:
+    """Why the parts ranks wrote of one array do not make it (None: they do)."""
+    first = parts[0]
+    if any((t.dtype, t.shape) != (first.dtype, first.shape) for t in parts):
+        return f"ranks disagree on the dtype or shape of {name!r}"
+    if len({t.chunks for t in parts if t.regions}) > 1:
+        return (f"ranks chose different chunk grids for {name!r} (they knew different "
+                "layouts): their chunks may overlap")
+    boxes = [box for t in parts for box in t.regions]
+    gap = regions.missing(first.shape, boxes)
+    if gap is not None:
+        return f"{regions.describe(name, gap)} is not written"
+    if sum(regions.volume(b) for b in boxes) != regions.volume(regions.whole(first.shape)):
+        return f"regions of {name!r} overlap: they were written more than once"
+    if not boxes:
+        return f"no rank wrote {name!r}"  # an empty array: Orbax needs its metadata
+    return None
+
+
+def steps_to_retire(written_here: list[int], whole_steps: list[int], keep: int) -> list[int]:
+    """Steps on disk (``written_here``, finished or not) older than the ``keep`` newest
+    whole steps.
+
+    The floor is the job's whole steps, not what one daemon wrote: hosts that
+    fall behind write different steps, and the step all ranks share could go.
     """
     if not whole_steps:
         return []

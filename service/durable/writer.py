@@ -1,43 +1,66 @@
-"""Writing the durable tier: chosen committed steps, as Orbax checkpoints, in the background.
+"""Writing the durable tier: chosen committed steps into one Orbax checkpoint per step,
+in the background.
 
-Each daemon writes the ranks its trainers registered (format.py says how);
-writes that fall behind collapse into the roundest waiting step of each rank
-(group_view.roundest), so every host writes common steps.
+Each daemon writes the ranks its trainers committed (never the replicas it
+holds for peers): their regions, from the pinned shared-memory segment
+straight into the step's checkpoint (checkpoint.py), then a sidecar. The
+daemon that finds a step's sidecars whole finalizes it; any daemon retires
+steps older than the ``keep`` newest finalized ones. Writes that fall behind
+collapse into the roundest waiting step of each rank (group_view.roundest),
+so every host writes common steps.
 """
 
+import dataclasses
 import logging
+import math
 import os
 import shutil
 import time
 
-import numpy as np
-
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.background import CoalescingWorker
+from bubblesnap.service.durable import checkpoint, orbax_layout, policy
 from bubblesnap.service.durable import format as fmt
-from bubblesnap.service.durable import policy
 from bubblesnap.service.durable.reader import DurableReader
-from bubblesnap.service.errors import DaemonError, DataLoss
+from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
+from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition
 from bubblesnap.service.peers import group_view
 
 log = logging.getLogger("bubblesnap.daemon")
 
 #: How long a stopping daemon lets the write in progress finish.
 _STOP_SECONDS = 30.0
+#: How often steps this daemon wrote, not yet whole, are looked at again: the
+#: sidecar that completes a step may be another host's, written when this
+#: daemon last looked (or its finalizer may have died).
+_RECHECK_SECONDS = 5.0
 
 
 class DurableWriter:
-    """Writes chosen steps on a background thread; deletes what the tier no longer keeps."""
+    """Writes chosen steps on a background thread; finalizes whole steps; deletes what
+    the tier no longer keeps.
 
-    def __init__(self, options: policy.DurableOptions, store, reader: DurableReader):
+    ``job_layouts(job) -> {rank: Layout}``: every rank's layout this daemon
+    knows (default: the ranks registered here). It picks the chunk grid of a
+    job-wide array, which must be the same on every daemon writing it: JAX
+    shardings give the same grid from any one rank's regions, other layouts
+    need all of them (the group's).
+    """
+
+    def __init__(self, options: policy.DurableOptions, store, reader: DurableReader,
+                 job_layouts=None):
         self.options = options
         self._store = store
         self._reader = reader
+        self._job_layouts = job_layouts or self._registered_layouts
         self._last_write: dict[tuple[str, int], float] = {}
-        self._worker = CoalescingWorker("durable", self._write_batch, discard=store.unpin)
+        # (job, step, rank) written here, not final yet -> why the step is not whole
+        self._unfinished: dict[tuple[str, int, int], str] = {}
+        self._worker = CoalescingWorker("durable", self._write_batch, tick=self._recheck,
+                                        every_seconds=_RECHECK_SECONDS, discard=store.unpin)
         os.makedirs(options.directory, exist_ok=True)
         fmt.orbax()  # JAX and Orbax take seconds to import: at startup, not in the first write
-        logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file at INFO
+        logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax logs every file at INFO
 
     def start(self) -> None:
         self._worker.start()
@@ -45,8 +68,8 @@ class DurableWriter:
     def stop(self) -> None:
         """Finishes the write in progress, drops the ones still waiting."""
         if not self._worker.stop(_STOP_SECONDS):
-            log.warning("durable: a write is still running at shutdown; its directory stays "
-                        "unfinished (no .json) and is ignored")
+            log.warning("durable: a write is still running at shutdown; its step stays "
+                        "unfinished (no sidecar for this rank) and is not listed")
 
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here; write it if the policy says so."""
@@ -69,10 +92,12 @@ class DurableWriter:
         dropped = 0
         for later in fmt.step_numbers(self.options.directory, job):
             if later > step:
-                shutil.rmtree(os.path.join(self.options.directory, job, f"step_{later}"),
-                              ignore_errors=True)
+                _delete_step(fmt.step_path(self.options.directory, job, later))
                 dropped += 1
         return dropped
+
+    def _registered_layouts(self, job: str) -> dict:
+        return {r.rank: r.layout for r in self._store.layouts(job)}
 
     def _write_batch(self, batch: dict) -> None:
         for (job, rank), copies in sorted(batch.items()):
@@ -85,75 +110,140 @@ class DurableWriter:
                 continue
             try:
                 self._write(chosen)
-            except Exception:
-                log.exception("durable write of step %d of rank %d of %s failed", step,
-                              rank, job)
+            except Exception as err:
+                log.error("durable write of step %d of rank %d of %s failed: %s", step, rank,
+                          job, err, exc_info=not isinstance(err, DaemonError))
 
     def _write(self, pinned) -> None:
         job, rank, step = pinned.job, pinned.rank, pinned.step
-        path = fmt.rank_path(self.options.directory, job, step, rank)
+        step_dir = fmt.step_path(self.options.directory, job, step)
+        started = time.perf_counter()
         try:
             if self._reader.written_slots(job, rank, step) == list(pinned.checksums):
-                return  # this very copy is on disk already
-            arrays = _assemble(pinned)
+                written = None  # this very copy is on disk already
+            else:
+                written = self._write_regions(step_dir, pinned)
         finally:
             self._store.unpin(pinned)
-        if os.path.exists(path + ".json"):  # another run's step of the same number
-            os.unlink(path + ".json")
-        if os.path.exists(path):  # that, or an unfinished write of a killed daemon
-            shutil.rmtree(path)
-        started = time.perf_counter()
-        checkpointer = fmt.orbax().StandardCheckpointer()
-        checkpointer.save(os.path.abspath(path), fmt.nest(arrays))
-        checkpointer.wait_until_finished()
-        checkpointer.close()
-        meta = {"format": fmt.FORMAT, "job": job, "rank": rank, "step": step,
-                "world_size": pinned.world_size, "slot_checksums": list(pinned.checksums),
-                "replica_group": list(pinned.group),
-                "tensors": [{"name": name, "dtype": str(a.dtype), "shape": list(a.shape),
-                             "checksum": checksum(a)} for name, a in arrays.items()]}
-        fmt.write_meta(path, meta)
-        nbytes = sum(a.nbytes for a in arrays.values())
-        log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s", step, rank,
-                 job, nbytes / 1e6, time.perf_counter() - started, path)
-        self._retire(job, rank, pinned.world_size)
+        if written is not None:
+            fmt.write_json(fmt.sidecar_path(step_dir, rank), written.to_json())
+            log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s", step,
+                     rank, job, pinned.layout.nbytes / 1e6, time.perf_counter() - started,
+                     step_dir)
+        self._unfinished.setdefault((job, step, rank), "")
+        self._finish(job, step, rank)
+        self._retire(job)
 
-    def _retire(self, job: str, rank: int, world_size: int) -> None:
-        """Deletes this rank's steps older than the ``keep`` newest steps every rank wrote."""
-        directory = self.options.directory
-        written = sorted(s for s in fmt.step_numbers(directory, job)
-                         if rank in fmt.written_ranks(directory, job, s))
-        for step in policy.steps_to_retire(written, self._reader.steps(job, world_size),
-                                           self.options.keep):
-            path = fmt.rank_path(directory, job, step, rank)
-            os.unlink(path + ".json")
-            shutil.rmtree(path, ignore_errors=True)
+    def _write_regions(self, step_dir: str, pinned) -> WrittenRank:
+        """Writes the copy's regions (verified in memory before and after) into its
+        rank's database of the step; the sidecar that records them."""
+        parts, tensors = self._plan(pinned)
+        _verify(pinned)
+        if fmt.is_finalized(step_dir):
+            log.warning("durable: step %d of %s was finalized with another copy of rank %d; "
+                        "rewriting it", pinned.step, pinned.job, pinned.rank)
+            fmt.unfinalize(step_dir)
+        fmt.remove_rank(step_dir, pinned.rank)  # an unfinished write, or another run's
+        try:
+            chunks = checkpoint.write_parts(step_dir, pinned.rank, parts)
+            _verify(pinned)  # the bytes did not change while TensorStore copied them
+        except BaseException:
+            fmt.remove_rank(step_dir, pinned.rank)
+            raise
+        return WrittenRank(pinned.job, pinned.step, pinned.rank, pinned.world_size,
+                           tuple(pinned.group) or (pinned.rank,), tuple(
+                               dataclasses.replace(t, chunks=chunks.get(
+                                   orbax_layout.param_name(t.key), ())) for t in tensors))
+
+    def _plan(self, pinned):
+        """What to write: an ArrayPart per tensor with regions here (numpy views of the
+        segment, no copy) and the sidecar fields of every tensor. FailedPrecondition
+        for a state the checkpoint cannot hold."""
+        layout, rank, world = pinned.layout, pinned.rank, pinned.world_size
+        known = {r: lay for r, lay in self._job_layouts(pinned.job).items() if r != rank}
+        leaves = [orbax_layout.leaf(orbax_layout.tree_key(t.name, r, world, t.job_wide),
+                                    r, t.job_wide)
+                  for r, lay in [(rank, layout), *known.items()] for t in lay.tensors]
+        why = orbax_layout.conflict(leaves)
+        if why is not None:
+            raise FailedPrecondition(f"the state's names cannot be one checkpoint: {why}; "
+                                     "not written")
+        views = {}
+        for t_index, s_index, offset, nbytes in pinned.slots:
+            views.setdefault(t_index, []).append((s_index, offset, nbytes))
+        parts, tensors = [], []
+        for t_index, tensor in enumerate(layout.tensors):
+            if math.prod(tensor.global_shape) == 0:
+                raise FailedPrecondition(f"tensor {tensor.name!r} has no elements (shape "
+                                         f"{tensor.global_shape}): Orbax cannot save it")
+            key = orbax_layout.tree_key(tensor.name, rank, world, tensor.job_wide)
+            boxes = [s.index for s in tensor.shards]
+            if tensor.job_wide:
+                boxes += [s.index for lay in known.values() for t in lay.tensors
+                          if t.job_wide and t.name == tensor.name for s in t.shards]
+            dtype = fmt.numpy_dtype(tensor.dtype)
+            regions = tuple(
+                (tensor.shards[s].index, pinned.segment.view[offset:offset + nbytes].view(dtype)
+                 .reshape(tuple(b - a for a, b in tensor.shards[s].index)))
+                for s, offset, nbytes in views.get(t_index, ()))
+            if regions:
+                parts.append(checkpoint.ArrayPart(
+                    orbax_layout.param_name(key), tensor.dtype, tensor.global_shape,
+                    orbax_layout.write_shape(tensor.global_shape, boxes), regions))
+            tensors.append(WrittenTensor(
+                tensor.name, tensor.dtype, tensor.global_shape, tensor.job_wide, key, (),
+                tuple(s.index for s in tensor.shards),
+                tuple(c for slot, c in zip(pinned.slots, pinned.checksums, strict=True)
+                      if slot[0] == t_index)))
+        return parts, tensors
+
+    def _finish(self, job: str, step: int, rank: int) -> None:
+        """Finalizes the step if its sidecars are whole; forgets it once it is final."""
+        step_dir = fmt.step_path(self.options.directory, job, step)
+        if not os.path.isdir(step_dir) or fmt.is_finalized(step_dir):
+            self._unfinished.pop((job, step, rank), None)
+            return
+        written = self._reader.sidecars(job, step)
+        why = policy.incomplete(written)
+        if why is None:
             try:
-                os.rmdir(os.path.dirname(path))  # the last rank out removes the step
-            except OSError:
-                pass
+                checkpoint.finalize(step_dir, written, rank)
+            except Exception as err:  # tried again at the next recheck
+                why = f"finalizing failed: {err!r}"
+        if why is not None:
+            if self._unfinished.get((job, step, rank)) != why:  # each reason once
+                log.info("durable: step %d of %s is not whole yet: %s", step, job, why)
+                self._unfinished[(job, step, rank)] = why
+            return
+        self._unfinished.pop((job, step, rank), None)
+        log.info("durable: step %d of %s is one Orbax checkpoint (ranks %s), finalized here",
+                 step, job, sorted(written))
+
+    def _recheck(self) -> None:
+        for job, step, rank in sorted(self._unfinished):
+            self._finish(job, step, rank)
+
+    def _retire(self, job: str) -> None:
+        """Deletes steps (finished or not) older than the ``keep`` newest finalized ones."""
+        directory = self.options.directory
+        for step in policy.steps_to_retire(fmt.step_numbers(directory, job),
+                                           self._reader.steps(job), self.options.keep):
+            _delete_step(fmt.step_path(directory, job, step))
 
 
-def _assemble(pinned) -> dict[str, np.ndarray]:
-    """The rank's tensors as whole numpy arrays, from the shards in its segment.
+def _delete_step(step_dir: str) -> None:
+    """The marker first: a step half deleted is never listed."""
+    fmt.remove(fmt.marker_path(step_dir))
+    shutil.rmtree(step_dir, ignore_errors=True)
 
-    Each shard is verified first: the commit trusted the client's checksums,
-    and a copy damaged in memory must not become a checkpoint with a fresh,
-    matching checksum.
-    """
-    dtypes = {}
-    arrays = {}
-    for i, (t_index, s_index, offset, nbytes) in enumerate(pinned.slots):
-        if checksum(pinned.segment.view[offset:offset + nbytes]) != pinned.checksums[i]:
+
+def _verify(pinned) -> None:
+    """Every slot still matches its checksum in memory: the commit trusted the
+    client's checksums, and a copy damaged in memory must not become a checkpoint
+    with fresh, matching checksums."""
+    for (t_index, _, offset, nbytes), expected in zip(pinned.slots, pinned.checksums,
+                                                       strict=True):
+        if checksum(pinned.segment.view[offset:offset + nbytes]) != expected:
             raise DataLoss(f"step {pinned.step} of rank {pinned.rank}: a shard of "
                            f"{pinned.layout.tensors[t_index].name!r} no longer matches its "
                            "checksum in memory; not written")
-        tensor = pinned.layout.tensors[t_index]
-        if tensor.name not in arrays:
-            dtypes[tensor.name] = fmt.numpy_dtype(tensor.dtype)
-            arrays[tensor.name] = np.zeros(tensor.global_shape, dtypes[tensor.name])
-        index = tensor.shards[s_index].index
-        shape = tuple(b - a for a, b in index)
-        piece = pinned.segment.view[offset:offset + nbytes].view(dtypes[tensor.name])
-        arrays[tensor.name][tuple(slice(a, b) for a, b in index)] = piece.reshape(shape)
-    return arrays

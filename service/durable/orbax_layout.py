@@ -1,0 +1,91 @@
+"""Where a job's tensors go in the one Orbax checkpoint of a step: pure functions.
+
+- **Tree keys.** A job-wide tensor is one global array of the job, under its
+  name split at "/" (``params/dense/kernel`` -> ``params`` / ``dense`` /
+  ``kernel``). A rank's own tensor (a pipeline stage's parameters) goes under
+  ``rank_<r>/<name>``, except in a world of one rank, where the rank's state is
+  the whole tree: a single-process job's checkpoint is exactly its state.
+- **Parameter names.** Orbax stores each leaf under its keys joined by "."
+  (``params.dense.kernel``); two leaves with one name would overwrite each
+  other, so :func:`conflict` refuses them as it refuses a key under a leaf.
+- **The chunk grid.** Daemons write one array concurrently, each its own
+  regions; a zarr chunk written by two of them would be a race. The chunk
+  grid (Orbax's ``write_shape``) is the greatest common divisor, per
+  dimension, of the dimension and every region edge known: every region is
+  then whole chunks. A JAX sharding cuts a dimension into equal parts, so any
+  one rank's regions give the same grid as all of them; other layouts need
+  every rank's regions (the writer's ``job_layouts``).
+"""
+
+import math
+
+Box = tuple[tuple[int, int], ...]
+
+
+def tree_key(name: str, rank: int, world_size: int, job_wide: bool) -> tuple[str, ...]:
+    """The keys of tensor ``name`` of ``rank`` in the checkpoint's nested dicts."""
+    parts = tuple(name.split("/"))
+    if job_wide or world_size == 1:
+        return parts
+    return (f"rank_{rank}", *parts)
+
+
+def param_name(key: tuple[str, ...]) -> str:
+    """Orbax's name of the leaf at ``key`` (``orbax ... tree.utils.param_name_from_keypath``
+    of dict keys): the path of its array in the checkpoint."""
+    return ".".join(key)
+
+
+def write_shape(shape: tuple[int, ...], boxes) -> tuple[int, ...]:
+    """The chunk grid's cell: per dimension the gcd of its size and every edge of
+    ``boxes`` (regions of the array, of any ranks). Empty boxes have no edges."""
+    cell = []
+    for axis, dim in enumerate(shape):
+        size = dim
+        for box in boxes:
+            if all(stop > start for start, stop in box):
+                size = math.gcd(size, *box[axis])
+        cell.append(max(1, size))  # zarr has no zero-sized chunks
+    return tuple(cell)
+
+
+def is_aligned(box: Box, shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
+    """Whether ``box`` is whole chunks of the grid ``chunks`` (the last one in a
+    dimension may be cut by the array's end)."""
+    return all(start % c == 0 and (stop % c == 0 or stop == dim)
+               for (start, stop), dim, c in zip(box, shape, chunks, strict=True))
+
+
+def conflict(leaves) -> str | None:
+    """Why ``leaves`` cannot share one checkpoint (None: they can).
+
+    ``leaves`` are (key, owner) pairs: owner None for a job-wide array (the
+    ranks writing parts of it name one leaf), else the rank owning the tensor.
+    Refused: an empty part, two owners at one key, a leaf with keys under it,
+    two leaves with one Orbax parameter name.
+    """
+    owners, names = {}, {}
+    for key, owner in set(leaves):
+        if any(not part for part in key):
+            return f"{'/'.join(key)!r} has an empty part"
+        if owners.setdefault(key, owner) != owner:
+            return f"{'/'.join(key)!r} is written twice (by {_owner(owner)} and " \
+                   f"{_owner(owners[key])})"
+        other = names.setdefault(param_name(key), key)
+        if other != key:
+            return (f"{'/'.join(key)!r} and {'/'.join(other)!r} are both Orbax parameter "
+                    f"{param_name(key)!r}")
+    for key in owners:
+        for cut in range(1, len(key)):
+            if key[:cut] in owners:
+                return f"{'/'.join(key)!r} nests under the tensor {'/'.join(key[:cut])!r}"
+    return None
+
+
+def _owner(owner) -> str:
+    return "the job" if owner is None else f"rank {owner}"
+
+
+def leaf(key: tuple[str, ...], rank: int, job_wide: bool) -> tuple[tuple[str, ...], int | None]:
+    """The (key, owner) pair :func:`conflict` takes."""
+    return key, None if job_wide else rank

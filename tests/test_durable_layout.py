@@ -1,0 +1,67 @@
+"""Where tensors go in a step's one Orbax checkpoint, and when its sidecars make it
+whole: pure functions, tested on crafted layouts, no daemon."""
+
+import pytest
+
+from bubblesnap.service.durable import orbax_layout
+from bubblesnap.service.durable.policy import incomplete
+from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
+
+
+def test_tree_keys_put_a_ranks_own_tensors_under_it_except_alone():
+    assert orbax_layout.tree_key("params/w", 1, 4, job_wide=True) == ("params", "w")
+    assert orbax_layout.tree_key("params/w", 1, 4, job_wide=False) == ("rank_1", "params", "w")
+    assert orbax_layout.tree_key("params/w", 0, 1, job_wide=False) == ("params", "w")
+    assert orbax_layout.param_name(("rank_1", "params", "w")) == "rank_1.params.w"
+
+
+def test_the_chunk_grid_makes_every_region_whole_chunks():
+    # A JAX sharding's equal parts: any one rank's regions give the same grid.
+    assert orbax_layout.write_shape((16, 8), [((8, 16), (0, 4))]) == (8, 4)
+    assert orbax_layout.write_shape((16, 8), [((0, 8), (4, 8))]) == (8, 4)
+    assert orbax_layout.write_shape((12,), [((8, 12),)]) == (4,)  # the last part alone
+    # Uneven cuts need every rank's edges.
+    assert orbax_layout.write_shape((12,), [((0, 4),)]) == (4,)
+    assert orbax_layout.write_shape((12,), [((0, 4),), ((4, 6),), ((6, 12),)]) == (2,)
+    assert orbax_layout.write_shape((), [()]) == ()
+    assert orbax_layout.write_shape((7, 3), [((0, 7), (0, 3)), ((2, 2), (0, 3))]) == (7, 3)
+    assert orbax_layout.is_aligned(((4, 7),), (7,), (2,))  # the array's end cuts the chunk
+    assert not orbax_layout.is_aligned(((3, 7),), (7,), (2,))
+
+
+@pytest.mark.parametrize("leaves, words", [
+    ([(("a", "b"), None), (("a", "b"), 0)], "written twice"),
+    ([(("rank_1", "x"), None), (("rank_1", "x"), 1)], "written twice"),
+    ([(("a",), 0), (("a", "b"), 0)], "nests under the tensor 'a'"),
+    ([(("a.b",), 0), (("a", "b"), 0)], "Orbax parameter 'a.b'"),
+    ([(("a", ""), 0)], "empty part"),
+])
+def test_names_that_cannot_share_a_checkpoint_are_refused(leaves, words):
+    assert words in orbax_layout.conflict(leaves)
+
+
+def test_one_job_wide_array_written_by_several_ranks_is_one_leaf():
+    assert orbax_layout.conflict([(("w",), None), (("w",), None), (("rank_0", "w"), 0)]) is None
+
+
+def _rank(rank, regions, world=2, group=(), chunks=(2,), own=()):
+    tensors = [WrittenTensor("w", "float32", (4,), True, ("w",), chunks, tuple(regions),
+                             tuple(range(len(regions))))]
+    tensors += [WrittenTensor(name, "int32", (3,), False, (f"rank_{rank}", name), (3,),
+                              (((0, 3),),), (7,)) for name in own]
+    return WrittenRank("job", 5, rank, world, tuple(group) or (rank,), tuple(tensors))
+
+
+def test_a_step_is_whole_when_its_sidecars_cover_every_rank_and_every_array():
+    assert incomplete({0: _rank(0, [((0, 2),)], own=["m"]), 1: _rank(1, [((2, 4),)])}) is None
+    assert "ranks [1] are not written" in incomplete({0: _rank(0, [((0, 2),)])})
+    # a replica group is written once, by its copier
+    assert incomplete({0: _rank(0, [((0, 4),)], group=(0, 1), chunks=(4,))}) is None
+    assert "'w' [2:4] is not written" in incomplete(
+        {0: _rank(0, [((0, 2),)]), 1: _rank(1, [], chunks=(4,))})
+    assert "overlap" in incomplete({0: _rank(0, [((0, 2),)]), 1: _rank(1, [((0, 4),)])})
+    assert "different chunk grids" in incomplete(
+        {0: _rank(0, [((0, 2),)]), 1: _rank(1, [((2, 4),)], chunks=(1,))})
+    assert "different world sizes" in incomplete(
+        {0: _rank(0, [((0, 2),)]), 1: _rank(1, [((2, 4),)], world=3)})
+    assert incomplete({}) == "no rank is written"
