@@ -100,7 +100,7 @@ class Restorer:
         if copier != rank:  # the copier's word, not the caller's, says whom its copies hold
             for declared in {h.group for h in holdings if h.rank == copier and h.group}:
                 layout_lib.check_held_for(job, rank, copier, declared)
-        durable = self.durable_steps(job, world)
+        durable = self.durable_steps(job)
         step = _chosen(job, world, holdings, group_view.restorable_steps(world, holdings,
                                                                           durable), step)
         step_world = self._step_world(job, step, holdings, durable, world)
@@ -173,7 +173,7 @@ class Restorer:
         if held:
             return held
         if step in durable:
-            return self._durable.world_size(job) or world
+            return self._durable.world_size(job, step) or world
         return world
 
     def holdings(self, job: str) -> list[group_view.Holding]:
@@ -183,8 +183,9 @@ class Restorer:
         return [group_view.Holding(0, h.rank, h.step, h.replica, h.world_size, h.group)
                 for h in self._store.holdings(job)]
 
-    def durable_steps(self, job: str, world_size: int) -> list[int]:
-        return self._durable.steps(job, world_size) if self._durable is not None else []
+    def durable_steps(self, job: str) -> list[int]:
+        """The steps the durable tier holds whole, of every epoch of the job."""
+        return self._durable.steps(job) if self._durable is not None else []
 
     def corrupt_copies(self, job: str) -> list[CorruptCopy]:
         with self._lock:

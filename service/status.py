@@ -77,6 +77,6 @@ class Status:
     def _job(self, view: JobView) -> JobStatus:
         plan, profiles, version = self._plans.plan_of(view.job)
         return JobStatus(view, plan, profiles, version, self.copies(view.job),
-                         self._restorer.durable_steps(view.job, view.world_size),
+                         self._restorer.durable_steps(view.job),
                          self._replicas, self._restorer.corrupt_copies(view.job),
                          self._layouts.coverage(view.job))

@@ -1,7 +1,6 @@
 """Small builders shared by the tests."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,6 @@ import numpy as np
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.store.layout import ITEMSIZE
-from bubblesnap.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,28 +34,3 @@ def run_example(name: str, *flags: str, timeout: float = 600) -> tuple[int, dict
                           capture_output=True, text=True, timeout=timeout)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def run_processes(module: str, count: int, *flags: str, timeout: float = 300) -> list[dict]:
-    """Runs ``python -m module`` as ``count`` processes of one job (each with ``--index i
-    --count n --coordinator 127.0.0.1:PORT``, for ``jax.distributed.initialize``), side
-    by side; the last line's JSON of each. Fails with the output of one that fails."""
-    coordinator = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the program sets its own
-    procs = [subprocess.Popen([sys.executable, "-m", module, *flags, "--index", str(index),
-                               "--count", str(count), "--coordinator", coordinator],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for index in range(count)]
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, (out + err)[-4000:]
-            outputs.append(json.loads(out.strip().splitlines()[-1]))  # gloo logs on stderr
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return outputs

@@ -20,16 +20,17 @@ import tensorstore as ts
 
 from bubblesnap.clients import ClientOptions
 from bubblesnap.clients.session import Session
+from bubblesnap.multihost import JaxJob
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.durable import DurableReader
 from bubblesnap.service.durable import checkpoint as durable_checkpoint
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.errors import DataLoss
 from bubblesnap.testing import wait_for
-from tests.helpers import ROOT, run_processes
+from tests.helpers import ROOT
 from tests.programs.regions_state import JOB, WORLD, global_state, rank_specs
 
-RESTORE = "tests.programs.orbax_restore"
+RESTORE = str(ROOT / "tests" / "programs" / "orbax_restore.py") + ":check"
 FLAGS = ("--durable-every-steps", "1")
 FINALIZE = """if True:
     import sys
@@ -68,9 +69,9 @@ def assert_one_checkpoint(step_dir, ranks) -> None:
 
 
 def assert_plain_orbax_restores(step_dir, step: int) -> None:
-    flags = ("--checkpoint", str(step_dir), "--step", str(step))
-    alone = run_processes(RESTORE, 1, *flags)
-    pair = run_processes(RESTORE, 2, *flags)
+    args = {"checkpoint": str(step_dir), "step": step}
+    alone = JaxJob(RESTORE, 1, args, devices=4).results()
+    pair = JaxJob(RESTORE, 2, args, devices=2).results()
     assert alone[0]["processes"] == 1 and alone[0]["shards_checked"] > 0
     assert [p["processes"] for p in pair] == [2, 2]
     # each process holds half of the four devices' shards
@@ -123,7 +124,7 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
                                    cwd=ROOT) for r in range(WORLD)]
     assert [p.wait(timeout=120) for p in finalizers] == [0, 0]
     assert reader.steps(JOB) == [3]
-    run_processes(RESTORE, 1, "--checkpoint", str(step_dir), "--step", "3")
+    JaxJob(RESTORE, 1, {"checkpoint": str(step_dir), "step": 3}, devices=4).results()
 
     # A region whose bytes changed on disk (still valid zarr) is refused.
     array = ts.open(durable_checkpoint.open_array(str(step_dir), "params.w",
