@@ -213,3 +213,19 @@ def test_a_ring_judges_coverage_and_gathers_regions_from_a_peer(start_ring):
     answer, got = restore(a.stub, "ring", 0, 1, [("w", "float32", (8, 6), [((2, 7), (1, 5))])])
     assert (got[("w", 0)] == GLOBAL[2:7, 1:5]).all()
     assert answer.source == "memory, peer"
+
+
+def test_regions_come_from_the_durable_tier_when_no_memory_holds_them(start_daemon, tmp_path):
+    flags = ("--durable-dir", str(tmp_path / "durable"), "--durable-every-steps", "1")
+    first = start_daemon(*flags)
+    two_rank_job(first, job="disk")
+    wait_for(lambda: 0 in first.stub.Status(pb.StatusRequest(job="disk"), timeout=10)
+             .jobs[0].durable_steps, "step 0 written durably")
+    first.kill()  # the host is gone with its memory
+    fresh = start_daemon(*flags)
+    answer, got = restore(fresh.stub, "disk", 0, 1, [
+        ("w", "float32", (8, 6), [((0, 8), (0, 3)), ((2, 6), (3, 6))]),
+        ("s", "int32", (), [()])])
+    assert answer.source == "durable" and answer.world_size == 2
+    assert (got[("w", 0)] == GLOBAL[:, 0:3]).all() and (got[("w", 1)] == GLOBAL[2:6, 3:6]).all()
+    assert got[("s", 0)] == 0
