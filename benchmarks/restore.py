@@ -21,8 +21,8 @@ tier. Each mode reports bytes/s (GB/s, 1e9 bytes/s):
                    C gathers the group's holdings, pulls the segment from A over
                    the data channel, verifies every checksum, hands it over.
   restore_durable  SnapshotClient.restore on D, a lone daemon that sees only the
-                   durable tier: D reads A's Orbax checkpoint of the step,
-                   verifies it, cuts it into shards; the client reshards.
+                   durable tier: D reads the regions asked from A's Orbax
+                   checkpoint of the step, verifies them, assembles a segment.
   orbax_restore    StandardCheckpointer().restore of the same state, saved once
                    by Orbax, into the same target shardings.
 
@@ -36,11 +36,12 @@ them): a ring A, B, C (--peers, indices 0..2, --replicas 1); A also writes
 every step to the durable tier (--durable-dir DIR --durable-every-steps 1);
 D is alone with the same DIR. This process snapshots the step on A and waits
 until B holds its replica (2 copies) and DIR holds its Orbax checkpoint.
-After every restore on C or D, DeleteSnapshots drops that daemon's copy, so
-the next round pulls again (A and B keep 2 copies, so nothing is pushed back
-to C); the source every restore reports is checked each round. C and D
-forget the copy but not the job, so only the warm-up round restores on a
-daemon that had never seen it.
+After every restore on C, DeleteSnapshots drops the copy C pulled, so the
+next round pulls again (A and B keep 2 copies, so nothing is pushed back to
+C); D keeps no copy of what it assembles, so every round reads the tier
+again. The source every restore reports is checked each round. C forgets
+the copy but not the job, so only the warm-up round restores on a daemon
+that had never seen it.
 
 Orbax's checkpoint and DIR are on /dev/shm (tmpfs) like the daemons'
 segments, so no mode reads a disk. The machines are shared and noisy: modes
@@ -292,8 +293,8 @@ class Bench:
                  failed=lambda: "; ".join(daemons.logged(self.a, "did not take")[:1]))
         wait_for(lambda: self.b.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs,
                  "B to hold the replica", _WAIT_SECONDS)
-        marker = os.path.join(durable_dir, JOB, f"step_{STEP}", "rank_0.json")
-        wait_for(lambda: os.path.exists(marker), f"A to write {marker}", _WAIT_SECONDS)
+        wait_for(lambda: STEP in self._status(self.a, JOB).durable_steps,
+                 f"A to write step {STEP} to the durable tier", _WAIT_SECONDS)
         common.log("A and B hold the step, the durable tier has it")
 
         self._peer_channel = grpc.insecure_channel(self.a.ready["peer_address"])
@@ -330,10 +331,13 @@ class Bench:
             except Exception as err:
                 common.log(f"closing failed: {err!r}")
 
+    @staticmethod
+    def _status(daemon, job: str):
+        return daemon.stub.Status(pb.StatusRequest(job=job), timeout=10).jobs[0]
+
     def _copies(self, daemon) -> int:
-        job = daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs[0]
-        return max((r.copies for s in job.steps if s.step == STEP for r in s.ranks
-                    if r.rank == 0), default=0)
+        return max((r.copies for s in self._status(daemon, JOB).steps if s.step == STEP
+                    for r in s.ranks if r.rank == 0), default=0)
 
     def _open_read(self):
         return self.peer_stub.OpenRead(ppb.OpenReadRequest(job=JOB, rank=0, step=STEP),
@@ -443,10 +447,10 @@ class Bench:
         self._delete_copy(self.c, "restore_peer")
         return elapsed
 
+    # D keeps no copy of what it assembles from the durable tier for a restore by
+    # regions (only the segment handed over), so every round reads the tier again.
     def restore_durable(self) -> float:
-        elapsed = self._restore("restore_durable", self.durable_client)
-        self._delete_copy(self.d, "restore_durable")
-        return elapsed
+        return self._restore("restore_durable", self.durable_client)
 
     def _restore(self, mode: str, client) -> float:
         import jax
