@@ -173,10 +173,11 @@ def print_table(report: dict, title: str, matches: dict[str, bool] | None = None
     """The bandwidth table of ``report["modes"]`` (with a matches column when given), then
     its ratios and whether it meets its targets."""
     print(title)
-    print(f"{'mode':<17}{'median GB/s':>12}{'min':>9}{'max':>9}{'median ms':>11}"
+    width = max(17, *(len(mode) + 1 for mode in report["modes"]))
+    print(f"{'mode':<{width}}{'median GB/s':>12}{'min':>9}{'max':>9}{'median ms':>11}"
           + ("  matches" if matches else ""))
     for mode, row in report["modes"].items():
-        print(f"{mode:<17}{row['median_gbps']:>12.2f}{row['min_gbps']:>9.2f}"
+        print(f"{mode:<{width}}{row['median_gbps']:>12.2f}{row['min_gbps']:>9.2f}"
               f"{row['max_gbps']:>9.2f}{row['median_ms']:>11.1f}"
               + (f"  {matches[mode]}" if matches else ""))
     for name, value in report["ratios"].items():

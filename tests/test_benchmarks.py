@@ -84,19 +84,30 @@ def check_datapath(report: dict) -> None:
 
 
 def check_restore(report: dict) -> None:
-    modes = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local", "restore_peer",
-             "restore_durable", "orbax_restore")
+    modes = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local",
+             "restore_local_resharded", "restore_local_2to1", "restore_peer",
+             "restore_peer_resharded", "restore_peer_2to1", "restore_durable", "orbax_restore",
+             "orbax_restore_resharded")
     assert "error" not in report, report
     assert_bandwidth_modes(report, modes)
     assert set(report["ratios"]) == {
         "peer_transfer_vs_raw_tcp", "restore_peer_vs_orbax", "restore_peer_vs_peer_transfer",
-        "restore_local_vs_orbax", "restore_durable_vs_orbax"}
+        "restore_local_vs_orbax", "restore_durable_vs_orbax", "resharded_vs_same_local",
+        "resharded_vs_same_peer", "2to1_vs_same_local", "2to1_vs_same_peer",
+        "restore_local_resharded_vs_orbax", "restore_peer_resharded_vs_orbax",
+        "restore_local_2to1_vs_orbax", "restore_peer_2to1_vs_orbax"}
     assert_finite(report["ratios"], "ratios")
+    assert set(report["meets_targets"]) == {
+        "peer_transfer_ge_50pct_raw_tcp", "restore_peer_ge_5x_orbax_restore",
+        "resharded_local_ge_50pct_same", "resharded_peer_ge_50pct_same",
+        "2to1_local_ge_50pct_same", "2to1_peer_ge_50pct_same"}
     assert all(isinstance(met, bool) for met in report["meets_targets"].values())
     assert report["matches"] == dict.fromkeys(modes, True)
     # warm-up and timed rounds, each from the tier the mode is named after
-    assert report["sources"] == {"restore_local": ["memory"] * 2, "restore_peer": ["peer"] * 2,
-                                 "restore_durable": ["durable"] * 2}
+    assert report["sources"] == {
+        **{f"restore_local{kind}": ["memory"] * 2 for kind in ("", "_resharded", "_2to1")},
+        **{f"restore_peer{kind}": ["peer"] * 2 for kind in ("", "_resharded", "_2to1")},
+        "restore_durable": ["durable"] * 2}
     assert report["problems"] == []
     assert isinstance(report["daemon_log"], dict)
 
