@@ -69,11 +69,20 @@ class Assembler:
         needed: dict[int, list[int]] = {}
         for rank, slot in plan.sources():
             needed.setdefault(rank, []).append(slot)
-        shards, used = {}, set()
-        for rank, slots in sorted(needed.items()):
-            got, place = self._read(job, step, rank, slots, sources[rank])
-            shards.update({(rank, slot): data for slot, data in got.items()})
-            used.add(place)
+        shards, used, pinned = {}, set(), []
+        try:
+            for rank, slots in sorted(needed.items()):
+                got, place = self._read(job, step, rank, slots, sources[rank], pinned)
+                shards.update({(rank, slot): data for slot, data in got.items()})
+                used.add(place)
+            return self._cut(job, step, world_size, caller, plan, asked, shards), \
+                ", ".join(sorted(used))
+        finally:  # local copies were read in place: they stay pinned until cut
+            for copy in pinned:
+                self._store.unpin(copy)
+
+    def _cut(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
+             asked: list[Asked], shards: dict) -> Restorable:
         layout = asked_layout(asked)
         slots = layout.slots()
         segment = self._store.assembled(job, caller, layout.segment_bytes)
@@ -90,16 +99,16 @@ class Assembler:
                     target[regions.relative(piece.box, box)] = \
                         source[regions.relative(piece.box, piece.source_box)]
         checksums = tuple(checksum(view[o:o + n]) for _, _, o, n in slots)
-        return (Restorable(step, segment.path, tuple(slots), checksums, layout, world_size),
-                ", ".join(sorted(used)))
+        return Restorable(step, segment.path, tuple(slots), checksums, layout, world_size)
 
-    def _read(self, job: str, step: int, rank: int, slots: list[int],
-              source: Source) -> tuple[dict[int, np.ndarray], str]:
-        """The verified bytes of ``slots`` of ``rank``'s copy, from its first intact place."""
+    def _read(self, job: str, step: int, rank: int, slots: list[int], source: Source,
+              pinned: list) -> tuple[dict[int, np.ndarray], str]:
+        """The verified bytes of ``slots`` of ``rank``'s copy, from its first intact place
+        (a copy in memory is read in place and added to ``pinned``)."""
         tried, corrupt = [], False
         for kind, index in source.places:
             try:
-                return self._read_at(kind, index, job, step, rank, slots, source), kind
+                return self._read_at(kind, index, job, step, rank, slots, source, pinned), kind
             except DataLoss as err:
                 self._record(job, rank, step, kind if index is None else f"peer {index}",
                              str(err))
@@ -114,9 +123,9 @@ class Assembler:
                           f"{'; '.join(tried) or 'nothing holds it'}. Try again")
 
     def _read_at(self, kind: str, index, job: str, step: int, rank: int, slots: list[int],
-                 source: Source) -> dict[int, np.ndarray]:
+                 source: Source, pinned: list) -> dict[int, np.ndarray]:
         if kind == "memory":
-            return self._read_memory(job, step, rank, slots)
+            return self._read_memory(job, step, rank, slots, pinned)
         if kind == "peer":
             described = self._transfers.describe(index, job, rank, step)
             if described.layout != source.layout:
@@ -128,23 +137,22 @@ class Assembler:
         return {slot: self._durable.read_shard(job, step, rank, layout_slots[slot][0],
                                                layout_slots[slot][1]) for slot in slots}
 
-    def _read_memory(self, job: str, step: int, rank: int,
-                     slots: list[int]) -> dict[int, np.ndarray]:
-        """Copies of the slots of this daemon's copy, each hashed first (the copy stays
-        pinned meanwhile, so it cannot be recycled under the copy)."""
-        pinned = self._store.pin(job, rank, step)
-        try:
-            got = {}
-            for slot in slots:
-                _, _, offset, nbytes = pinned.slots[slot]
-                data = pinned.segment.view[offset:offset + nbytes]
-                if checksum(data) != pinned.checksums[slot]:
-                    raise DataLoss(f"step {step} of rank {rank}: slot {slot} failed its "
-                                   "checksum in memory")
-                got[slot] = np.array(data)
-            return got
-        finally:
-            self._store.unpin(pinned)
+    def _read_memory(self, job: str, step: int, rank: int, slots: list[int],
+                     pinned: list) -> dict[int, np.ndarray]:
+        """Views of the slots of this daemon's copy, each hashed first; the copy is
+        pinned (added to ``pinned``), so it cannot be recycled under the views."""
+        copy = self._store.pin(job, rank, step)
+        got = {}
+        for slot in slots:
+            _, _, offset, nbytes = copy.slots[slot]
+            data = copy.segment.view[offset:offset + nbytes]
+            if checksum(data) != copy.checksums[slot]:
+                self._store.unpin(copy)
+                raise DataLoss(f"step {step} of rank {rank}: slot {slot} failed its "
+                               "checksum in memory")
+            got[slot] = data
+        pinned.append(copy)
+        return got
 
 
 def _elements(data: np.ndarray, box, itemsize: int) -> np.ndarray:
