@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.serialization import replica_slices
+from trees import nested
 
 from bubblesnap.clients import ClientOptions, RestoreError
 from bubblesnap.clients.jax import SnapshotClient, _layout, _transfer
@@ -66,17 +67,6 @@ def spec_of(spec: P, shape, variant: str) -> P:
     return spec
 
 
-def _tree(flat: dict) -> dict:
-    tree: dict = {}
-    for name, leaf in flat.items():
-        *parents, last = name.split("/")
-        node = tree
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[last] = leaf
-    return tree
-
-
 def _table(kind: str) -> dict:
     return GLOBAL if kind == "global" else OWN
 
@@ -84,14 +74,14 @@ def _table(kind: str) -> dict:
 def state_at(kind: str, mesh_kind: str, step: int, variant: str = "same"):
     """The state of a job at ``step``, placed on ``mesh_kind`` with ``variant`` specs."""
     on = mesh(mesh_kind)
-    return _tree({name: jax.device_put(values(name, shape, dtype, step, _rank_of(kind)),
+    return nested({name: jax.device_put(values(name, shape, dtype, step, _rank_of(kind)),
                                        NamedSharding(on, spec_of(spec, shape, variant)))
                   for name, (shape, dtype, spec) in _table(kind).items()})
 
 
 def abstract(kind: str, mesh_kind: str, variant: str):
     on = mesh(mesh_kind)
-    return _tree({name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
+    return nested({name: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(
         on, spec_of(spec, shape, variant))) for name, (shape, dtype, spec) in _table(kind).items()})
 
 

@@ -14,17 +14,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from regions_state import TARGET_SPECS, global_state
-
-
-def nested(flat: dict) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
+from trees import nested
 
 
 def check(args: dict) -> dict:
