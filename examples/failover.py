@@ -3,12 +3,15 @@
 Three daemons (separate processes on loopback ports, a ring with --replicas
 copies of every committed snapshot on the next hosts and a durable tier)
 serve a 3-stage GPT pipeline, one stage process per host, snapshotting in
-the bubbles every iteration. Once a step is committed for the job, host 1
-(its daemon and its stage) is killed with SIGKILL; the surviving stages are
+the bubbles every iteration. The stages train until the failure: once a step
+is committed for the job (and, with --kill-adjacent 2, written durably) and
+every stage has trained --steps-past-commit iterations more, host 1 (its
+daemon and its stage) is killed with SIGKILL; the surviving stages are
 stopped as a job scheduler would stop them. A replacement daemon (new port,
 empty memory) takes host 1's place in the ring, and three fresh stage
 processes restore the step the whole job can restore: hosts 0 and 2 from
-their own memory, host 1 from a neighbour's. Training then goes on.
+their own memory, host 1 from a neighbour's. Training then goes on for
+--train-after iterations.
 
 With --kill-adjacent 2, hosts 1 and 2 die together: with --replicas 1 both
 copies of stage 1 are gone, and it comes back from the durable tier.
@@ -37,6 +40,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = 3
 JOB = "failover"
+#: Iterations a stage trains at most before its failure (it is killed long before).
+_MAX_ITERATIONS = 100_000
 
 
 def log(message: str) -> None:
@@ -92,7 +97,7 @@ def stage_main(args) -> int:
     runner = StageRunner(program, SCHEDULES["1f1b"](STAGES, 4, args.stage), args.stage, STAGES,
                          inbox, send, {"bubblesnap": snapshots})
     try:
-        runner.run(["bubblesnap"] * max(0, args.steps - first), first_iteration=first,
+        runner.run(["bubblesnap"] * args.iterations, first_iteration=first,
                    after_iteration=record)
     except (ConnectionError, TimeoutError) as err:
         print(f"[stage {args.stage}] a neighbour stage is gone ({err}); stopping", file=sys.stderr)
@@ -120,11 +125,22 @@ class Host:
         self.address = self.daemon.address
 
     def start_stage(self, args, rendezvous: str, resume: bool) -> None:
+        # Before the failure the stages train until they are killed (the cap only
+        # bounds a run whose kill never comes); after it, --train-after iterations.
+        iterations = args.train_after if resume else _MAX_ITERATIONS
         self.stage = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--role", "stage",
              "--stage", str(self.index), "--daemon", self.address, "--workdir", args.workdir,
-             "--rendezvous", rendezvous, "--steps", str(args.steps), "--d-model",
+             "--rendezvous", rendezvous, "--iterations", str(iterations), "--d-model",
              str(args.d_model), *(["--resume"] if resume else [])])
+
+    def trained(self, args) -> int:
+        """The last iteration this host's stage finished (its digest log; -1: none)."""
+        try:
+            with open(os.path.join(args.workdir, f"digests{self.index}.jsonl")) as f:
+                return max((json.loads(line)["iteration"] for line in f), default=-1)
+        except (FileNotFoundError, ValueError):
+            return -1
 
     def kill(self) -> None:
         if self.stage is not None and self.stage.poll() is None:
@@ -153,17 +169,23 @@ def job_status(address: str):
 
 
 def wait_until_safe(hosts: list[Host], args) -> int:
-    """Waits until a step is committed (and, when hosts will die together, written durably)."""
+    """Waits until a step is committed (and, when hosts will die together, written
+    durably), then until every stage trained ``--steps-past-commit`` iterations past
+    it, so the failure strikes a job that had moved on; the step committed."""
     deadline = time.monotonic() + args.timeout
+    committed = None
     while time.monotonic() < deadline:
-        if any(h.stage.poll() not in (None, 0) for h in hosts):
-            raise SystemExit("a stage process failed before the kill")
-        status = job_status(hosts[0].address)
-        if status is not None and status.latest_committed_step >= args.kill_after and (
-                args.kill_adjacent == 1 or status.durable_steps):
-            return status.latest_committed_step
-        time.sleep(0.2)
-    raise SystemExit(f"no step committed after {args.timeout:.0f} s")
+        if any(h.stage.poll() is not None for h in hosts):
+            raise SystemExit("a stage process ended before the kill: see its output above")
+        if committed is None:
+            status = job_status(hosts[0].address)
+            if status is not None and status.latest_committed_step >= args.kill_after and (
+                    args.kill_adjacent == 1 or status.durable_steps):
+                committed = status.latest_committed_step
+        elif min(h.trained(args) for h in hosts) >= committed + args.steps_past_commit:
+            return committed
+        time.sleep(0.05)
+    raise SystemExit(f"the kill's condition did not hold within {args.timeout:.0f} s")
 
 
 def run(args) -> dict:
@@ -177,8 +199,6 @@ def run(args) -> dict:
         for host in hosts:
             host.start_stage(args, rendezvous, resume=False)
         committed = wait_until_safe(hosts, args)
-        if any(h.stage.poll() is not None for h in hosts):
-            raise SystemExit("training finished before the kill: raise --steps")
         doomed = list(range(1, 1 + args.kill_adjacent))
         killed_at = time.time()
         for i in doomed:
@@ -218,7 +238,8 @@ def run(args) -> dict:
             "restore_seconds": max(r["restore_seconds"] for r in restored),
             "state_matches_snapshot": all(r["matches"] for r in restored) and len(steps) == 1,
             "killed_hosts": doomed, "replicas": args.replicas,
-            "committed_at_kill": committed, "trained_to_step": args.steps - 1,
+            "committed_at_kill": committed,
+            "trained_to_step": max(r["step"] for r in restored) + args.train_after,
             "stages": [{k: r[k] for k in ("stage", "step", "source", "restore_seconds",
                                           "matches")} for r in restored]}
 
@@ -232,8 +253,11 @@ def parse_args():
                    help="copies of every snapshot on the next hosts (default 1)")
     p.add_argument("--kill-after", type=int, default=8,
                    help="kill once this step is committed for the job (default 8)")
-    p.add_argument("--steps", type=int, default=80,
-                   help="iterations the job trains in all, before and after the failure")
+    p.add_argument("--steps-past-commit", type=int, default=2,
+                   help="iterations every stage trains past the committed step before the "
+                        "kill (default 2)")
+    p.add_argument("--train-after", type=int, default=10,
+                   help="iterations the job trains after it is restored (default 10)")
     p.add_argument("--durable-every", type=int, default=4,
                    help="write every N-th step to the durable tier (default 4)")
     p.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
@@ -244,9 +268,10 @@ def parse_args():
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", help=argparse.SUPPRESS)
     p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--iterations", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.role == "main" and args.kill_after >= args.steps - 2:
-        p.error("--kill-after must leave room to train on: below --steps - 2")
+    if args.steps_past_commit < 0 or args.train_after < 1:
+        p.error("--steps-past-commit must be >= 0 and --train-after >= 1")
     return args
 
 

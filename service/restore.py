@@ -91,7 +91,7 @@ class Restorer:
         replacement host's trainer restores first, naming its
         ``replica_group``, and registers after.
         """
-        holdings = self.holdings(job)
+        holdings = self.holdings(job, answered=True)
         world = world_size or self._world_size(job, holdings)
         layout_lib.check_rank(rank, world)
         group_asked = layout_lib.check_replica_group(rank, world, replica_group) \
@@ -176,10 +176,11 @@ class Restorer:
             return self._durable.world_size(job, step) or world
         return world
 
-    def holdings(self, job: str) -> list[group_view.Holding]:
-        """The committed copies of ``job`` in the group (this daemon's alone, without peers)."""
+    def holdings(self, job: str, answered: bool = False) -> list[group_view.Holding]:
+        """The committed copies of ``job`` in the group (this daemon's alone, without peers);
+        ``answered``: once every live peer answered (see ``Replicator.view``)."""
         if self._replicator is not None:
-            return self._replicator.view(job)
+            return self._replicator.view(job, answered)
         return [group_view.Holding(0, h.rank, h.step, h.replica, h.world_size, h.group)
                 for h in self._store.holdings(job)]
 

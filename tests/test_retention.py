@@ -58,3 +58,13 @@ def test_durable_writes_common_steps_and_keeps_whole_ones():
 def test_durable_options_name_the_option(kwargs, words):
     with pytest.raises(ValueError, match=words):
         DurableOptions(**kwargs)
+
+
+def test_the_cap_spares_a_copy_the_group_may_be_committing_right_now():
+    steps = {s: HeldStep(True, local_since=float(s)) for s in range(10)}
+    # at t=9.5 with a 3 s grace, steps 7..9 are recent: beyond the cap are 0..5, but
+    # only those LOCAL since 6.5 or earlier go
+    assert steps_to_free(steps, [], keep_steps=2, capped=True, now=9.5,
+                         grace_seconds=3.0) == set(range(6))
+    assert steps_to_free(steps, [], keep_steps=2, capped=True, now=4.5,
+                         grace_seconds=3.0) == {0, 1}

@@ -11,7 +11,7 @@ import grpc
 from bubblesnap.options import require
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
-from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.errors import InvalidArgument, Unavailable
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.peers.group_view import Holding
 from bubblesnap.service.peers.security import PeerSecurity
@@ -178,6 +178,31 @@ class PeerGroup:
         counts with what it answered last: a busy peer must not look like lost
         copies, which would be pushed again for nothing.
         """
+        return self._gather(job, own, set())
+
+    def holdings_answered(self, job: str, own_of) -> list[Holding]:
+        """The committed copies of ``job`` once every peer answered this round or is dead
+        (silent past ``dead_after_seconds``); ``own_of()`` gives this daemon's, asked
+        afresh each round. Waits up to ``dead_after_seconds`` and a little more for a
+        peer that is slow or just started; Unavailable past that. A restore decides on
+        this view: a step chosen without a live peer's copies could be older than what
+        the job holds, and the rollback that follows would drop the newer copies."""
+        deadline = time.monotonic() + self.options.dead_after_seconds + 2.0
+        while True:
+            silent: set[int] = set()
+            found = self._gather(job, own_of(), silent)
+            if not silent:
+                return found
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"peers {sorted(silent)} did not answer for the holdings of job {job!r} "
+                    "and are not dead yet; the latest step the job can restore is not known "
+                    "without them. Try again")
+            time.sleep(0.2)
+
+    def _gather(self, job: str, own, silent: set[int]) -> list[Holding]:
+        """Every daemon's holdings; ``silent`` gets the peers that did not answer and are
+        not dead (counted with what they answered last)."""
         found = [Holding(self.index, h.rank, h.step, h.replica, h.world_size, h.group)
                  for h in own]
         request = ppb.HoldingsRequest(job=job)
@@ -187,6 +212,7 @@ class PeerGroup:
                 answer = future.result()
             except grpc.RpcError:
                 if index in self.not_dead():
+                    silent.add(index)
                     with self._lock:
                         found += self._last_holdings.get((index, job), [])
                 continue

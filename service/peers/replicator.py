@@ -68,9 +68,14 @@ class Replicator:
         self._worker.drop(lambda key, waiting: key[0] != job or waiting <= step)
         self._group.forget_holdings(job)
 
-    def view(self, job: str) -> list[group_view.Holding]:
-        """The group's holdings of ``job``, gathered now."""
-        holdings = self._group.holdings(job, self._store.holdings(job))
+    def view(self, job: str, answered: bool = False) -> list[group_view.Holding]:
+        """The group's holdings of ``job``, gathered now; ``answered``: only once every
+        live peer answered (``PeerGroup.holdings_answered``), for decisions such as a
+        restore's step."""
+        if answered:
+            holdings = self._group.holdings_answered(job, lambda: self._store.holdings(job))
+        else:
+            holdings = self._group.holdings(job, self._store.holdings(job))
         with self._lock:
             self._views[job] = holdings
         return holdings
@@ -118,7 +123,12 @@ class Replicator:
             except DaemonError:
                 continue
             wanted = self._group.options.copies_wanted
-            committed = group_view.committed_steps(world, holdings, wanted)
+            # A step stays committed while the group can still restore it: a lost host
+            # takes copies away, but the step the trainers were told is committed must
+            # not become fair game for the cap on uncommitted copies.
+            restorable = set(group_view.restorable_steps(world, holdings))
+            committed = sorted(set(group_view.committed_steps(world, holdings, wanted))
+                               | (set(self._store.committed(job)) & restorable))
             coverage = self._layouts.coverage(job)
             if coverage.known and not coverage.whole:  # the current epoch can never be whole
                 worlds = group_view.step_worlds(holdings, world)

@@ -83,8 +83,7 @@ def land(state: StoreState, arrival: Arrival, computed, for_restore: bool) -> in
         state.memory.free(held, step)
         raise DataLoss(f"step {step} of rank {arrival.rank} of job {arrival.job!r}: checksum "
                        f"mismatch on {names}; the copy was dropped")
-    rank_step.checksums = arrival.checksums
-    rank_step.state = CopyState.LOCAL
+    rank_step.make_local(arrival.checksums)
     rank_step.replicated = True
     rank_step.arriving = False
     rank_step.just_verified = for_restore

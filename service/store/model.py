@@ -13,6 +13,7 @@ the store's lock (store.py).
 import dataclasses
 import enum
 import functools
+import time
 
 from bubblesnap.service.errors import NotFound
 from bubblesnap.service.store import regions
@@ -55,10 +56,15 @@ class RankStep:
     replicated: bool = False  # a peer acknowledged a copy (or this is that copy)
     just_verified: bool = False  # installed for a restore and verified; not served since
     arriving: bool = False  # being installed from a peer or the durable tier
+    local_since: float = 0.0  # when it became LOCAL (time.monotonic())
 
     @property
     def local(self) -> bool:
         return self.state is CopyState.LOCAL
+
+    def make_local(self, checksums: tuple[int, ...]) -> None:
+        self.checksums, self.state, self.local_since = checksums, CopyState.LOCAL, \
+            time.monotonic()
 
     @functools.cached_property
     def slots(self) -> tuple[tuple[int, int, int, int], ...]:

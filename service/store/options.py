@@ -18,6 +18,11 @@ class StoreOptions:
         keeps at most ``keep_steps + 2`` uncommitted copies (retention.py).
       checksum_threads: threads that hash shards in parallel
         (``--checksum-threads``). Default 2.
+      uncommitted_grace_seconds: with peers, how long a copy the group has not
+        committed yet is kept before the cap on uncommitted copies may free it
+        (retention.py): longer than the group's view takes to see a commit
+        (``--refresh`` 1 s, twice), so a step another daemon just reported
+        committed is not freed here first. Default 3 s.
       verify_on_commit: re-hash a commit's bytes even when the client sent
         checksums (``--verify-on-commit``). Off by default: the client hashes
         the bytes it wrote into shared memory inside its bubbles, where the
@@ -28,6 +33,7 @@ class StoreOptions:
     memory_budget_bytes: int = 4 << 30
     keep_steps: int = 2
     checksum_threads: int = 2
+    uncommitted_grace_seconds: float = 3.0
     verify_on_commit: bool = False
 
     def __post_init__(self):
@@ -36,3 +42,4 @@ class StoreOptions:
         require(self, "keep_steps", self.keep_steps >= 1, "at least 1", "--keep")
         require(self, "checksum_threads", self.checksum_threads >= 1, "at least 1",
                 "--checksum-threads")
+        require(self, "uncommitted_grace_seconds", self.uncommitted_grace_seconds >= 0, ">= 0")

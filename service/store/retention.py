@@ -13,10 +13,12 @@ from collections.abc import Mapping, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class HeldStep:
-    """What retention needs of one copy (the store's own copies have the same fields)."""
+    """What retention needs of one copy (the store's own copies have the same fields):
+    ``local_since`` is when it became LOCAL (monotonic seconds)."""
 
     local: bool
     replicated: bool = False
+    local_since: float = 0.0
 
 
 def oldest_kept(committed: Sequence[int], keep_steps: int) -> int:
@@ -26,14 +28,19 @@ def oldest_kept(committed: Sequence[int], keep_steps: int) -> int:
 
 
 def steps_to_free(steps: Mapping[int, HeldStep], committed: Sequence[int], keep_steps: int,
-                  capped: bool) -> set[int]:
+                  capped: bool, now: float = 0.0, grace_seconds: float = 0.0) -> set[int]:
     """The steps of one rank's copies ``steps`` to free, given the job's ``committed``
     steps (oldest first); ``capped``: the group, not this daemon, decides what is
-    committed, so uncommitted copies are capped too."""
+    committed, so uncommitted copies are capped too, but only once they have been
+    LOCAL for ``grace_seconds`` at ``now``: the group may be committing a step this
+    daemon has not seen committed yet (its view lags), and another daemon may
+    already have reported it committed to a trainer."""
     floor = oldest_kept(committed, keep_steps)
     drop = {s for s in steps if s < floor}
     if capped:
-        drop |= beyond_cap(steps, keep_steps) - set(committed[-keep_steps:])
+        settled = {s for s in beyond_cap(steps, keep_steps)
+                   if now - steps[s].local_since >= grace_seconds}
+        drop |= settled - set(committed[-keep_steps:])
     return drop
 
 

@@ -72,9 +72,8 @@ def commit(state: StoreState, job: str, rank: int, step: int, checksums=(),
         raise DataLoss(
             f"step {step} of rank {rank}: the bytes in shared memory do not match the "
             f"client's checksums for {names}; the copy was dropped, snapshot again")
-    rank_step.checksums = computed
     rank_step.usage = usage
-    rank_step.state = CopyState.LOCAL
+    rank_step.make_local(computed)
     state.retain(job, entry)
     return dataclasses.replace(_result(state, job, rank, entry, held, step, next_step),
                                newly_local=True)

@@ -1,6 +1,7 @@
 """What the store's parts share: the jobs, the memory, the options. Used with the lock held."""
 
 import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bubblesnap.protos.checksum import checksum
@@ -45,8 +46,10 @@ class StoreState:
         """Frees what retention lets go of ``entry``'s copies."""
         committed = entry.committed_steps()
         keep = self.options.keep_steps
+        now = time.monotonic()
         for held in entry.ranks.values():
-            for step in retention.steps_to_free(held.steps, committed, keep, self.grouped):
+            for step in retention.steps_to_free(held.steps, committed, keep, self.grouped, now,
+                                                self.options.uncommitted_grace_seconds):
                 self.memory.free(held, step)
         floor = retention.oldest_kept(committed, keep)
         if floor >= 0:

@@ -1,0 +1,28 @@
+"""examples/failover.py end to end, both ways, several times: a host (or two adjacent hosts)
+killed with SIGKILL after a committed step, the job resumed from a step at least as new."""
+
+import os
+
+import pytest
+
+from tests.helpers import run_example
+
+#: Runs of each way; raise it (BUBBLESNAP_FAILOVER_RUNS=10) for a longer trial.
+RUNS = int(os.environ.get("BUBBLESNAP_FAILOVER_RUNS", "2"))
+
+
+@pytest.mark.parametrize("run", range(RUNS))
+@pytest.mark.parametrize("flags, killed, source", [
+    ((), [1], "peer"),
+    (("--kill-adjacent", "2", "--replicas", "1"), [1, 2], "durable"),
+])
+def test_failover_resumes_from_a_step_at_least_as_new_as_the_committed_one(flags, killed,
+                                                                           source, run):
+    code, report = run_example("failover.py", *flags)
+    assert code == 0 and report["state_matches_snapshot"], report
+    assert report["killed_hosts"] == killed
+    assert report["restored_step"] >= report["committed_at_kill"], report
+    if killed == [1, 2]:  # both copies of stage 1 died with its hosts
+        assert report["source"] == source, report
+    else:
+        assert report["source"] in ("peer", "durable"), report
