@@ -46,8 +46,9 @@ def reserve(state: StoreState, job: str, world_size: int, rank: int, step: int,
 
     A rank no trainer registered here is held as a replica, of the ranks in
     ``group``, until one does. The copy keeps its own layout and world size
-    (it may be of an earlier epoch of the job). An existing copy with other
-    checksums (an abandoned run's) is replaced.
+    (it may be of an earlier epoch of the job). An existing replica with other
+    checksums (an abandoned run's) is replaced; a copy this daemon's own trainer
+    made never is (FailedPrecondition).
     """
     slots = layout.slots()
     if len(checksums) != len(slots):
@@ -62,7 +63,12 @@ def reserve(state: StoreState, job: str, world_size: int, rank: int, step: int,
     existing = held.steps.get(step) if held is not None else None
     if existing is not None and existing.local and existing.checksums == checksums:
         return None
-    if existing is not None:
+    if existing is not None and not held.replica:
+        raise FailedPrecondition(
+            f"this daemon holds its own trainer's copy of step {step} of rank {rank} of job "
+            f"{job!r} ({existing.state.value}, other checksums); a copy from elsewhere does "
+            "not replace it")
+    if existing is not None:  # a replica of an abandoned run's step
         state.memory.free(held, step)
     segment = state.memory.acquire(layout.segment_bytes,
                                    f"step {step} of job {job!r} rank {rank}")
