@@ -296,7 +296,8 @@ def daemon_status(status) -> pb.StatusResponse:
         memory=pb.MemoryStatus(budget_bytes=memory.budget_bytes, used_bytes=memory.used_bytes,
                                pooled_bytes=memory.pooled_bytes, shm_dir=memory.shm_dir,
                                shm_free_bytes=memory.shm_free_bytes,
-                               log_bytes=status.log_bytes))
+                               log_bytes=status.log_bytes,
+                               log_budget_bytes=status.log_budget_bytes))
 
 
 def _job_status(status) -> pb.JobStatus:
