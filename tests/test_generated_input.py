@@ -17,7 +17,6 @@ import os
 
 import grpc
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -338,24 +337,22 @@ def _still_serves(daemon, client: NumpyClient) -> None:
     client.close()
 
 
-@pytest.mark.parametrize("service", ["Daemon"])
-def test_generated_calls_to_the_daemon_service(start_daemon, service):
+def test_generated_calls_to_the_daemon_service(start_daemon):
     daemon = start_daemon(*FLAGS)
     client = _held_snapshot(daemon)
     NumpyClient("scratch", options=ClientOptions(daemon=daemon.address)).register(HELD)
     counts = collections.Counter()
     _barrage(daemon.stub, DAEMON_CALLS, counts)
-    _report(service, counts)
+    _report("Daemon", counts)
     _still_serves(daemon, client)
 
 
-@pytest.mark.parametrize("service", ["Peer"])
-def test_generated_calls_to_the_peer_service(start_ring, service):
+def test_generated_calls_to_the_peer_service(start_ring):
     ring = start_ring(2, "--replicas", "1", *FLAGS)
     target = ring.daemons[1]
     client = _held_snapshot(target)
     counts = collections.Counter()
     with grpc.insecure_channel(ring.peers[1]) as channel:
         _barrage(peer_pb2_grpc.PeerStub(channel), PEER_CALLS, counts)
-    _report(service, counts)
+    _report("Peer", counts)
     _still_serves(target, client)

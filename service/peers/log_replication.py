@@ -21,14 +21,15 @@ log = logging.getLogger("bubblesnap.daemon")
 
 
 class LogReplication:
-    """The trainer's view of the logs: this daemon's, plus the peers' copies.
+    """The trainer's view of the logs: this daemon's, plus the peers' copies (``group``
+    None: a lone daemon).
 
     ``registered(job, rank)`` raises NotFound unless the rank is registered (or
     held) here: records are kept only for those, so invented job names cannot
     fill the logs, and deleting a job frees its records.
     """
 
-    def __init__(self, logs: logs_lib.TrainingLogs, group=None, registered=None):
+    def __init__(self, logs: logs_lib.TrainingLogs, group, registered):
         self._logs = logs
         self._group = group
         self._registered = registered
@@ -46,8 +47,6 @@ class LogReplication:
         return [(last, self._replicate(*entry)) for last, entry in zip(lasts, logs, strict=True)]
 
     def _check_registered(self, job: str, rank: int) -> None:
-        if self._registered is None:
-            return
         try:
             self._registered(job, rank)
         except NotFound:
