@@ -102,8 +102,10 @@ def run(args, daemon: str) -> dict:
     runners = []
     for s in range(STAGES):
         inbox, send = links.endpoint(s)
+        program = StageProgram(config, STAGES, s, [devices[s]])
+        clients[s].register(program.state)  # the daemon keeps records of registered ranks
         runners.append(StageRunner(
-            StageProgram(config, STAGES, s, [devices[s]]),
+            program,
             SCHEDULES["1f1b"](STAGES, MICROBATCHES, s), s, STAGES, inbox, sender(s, send),
             {m: hooks(s, m) for m in modes}, batch=loader.batch))
     threads = [threading.Thread(target=r.run, args=(plan,)) for r in runners]

@@ -59,6 +59,11 @@ def _daemon_parser(sub):
                    "the oldest kept snapshot's step and older are dropped anyway (no stage "
                    "replays them). Held apart from --memory-budget "
                    f"(default {_human(d.logs.max_boundary_rank_bytes)})")
+    p.add_argument("--log-budget", type=parse_bytes, default=d.logs.max_total_bytes,
+                   metavar="SIZE", help="log records of every job, rank and stream together "
+                   "(process memory, apart from --memory-budget); records that would pass it "
+                   "are refused with RESOURCE_EXHAUSTED and what is held is kept (default "
+                   f"{_human(d.logs.max_total_bytes)})")
     p.add_argument("--metrics", default=d.metrics, metavar="HOST:PORT",
                    help=f"Prometheus endpoint; port 0 picks one; '' disables (default {d.metrics})")
     p.add_argument("--max-message", type=parse_bytes, default=d.max_message_bytes,
@@ -176,7 +181,8 @@ def daemon_options(args):
         bubbles=BubbleOptions(planner=PlannerOptions(max_interval=args.max_interval)),
         max_message_bytes=args.max_message,
         logs=LogOptions(max_rank_bytes=args.training_log_budget,
-                        max_boundary_rank_bytes=args.boundary_log_budget),
+                        max_boundary_rank_bytes=args.boundary_log_budget,
+                        max_total_bytes=args.log_budget),
         peers=_peer_options(args),
         durable=DurableOptions(directory=args.durable_dir, every_steps=args.durable_every_steps,
                                every_seconds=args.durable_every_seconds,
@@ -236,7 +242,8 @@ def format_status(status) -> str:
     mem = status.memory
     lines = [f"memory: {_human(mem.used_bytes)} used, {_human(mem.pooled_bytes)} pooled, "
              f"budget {_human(mem.budget_bytes)}; {mem.shm_dir} has "
-             f"{_human(mem.shm_free_bytes)} free; logs hold {_human(mem.log_bytes)}"]
+             f"{_human(mem.shm_free_bytes)} free; logs hold {_human(mem.log_bytes)}"
+             + (f" of {_human(mem.log_budget_bytes)}" if mem.log_budget_bytes else "")]
     if not status.jobs:
         lines.append("no jobs registered")
     for job in status.jobs:

@@ -6,8 +6,10 @@ its arrays, built on :attr:`DaemonClient.session`; the training log,
 waiting, status and closing are the same for all of them and live here.
 """
 
+import grpc
+
 from bubblesnap.clients.options import ClientOptions
-from bubblesnap.clients.results import SnapshotResult
+from bubblesnap.clients.results import LogError, SnapshotResult
 from bubblesnap.clients.session import Session
 
 
@@ -52,9 +54,22 @@ class DaemonClient:
         none was pending)."""
         return self._session.wait()
 
+    def _declare(self, tensors) -> None:
+        """Registers the layout ``tensors`` (the ``register`` of a subclass)."""
+        try:
+            self._session.ensure_registered(tensors)
+        except grpc.RpcError as err:
+            raise LogError(f"daemon {self._session.options.daemon} did not register rank "
+                           f"{self.rank} of {self.job!r}: {err.code().name}: "
+                           f"{err.details()}") from None
+
     def log(self, step: int, payload: bytes, stream: str = "") -> None:
         """Records what redoing ``step`` needs (batch identity, RNG key, data-loader
         position; a few bytes, at most 64 KiB). Call it as the step begins.
+
+        The daemon keeps records only of a registered rank: a rank that logs
+        before its first ``snapshot`` calls ``register`` first (or restores
+        from the daemon that holds its registration).
 
         Returns at once; the local daemon stores the record and hands it to
         its ``--replicas`` peers while the step computes. Call

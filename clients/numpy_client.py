@@ -37,6 +37,12 @@ class NumpyClient(DaemonClient):
         super().__init__(job, rank, world_size, options, replica_group)
         self.last_restore_source = ""
 
+    def register(self, arrays: dict[str, np.ndarray]) -> None:
+        """Registers the layout of ``arrays`` with the daemon, as :meth:`snapshot` does,
+        without copying them: a rank must be registered before it logs. Raises
+        :class:`LogError` when the daemon refuses."""
+        self._declare([_spec(name, np.asarray(arrays[name])) for name in sorted(arrays)])
+
     def snapshot(self, step: int, arrays: dict[str, np.ndarray],
                  wait: bool | str = True) -> SnapshotResult:
         """Copies ``arrays`` (step ``step``) into the daemon's memory. Never raises for

@@ -299,6 +299,8 @@ class Worker:
         """Steps ``first`` .. --steps - 1; raises PeerLost (with the step's averaged
         gradient in ``self.last_grads``) when the peer disappears."""
         args = self.args
+        if self.client and self.rank == 0:  # it logs before its first snapshot
+            self.client.register(self.state)
         for step in range(first, args.steps):
             record = self.loader.record(step)
             if self.client and self.rank == 0:  # held by the daemon while the step runs

@@ -108,6 +108,8 @@ def train_main(args) -> int:
         return (DiesMidFetch if dies else DaemonSnapshots)(args.daemon, JOB, stage, STAGES,
                                                             eager=False)
     modes = [mode(s) for s in range(STAGES)]
+    if snapshotting:  # stage 0 logs from the first step on: the daemon keeps registered ranks'
+        modes[0].client.register(programs[0].state)
     progress = os.path.join(args.workdir, f"{args.run}.progress")
 
     first, replayed = 0, []
@@ -232,6 +234,7 @@ def stage_main(args) -> int:
                                 program.state)
         restored = client.restore(abstract, step=step, alone=alone)
         program.state = restored.state
+        client.register(program.state)  # a replacement's daemon may not know it yet: it logs
         if args.replacement:  # a new process: the loader learns its place from the log
             loader.replay(client.read_log(step - 1))
         return restored.step
@@ -246,6 +249,8 @@ def stage_main(args) -> int:
 
     process = StageProcess(stage, links, boundary_log, mode, make_runner, restore,
                            None if args.die_in_step is None else die_after_sends)
+    if not args.replacement:  # it logs from the first step on (a replacement after restoring)
+        client.register(program.state)
     process.train(args.steps, replacement=args.replacement)
     training = process.runners[0]
     compute = sum(stop - start for label, start, stop in training.events if label in "FBU")

@@ -381,20 +381,22 @@ class Coverage(_message.Message):
     def __init__(self, whole: _Optional[bool] = ..., known: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemoryStatus(_message.Message):
-    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes", "log_bytes")
+    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes", "log_bytes", "log_budget_bytes")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_DIR_FIELD_NUMBER: _ClassVar[int]
     SHM_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOG_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     used_bytes: int
     pooled_bytes: int
     shm_dir: str
     shm_free_bytes: int
     log_bytes: int
-    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ...) -> None: ...
+    log_budget_bytes: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("jobs", "memory")

@@ -163,7 +163,7 @@ class Daemon:
         self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options),
                                    grouped=self.group is not None)
         self.plans = BubblePlans(self.store.slot_bytes, options.bubbles)
-        self.metrics = DaemonMetrics(self.store)
+        self.metrics = DaemonMetrics(self.store, self.logs)
         for forget in (self.plans.forget, self.logs.forget):
             self.store.listen(on_job_deleted=forget)
         self.store.listen(on_retained=self.logs.drop_boundary_through)
@@ -173,7 +173,8 @@ class Daemon:
         self._server.add_generic_rpc_handlers((generic_handler(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
             DaemonServicer(self.store, self.layouts, self.plans, self.restorer,
-                           LogReplication(self.logs, self.group), status, self.metrics)),))
+                           LogReplication(self.logs, self.group, self.store.layout_of), status,
+                           self.metrics)),))
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(

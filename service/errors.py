@@ -1,12 +1,48 @@
 """Errors the daemon's parts raise; the gRPC layer maps each to a status code.
 
 Every message says what was wrong and what to do about it: it is read by a
-person looking at a failed training job.
+person looking at a failed training job. Messages are bounded
+(:data:`MAX_MESSAGE_BYTES`): gRPC carries them in a header, and an answer
+whose header passes the caller's metadata limit arrives as
+RESOURCE_EXHAUSTED, not as what went wrong. Input a message repeats goes
+through :func:`shown`, cut short.
 """
+
+#: The most bytes (UTF-8) of one error message; a longer one is cut.
+MAX_MESSAGE_BYTES = 1024
+
+#: How much of a value from the wire a message repeats, by default.
+SHOWN_CHARACTERS = 80
+
+
+def shown(value, limit: int = SHOWN_CHARACTERS) -> str:
+    """``value`` as a message repeats it: ``ascii()`` (non-ASCII escaped, so gRPC's
+    header encoding cannot multiply it), cut to about ``limit`` characters and
+    then saying how long it was."""
+    text = ascii(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} {'characters' if isinstance(value, str) else 'items'}" \
+        if hasattr(value, "__len__") else f"{len(text)} characters shown"
+    return f"{text[:limit]}... ({size})"
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``message`` cut to at most ``limit`` UTF-8 bytes, saying that it was."""
+    encoded = message.encode("utf-8", "replace")
+    if len(encoded) <= limit:
+        return message
+    cut = encoded[:limit - 40].decode("utf-8", "ignore")
+    return f"{cut}... ({len(encoded) - len(cut.encode())} more bytes cut)"
 
 
 class DaemonError(Exception):
-    """Base class: a request the daemon refused. Nothing it held was changed."""
+    """Base class: a request the daemon refused. Nothing it held was changed.
+
+    The message is :func:`bounded`, whatever the part raising it put in."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(bounded(str(message)))
 
 
 class InvalidArgument(DaemonError):
@@ -26,7 +62,8 @@ class FailedPrecondition(DaemonError):
 
 
 class ResourceExhausted(DaemonError):
-    """Honouring the request would pass the memory budget or fill shared memory."""
+    """Honouring the request would pass the memory budget, fill shared memory, or pass
+    the log budget (``--log-budget``)."""
 
 
 class DataLoss(DaemonError):

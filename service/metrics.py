@@ -1,18 +1,24 @@
-"""Prometheus metrics: store gauges read at scrape time, RPC counters."""
+"""Prometheus metrics: store and log gauges read at scrape time, RPC counters."""
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 
 class _StoreCollector:
-    """Reads the store when Prometheus scrapes, so the store knows nothing of metrics."""
+    """Reads the store and the logs when Prometheus scrapes, so they know nothing of
+    metrics."""
 
-    def __init__(self, store):
+    def __init__(self, store, logs):
         self._store = store
+        self._logs = logs
 
     def collect(self):
         memory = self._store.memory()
         for name, value, doc in (
+                ("bubblesnap_log_bytes", self._logs.bytes_held(),
+                 "Bytes of training and boundary log records held."),
+                ("bubblesnap_log_budget_bytes", self._logs.options.max_total_bytes,
+                 "The bound on all log records (--log-budget)."),
                 ("bubblesnap_memory_budget_bytes", memory.budget_bytes, "Memory budget."),
                 ("bubblesnap_memory_used_bytes", memory.used_bytes, "Bytes held by snapshots."),
                 ("bubblesnap_memory_pooled_bytes", memory.pooled_bytes,
@@ -33,9 +39,9 @@ class _StoreCollector:
 class DaemonMetrics:
     """The daemon's metrics registry and the counters the servicer updates."""
 
-    def __init__(self, store):
+    def __init__(self, store, logs):
         self.registry = CollectorRegistry()
-        self.registry.register(_StoreCollector(store))
+        self.registry.register(_StoreCollector(store, logs))
         self.rpcs = Counter("bubblesnap_rpcs", "RPCs answered, by method and status code.",
                             ["method", "code"], registry=self.registry)
         self.restores = Counter("bubblesnap_restores", "Restores served, by the tier the bytes "

@@ -37,6 +37,7 @@ class DaemonStatus:
     jobs: list[JobStatus]
     memory: MemoryView
     log_bytes: int
+    log_budget_bytes: int
 
 
 class Status:
@@ -55,11 +56,14 @@ class Status:
     def status(self, job: str = "") -> DaemonStatus:
         """NotFound when ``job`` is named and not registered here."""
         return DaemonStatus([self._job(view) for view in self._store.jobs(job)],
-                            self._store.memory(), self._logs.bytes_held())
+                            self._store.memory(), self._logs.bytes_held(),
+                            self._logs.options.max_total_bytes)
 
     def wait_committed(self, job: str, step: int, timeout: float) -> tuple[bool, int]:
         """Waits up to ``timeout`` (capped) for ``step`` to be committed for the job;
-        (committed, latest committed step). Polls: commits are rare next to the poll."""
+        (committed, latest committed step). Polls: commits are rare next to the poll.
+        NotFound at once for a job not registered here (nothing would ever commit)."""
+        self._store.world_size(job)
         deadline = time.monotonic() + max(0.0, min(timeout, _MAX_WAIT_SECONDS))
         while True:
             committed = self._store.committed(job)

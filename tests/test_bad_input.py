@@ -262,3 +262,150 @@ def test_a_callers_group_alone_gets_no_other_ranks_state(held):
     job = held.stub.Status(pb.StatusRequest(job="solo"), timeout=10).jobs[0]
     assert [s.step for s in job.steps] == [0]  # what it held is kept
     alone.close()
+
+
+# -- the problems measured in issue 12, one by one --------------------------------------------
+
+def _status_code(stub, job):
+    try:
+        stub.Status(pb.StatusRequest(job=job), timeout=10)
+    except grpc.RpcError as err:
+        return err.code()
+    return C.OK
+
+
+def test_a_layout_past_int64_is_refused_and_not_kept(held):
+    # four tensors of 2^61 bytes each: every one fits, their segment passes int64
+    huge = [tensor_spec(f"t{i}", (1 << 59,)) for i in range(4)]
+    for _ in range(2):  # a retry gets the same answer: nothing was kept
+        got, details = _code(held.stub.Register, pb.RegisterRequest(
+            job="huge", rank=0, world_size=1, tensors=huge))
+        assert got == C.INVALID_ARGUMENT and "at most" in details, details
+    assert _status_code(held.stub, "huge") == C.NOT_FOUND
+    for shape, words in (((1 << 62,), "passes"), ((1,) * 65, "dimensions"),
+                         (((1 << 63) - 1, 0), "passes")):
+        got, details = _code(held.stub.Register, pb.RegisterRequest(
+            job="huge", rank=0, world_size=1, tensors=[tensor_spec("w", shape, nbytes=0)]))
+        assert got == C.INVALID_ARGUMENT and words in details, details
+
+
+def test_absurd_bubble_reports_are_refused_and_planning_goes_on(held):
+    register(held.stub, job="bubbly", tensors=[tensor_spec("w", (1 << 18,))])
+
+    def report(iteration=0, measured=0.01, copied=0, copy_seconds=0.0):
+        return pb.BubbleEvent(job="bubbly", rank=0, kind=pb.BubbleEvent.REPORT,
+                              iteration=iteration, iteration_seconds=0.1,
+                              copied_bytes=copied, copy_seconds=copy_seconds,
+                              reports=[pb.BubbleReport(position=p, measured_seconds=measured)
+                                       for p in range(2)])
+
+    for bad, words in ((report(measured=1e308), "measured_seconds"),
+                       (report(copied=1 << 20, copy_seconds=5e-324), "broken clock"),
+                       (report(iteration=(1 << 63) - 1), "iteration"),
+                       (report(copied=-1), "copied_bytes")):
+        with pytest.raises(grpc.RpcError) as info:
+            list(held.stub.Bubbles(iter([bad]), timeout=10))
+        assert info.value.code() == C.INVALID_ARGUMENT and words in info.value.details()
+    start = pb.BubbleEvent(job="bubbly", rank=0, kind=pb.BubbleEvent.START, iteration=2)
+    plans = list(held.stub.Bubbles(iter([report(0), report(1), start]), timeout=10))
+    assert len(plans) == 1 and plans[0].interval >= 1 and plans[0].first_step == 4
+
+
+def test_echoed_input_is_cut_short(held):
+    long = "x" * 100_000
+    for call, request in (
+            (held.stub.Status, pb.StatusRequest(job=long)),
+            (held.stub.Register, pb.RegisterRequest(job="ok", rank=0, world_size=1, tensors=[
+                tensor_spec("w", (2,), dtype=long)])),
+            (held.stub.Register, pb.RegisterRequest(job="ok", rank=0, world_size=1, tensors=[
+                tensor_spec("\u00e9" * 2000, (2,))])),
+            (held.stub.AppendLog, pb.AppendLogRequest(job="held", rank=0, stream=long,
+                                                      records=[pb.LogRecord(step=0)])),
+            (held.stub.ReadLog, pb.ReadLogRequest(job="held", rank=0, stream="\u2603" * 9000))):
+        got, details = _code(call, request)
+        assert got == C.INVALID_ARGUMENT and len(details.encode()) <= 1024, (got, details[:200])
+
+
+def test_logs_of_unregistered_ranks_are_refused(held):
+    before = held.stub.Status(pb.StatusRequest(), timeout=10).memory.log_bytes
+    for job, rank in (("invented", 0), ("held", 3)):
+        got, details = _code(held.stub.AppendLog, pb.AppendLogRequest(
+            job=job, rank=rank, records=[pb.LogRecord(step=0, payload=b"x" * 1000)]))
+        assert got == C.NOT_FOUND and "call Register" in details, details
+    got, _ = _code(held.stub.AppendLogs, pb.AppendLogsRequest(logs=[
+        pb.AppendLogRequest(job="held", rank=0, records=[pb.LogRecord(step=0)]),
+        pb.AppendLogRequest(job="invented", rank=0, records=[pb.LogRecord(step=0)])]))
+    assert got == C.NOT_FOUND
+    memory = held.stub.Status(pb.StatusRequest(), timeout=10).memory
+    assert memory.log_bytes == before  # the batch kept none of its records
+    assert memory.log_budget_bytes == 8 << 30
+
+
+def test_the_log_budget_bounds_all_logs_and_shows(start_daemon):
+    import urllib.request
+    daemon = start_daemon("--log-budget", "4KiB")
+    for job in ("a", "b"):
+        register(daemon.stub, job=job)
+    daemon.stub.AppendLog(pb.AppendLogRequest(job="a", rank=0, records=[
+        pb.LogRecord(step=s, payload=bytes(900)) for s in range(3)]), timeout=10)
+    got, details = _code(daemon.stub.AppendLog, pb.AppendLogRequest(
+        job="b", rank=0, records=[pb.LogRecord(step=0, payload=bytes(1500))]))
+    assert got == C.RESOURCE_EXHAUSTED and "--log-budget" in details, details
+    got, details = _code(daemon.stub.AppendLog, pb.AppendLogRequest(
+        job="b", rank=0, records=[pb.LogRecord(step=0, payload=bytes(5000))]))
+    assert got == C.INVALID_ARGUMENT and "--log-budget is too small" in details, details
+    memory = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory
+    assert memory.log_budget_bytes == 4096 and memory.log_bytes == 3 * (900 + 64)
+    metrics = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics",
+                                     timeout=10).read().decode()
+    assert "bubblesnap_log_budget_bytes 4096.0" in metrics
+    assert f"bubblesnap_log_bytes {3 * (900 + 64)}.0" in metrics
+    # deleting job a frees its records: b logs now
+    daemon.stub.DeleteSnapshots(pb.DeleteSnapshotsRequest(job="a"), timeout=10)
+    daemon.stub.AppendLog(pb.AppendLogRequest(
+        job="b", rank=0, records=[pb.LogRecord(step=0, payload=bytes(1500))]), timeout=10)
+
+
+def test_peer_calls_that_fail_keep_nothing(start_ring):
+    from bubblesnap.protos import peer_pb2 as ppb
+    from bubblesnap.protos import peer_pb2_grpc
+    ring = start_ring(2, "--replicas", "1")
+    peer = peer_pb2_grpc.PeerStub(grpc.insecure_channel(ring.peers[1]))
+    replicate = dict(job="pulled", world_size=1, rank=0, step=1,
+                     tensors=[tensor_spec("w", (4,))], checksums=[7], ticket=bytes(16))
+    for address, code in (("a" * 64 + ".example:7000", C.INVALID_ARGUMENT),
+                          ("h:\u00b2", C.INVALID_ARGUMENT),
+                          ("127.0.0.1:1", C.ABORTED)):  # nothing listens there
+        got, details = _code(peer.Replicate, ppb.ReplicateRequest(data_address=address,
+                                                                  **replicate))
+        assert got == code, (address, got, details)
+    assert _status_code(ring.daemons[1].stub, "pulled") == C.NOT_FOUND  # no empty job left
+    assert not peer.Holdings(ppb.HoldingsRequest(), timeout=10).copies
+    got, _ = _code(peer.Join, ppb.JoinRequest(index=0, address="x" * 5000))
+    assert got == C.INVALID_ARGUMENT
+    # A copy a trainer made here is never dropped for one a peer offers (which then fails).
+    own = NumpyClient("own", options=ClientOptions(daemon=ring.daemons[1].address))
+    assert own.snapshot(5, HELD).taken
+    got, details = _code(peer.Replicate, ppb.ReplicateRequest(
+        job="own", world_size=1, rank=0, step=5, tensors=[tensor_spec("w", (8, 8))],
+        checksums=[7], ticket=bytes(16), data_address="127.0.0.1:1"))
+    assert got == C.FAILED_PRECONDITION and "own trainer's copy" in details, details
+    step, restored = own.restore()
+    assert step == 5 and restored["w"].tobytes() == HELD["w"].tobytes()
+    own.close()
+    # A peer's log records of a job unknown here count in the log memory, and deleting
+    # the job frees them.
+    before = ring.daemons[1].stub.Status(pb.StatusRequest(), timeout=10).memory.log_bytes
+    peer.AppendLogReplica(ppb.LogReplicaRequest(job="elsewhere", rank=0, records=[
+        pb.LogRecord(step=0, payload=b"r")]), timeout=10)
+    memory = ring.daemons[1].stub.Status(pb.StatusRequest(), timeout=10).memory
+    assert memory.log_bytes == before + 65
+    answer = ring.daemons[1].stub.DeleteSnapshots(pb.DeleteSnapshotsRequest(job="elsewhere"),
+                                                  timeout=10)
+    assert answer.deleted_steps == 0
+    memory = ring.daemons[1].stub.Status(pb.StatusRequest(), timeout=10).memory
+    assert memory.log_bytes == before
+    got, _ = _code(ring.daemons[1].stub.DeleteSnapshots,
+                   pb.DeleteSnapshotsRequest(job="elsewhere"))
+    assert got == C.NOT_FOUND
+    assert ring.daemons[1].healthy()

@@ -1,5 +1,8 @@
 """The layout rules, as pure functions: no daemon needed."""
 
+import itertools
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -53,3 +56,29 @@ def test_good_job_names(name):
 def test_bad_job_names(name):
     with pytest.raises(InvalidArgument):
         check_job_name(name)
+
+
+def test_coverage_of_crafted_regions_stays_short_or_is_refused():
+    from bubblesnap.service.store import regions
+    # one box covers all; the others cut each of 60 dimensions (a grid of 2^60 cells)
+    shape = (2,) * 60
+    cuts = [tuple((0, 1) if axis == cut else (0, 2) for axis in range(60)) for cut in range(60)]
+    assert regions.missing(shape, [regions.whole(shape), *cuts]) is None
+    assert regions.missing(shape, cuts) == ((1, 2),) * 60  # only the far corner
+    # rows of bricks cut at their own places: some 20,000 cells to check
+    rng = random.Random(1)
+    bricks = []
+    for row in range(1000):
+        edges = sorted({0, 1000, *rng.sample(range(1, 1000), 20)})
+        bricks += [((row, row + 1), (a, b)) for a, b in itertools.pairwise(edges)]
+    with pytest.raises(regions.TooFragmented):
+        regions.missing((1000, 1000), bricks)
+
+
+@pytest.mark.parametrize("shape, words", [
+    ((1 << 61,), "passes"), ((-1,), "negative"), ((1,) * 65, "at most 64"),
+    (((1 << 63) - 1, 0), "passes")])
+def test_shapes_past_their_range(shape, words):
+    spec = pb.TensorSpec(name="w", dtype="float32", global_shape=shape)
+    with pytest.raises(InvalidArgument, match=words):
+        build_layout([spec])

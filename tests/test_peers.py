@@ -133,6 +133,7 @@ def test_two_adjacent_hosts_lost_restore_from_the_durable_tier(start_ring, tmp_p
 def test_a_stage_restored_alone_leaves_the_others_later_copies(start_ring):
     ring = start_ring(3, "--replicas", "1")
     sender = client(ring.daemons[0], 0)
+    sender.register(state(0, 0))  # a rank logs once registered
     for step in range(4):  # what stage 0 sent stage 1
         sender.log(step, bytes([step]) * 1024, stream="act/mb0")
     sender.wait_log()

@@ -17,6 +17,7 @@ from bubblesnap.clients import (
 from bubblesnap.clients.jax import BubbleSnapshotter, SnapshotClient
 
 NOWHERE = ClientOptions(daemon="127.0.0.1:1")  # nothing is sent by what these tests call
+STATE = {"w": np.zeros(4, np.float32)}  # what the logging ranks register
 
 
 def test_no_snapshots_satisfies_the_protocol_and_only_waits():
@@ -68,6 +69,7 @@ class Recording(NoSnapshots):
 def test_logged_steps_hold_each_record_before_the_wrapped_hooks_hear_the_end(daemon):
     options = ClientOptions(daemon=daemon.address)
     client, reader = NumpyClient("logged", options=options), NumpyClient("logged", options=options)
+    client.register(STATE)  # a rank logs once registered
     inner = Recording(reader)
     hooks = LoggedSteps(client, lambda it: f"batch of step {it}".encode(), inner)
     boundary_log = BoundaryLog(client, [0], lambda stage: options)
@@ -95,6 +97,7 @@ def test_logged_steps_hold_each_record_before_the_wrapped_hooks_hear_the_end(dae
 def test_a_rank_without_records_still_waits_for_its_boundary_records(daemon):
     options = ClientOptions(daemon=daemon.address)
     client = NumpyClient("boundary-only", rank=1, world_size=2, options=options)
+    client.register(STATE)
     hooks = LoggedSteps(client)
     boundary_log = BoundaryLog(client, [0], lambda stage: options)
     hooks.begin_iteration(5)
@@ -112,6 +115,7 @@ def test_a_rank_without_records_still_waits_for_its_boundary_records(daemon):
 
 def test_a_record_the_daemon_refuses_ends_the_step_with_log_error(daemon):
     client = NumpyClient("refused", options=ClientOptions(daemon=daemon.address))
+    client.register(STATE)
     inner = Recording(client)
     hooks = LoggedSteps(client, lambda it: b"x" * (65 << 10), inner)  # over the 64 KiB limit
     hooks.begin_iteration(0)

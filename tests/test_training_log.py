@@ -8,13 +8,23 @@ from bubblesnap.clients import ClientOptions, LogError, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
 from tests.test_peers import client, snapshot_steps, wait_for
 
+#: What a logging rank registers: the daemon keeps records only of registered ranks.
+STATE = {"w": np.zeros(4, np.float32)}
+
+
+def logger(daemon, job: str, **options) -> NumpyClient:
+    """A registered rank 0 of ``job`` on ``daemon``."""
+    c = NumpyClient(job, options=ClientOptions(daemon=daemon.address, **options))
+    c.register(STATE)
+    return c
+
 
 def record(rank: int, step: int) -> bytes:
     return f'{{"rank": {rank}, "step": {step}, "batch": [{step * 7}, {step * 7 + 1}]}}'.encode()
 
 
 def test_log_outlives_the_trainer_and_gaps_end_the_replay(daemon):
-    c = NumpyClient("logged", options=ClientOptions(daemon=daemon.address))
+    c = logger(daemon, "logged")
     for step in range(6):
         c.log(step, record(0, step))
         assert c.wait_log() == 1
@@ -29,7 +39,7 @@ def test_log_outlives_the_trainer_and_gaps_end_the_replay(daemon):
 
 
 def test_bad_log_records_are_refused_and_nothing_is_lost(daemon):
-    c = NumpyClient("logged", options=ClientOptions(daemon=daemon.address))
+    c = logger(daemon, "logged")
     c.log(0, b"ok")
     c.wait_log()
     c.log(1, b"x" * (65 << 10))
@@ -63,7 +73,7 @@ def test_log_survives_the_loss_of_its_host(start_ring):
 
 
 def test_a_long_log_is_read_back_whole_in_pages(daemon):
-    c = NumpyClient("paged", options=ClientOptions(daemon=daemon.address))
+    c = logger(daemon, "paged")
     payloads = [bytes([s % 251]) * (60 << 10) for s in range(200)]  # 12 MB, > any one answer
     for step, payload in enumerate(payloads):
         c.log(step, payload)
@@ -115,6 +125,7 @@ def test_a_budget_that_drops_records_a_replay_needs_says_so_once(caplog):
 def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring):
     ring = start_ring(2, "--replicas", "1")
     sender = client(ring.daemons[0], 0)
+    sender.register(STATE)
 
     def peer_takes_records() -> bool:  # a peer just started may refuse for a moment
         sender.log(0, record(0, 0))
@@ -139,7 +150,7 @@ def test_boundary_streams_are_separate_logs_held_on_the_senders_host(start_ring)
 
 
 def test_bad_boundary_records_are_refused_and_nothing_is_lost(daemon):
-    c = NumpyClient("bounded", options=ClientOptions(daemon=daemon.address))
+    c = logger(daemon, "bounded")
     c.log(0, b"kept", stream="act/mb0")
     c.wait_log()
     c.log(1, b"x" * ((16 << 20) + 1), stream="act/mb0")
@@ -165,7 +176,8 @@ def test_bad_boundary_records_are_refused_and_nothing_is_lost(daemon):
 def test_boundary_records_older_than_every_kept_snapshot_are_dropped(start_daemon):
     daemon = start_daemon("--keep", "2")
     stage = NumpyClient("trimmed", options=ClientOptions(daemon=daemon.address))
-    other = NumpyClient("other-job", options=ClientOptions(daemon=daemon.address))
+    stage.register({"w": np.full(64, 0, np.float32)})  # the layout it snapshots
+    other = logger(daemon, "other-job")
     activation = bytes(4096)
     for step in range(6):
         stage.log(step, record(0, step))
@@ -186,7 +198,7 @@ def test_boundary_records_older_than_every_kept_snapshot_are_dropped(start_daemo
 
 def test_the_boundary_log_budget_bounds_a_rank_and_refuses_what_cannot_fit(start_daemon):
     daemon = start_daemon("--boundary-log-budget", "2KiB")
-    c = NumpyClient("small", options=ClientOptions(daemon=daemon.address))
+    c = logger(daemon, "small")
     for step in range(8):  # 464 B a record with bookkeeping: four fit in 2 KiB
         c.log(step, bytes(400), stream="act/mb0")
     c.wait_log()
@@ -195,3 +207,25 @@ def test_the_boundary_log_budget_bounds_a_rank_and_refuses_what_cannot_fit(start
     with pytest.raises(LogError, match=r"INVALID_ARGUMENT.*--boundary-log-budget is too small"):
         c.wait_log()
     assert [s for s, _ in c.read_log(3, stream="act/mb0")] == [4, 5, 6, 7]
+
+
+def test_the_log_budget_refuses_what_would_pass_it_and_counts_a_ranks_own_drops():
+    from bubblesnap.service.errors import ResourceExhausted
+    from bubblesnap.service.logs import LogOptions, TrainingLogs
+    cost = 100 + 64
+    logs = TrainingLogs(LogOptions(max_rank_bytes=max(1024, cost * 4), max_total_bytes=2048))
+    per_rank = max(1024, cost * 4) // cost  # records a rank's own budget keeps
+    for job in ("a", "b"):
+        logs.append(job, 0, [(s, bytes(100)) for s in range(per_rank)])
+    assert logs.bytes_held() == 2 * per_rank * cost  # 1968 of 2048
+    # both ranks are at their own budgets: each new record drops their oldest, so
+    # they log on at the daemon's bound
+    for step in range(per_rank, per_rank + 5):
+        assert logs.append("a", 0, [(step, bytes(100))]) == step
+    with pytest.raises(ResourceExhausted, match="--log-budget"):
+        logs.append("c", 0, [(0, bytes(100))])
+    with pytest.raises(ResourceExhausted):  # a batch is all or none
+        logs.append_all([("a", 0, [(99, bytes(100))], ""), ("c", 0, [(0, bytes(100))], "")])
+    assert logs.read("a", 0, 98) == [] and logs.bytes_held() == 2 * per_rank * cost
+    assert logs.forget("b") and not logs.forget("b")
+    logs.append("c", 0, [(0, bytes(100))])  # room again

@@ -66,6 +66,14 @@ class SnapshotClient(DaemonClient):
         super().__init__(job, rank, world_size, options, replica_group)
         self._specs = _layout.SpecCache(world_size)
 
+    def register(self, state) -> None:
+        """Registers the layout of ``state`` (a pytree of jax.Arrays) with the daemon, as
+        :meth:`snapshot` does, without copying: a rank must be registered before it
+        logs, so one that logs before its first snapshot calls this first. Raises
+        :class:`LogError` when the daemon refuses."""
+        names, leaves, _ = _layout.flatten(state)
+        self._declare(self._specs.specs(names, leaves))
+
     def snapshot(self, step: int, state, wait: bool | str = False) -> SnapshotResult:
         """Copies this process's part of ``state`` (step ``step``) into the daemon's memory.
 

@@ -18,8 +18,15 @@ import threading
 from bubblesnap.options import require
 from bubblesnap.service.bubbles import planner as planning
 from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.store.layout import MAX_BYTES, MAX_STEP
 
-_MAX_POSITION = 1 << 16
+#: Positions number the waits of one iteration: 0..MAX_POSITION.
+MAX_POSITION = 1 << 16
+#: The longest bubble, iteration or fetch a report may state (11 days): longer is
+#: a broken clock, and the profiles and plans stay finite.
+MAX_SECONDS = 1e6
+#: The fastest fetch a report may state (1 PB/s): faster is a broken clock.
+MAX_BYTES_PER_SECOND = 1e15
 _SWITCH_AHEAD = 2
 
 
@@ -68,6 +75,45 @@ class BubbleEvent:
     iteration_seconds: float = 0.0
     copied_bytes: int = 0
     copy_seconds: float = 0.0
+
+    def __post_init__(self):
+        """InvalidArgument unless every number is in its range: the profiles and the
+        plans made of them only ever hold finite, bounded numbers."""
+        if not 0 <= self.iteration < MAX_STEP:
+            raise InvalidArgument(f"bubble event of iteration {self.iteration}: iterations "
+                                  f"count from 0 to {MAX_STEP - 1}")
+        if self.plan_version < 0:
+            raise InvalidArgument(f"bubble event holding plan version {self.plan_version}: "
+                                  "send the version of the plan received, 0 for none")
+        if len(self.reports) > MAX_POSITION + 1:
+            raise InvalidArgument(f"{len(self.reports)} bubble reports in one event; an "
+                                  f"iteration has at most {MAX_POSITION + 1} positions")
+        for position, measured in self.reports:
+            if not 0 <= position <= MAX_POSITION:
+                raise InvalidArgument(f"bubble position {position} is outside "
+                                      f"0..{MAX_POSITION}; positions number the waits of "
+                                      "one iteration")
+            check_seconds("a bubble's measured_seconds", measured)
+        check_seconds("iteration_seconds", self.iteration_seconds)
+        _check_bandwidth(self.copied_bytes, self.copy_seconds)
+
+
+def check_seconds(what: str, value: float) -> None:
+    """A duration a client measured: finite, 0 to MAX_SECONDS."""
+    if not (math.isfinite(value) and 0 <= value <= MAX_SECONDS):
+        raise InvalidArgument(f"{what} of {value!r} seconds: send a finite number from 0 to "
+                              f"{MAX_SECONDS:g}")
+
+
+def _check_bandwidth(copied_bytes: int, copy_seconds: float) -> None:
+    if not 0 <= copied_bytes <= MAX_BYTES:
+        raise InvalidArgument(f"bubble report with copied_bytes {copied_bytes}: send 0 to "
+                              f"{MAX_BYTES}")
+    check_seconds("copy_seconds", copy_seconds)
+    if copied_bytes and copy_seconds and copied_bytes / copy_seconds > MAX_BYTES_PER_SECOND:
+        raise InvalidArgument(f"bubble report of {copied_bytes} bytes fetched in "
+                              f"{copy_seconds!r} seconds, faster than "
+                              f"{MAX_BYTES_PER_SECOND:g} bytes per second: a broken clock?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,16 +180,22 @@ class BubblePlans:
         if event.start:
             return self.answer_start(event.job, event.rank, event.plan_version, event.iteration)
         for position, measured in event.reports:
-            self.record_end(event.job, event.rank, event.iteration, position, measured,
-                            event.iteration_seconds)
-        self.record_bandwidth(event.job, event.rank, event.copied_bytes, event.copy_seconds)
+            self._record_end(event.job, event.rank, event.iteration, position, measured,
+                             event.iteration_seconds)
+        self._record_bandwidth(event.job, event.rank, event.copied_bytes, event.copy_seconds)
         return None
 
-    def record_bandwidth(self, job: str, rank: int, copied_bytes: int,
-                         copy_seconds: float) -> None:
-        """Folds one measurement of the rank's fetch bandwidth into its profile."""
-        if copied_bytes < 0 or not math.isfinite(copy_seconds) or copy_seconds < 0:
-            raise InvalidArgument("bubble report with a negative or infinite copy measurement")
+    def record_end(self, job: str, rank: int, iteration: int, position: int,
+                   measured_seconds: float, iteration_seconds: float) -> None:
+        """Folds one finished bubble into the rank's profile (InvalidArgument for numbers
+        out of range, as for a :class:`BubbleEvent`)."""
+        BubbleEvent(job=job, rank=rank, iteration=iteration,
+                    reports=((position, measured_seconds),),
+                    iteration_seconds=iteration_seconds)
+        self._record_end(job, rank, iteration, position, measured_seconds, iteration_seconds)
+
+    def _record_bandwidth(self, job: str, rank: int, copied_bytes: int,
+                          copy_seconds: float) -> None:
         if copied_bytes < self.options.planner.min_chunk_bytes or copy_seconds <= 0:
             return
         with self._lock:
@@ -154,17 +206,8 @@ class BubblePlans:
                                                  self.options.smoothing)
             self._mark_if_changed(job, entry, rank)
 
-    def record_end(self, job: str, rank: int, iteration: int, position: int,
-                   measured_seconds: float, iteration_seconds: float) -> None:
-        """Folds one finished bubble into the rank's profile."""
-        numbers = (measured_seconds, iteration_seconds)
-        if not all(math.isfinite(x) for x in numbers):
-            raise InvalidArgument("bubble report with an infinite or NaN length")
-        if min(position, *numbers) < 0:
-            raise InvalidArgument("bubble report with a negative position, length or byte count")
-        if position > _MAX_POSITION:
-            raise InvalidArgument(f"bubble position {position} is beyond {_MAX_POSITION}; "
-                                  "positions number the waits of one iteration")
+    def _record_end(self, job: str, rank: int, iteration: int, position: int,
+                    measured_seconds: float, iteration_seconds: float) -> None:
         weight = self.options.smoothing
         with self._lock:
             entry = self._job(job)
@@ -208,9 +251,10 @@ class BubblePlans:
                 return None, {}, 0
             return entry.plan, dict(entry.planned), entry.version
 
-    def forget(self, job: str) -> None:
+    def forget(self, job: str) -> bool:
+        """Drops the job's profiles and plan; whether there were any."""
         with self._lock:
-            self._jobs.pop(job, None)
+            return self._jobs.pop(job, None) is not None
 
     def _job(self, job: str) -> _JobPlans:
         entry = self._jobs.get(job)

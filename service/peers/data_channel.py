@@ -12,8 +12,10 @@ ticket and a range inside its segment is closed at once.
 
 import dataclasses
 import functools
+import ipaddress
 import logging
 import os
+import re
 import secrets
 import socket
 import ssl
@@ -22,7 +24,7 @@ import threading
 import time
 
 from bubblesnap.protos.checksum import SlotHasher, new_hasher
-from bubblesnap.service.errors import Aborted, InvalidArgument
+from bubblesnap.service.errors import Aborted, InvalidArgument, shown
 from bubblesnap.sockets import recv_exact, recv_exact_into
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -59,11 +61,29 @@ class _Offer:
             sum(b - a for a, b in self.allowed)
 
 
-def check_address(address: str) -> None:
-    """A data address is host:port; InvalidArgument otherwise (it comes from a peer)."""
+_PORT = re.compile(r"[0-9]{1,5}")
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def check_address(address: str, what: str = "data address") -> None:
+    """An address from a peer is host:port, the host an IP address ([...] for IPv6) or
+    a DNS name (labels of 1-63 letters, digits and '-', 253 characters in all);
+    InvalidArgument otherwise, before any socket or resolver sees it."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"data address {address!r} is not host:port")
+    if not (_PORT.fullmatch(port) and 0 < int(port) < 65536 and _is_host(host)):
+        raise InvalidArgument(f"{what} {shown(address)} is not host:port (a DNS name or an "
+                              "IP address, [...] around IPv6, and a port 1-65535)")
+
+
+def _is_host(host: str) -> bool:
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            return ipaddress.ip_address(host).version == 6
+        except ValueError:
+            return False
+    return 0 < len(host) <= 253 and all(_HOST_LABEL.fullmatch(label)
+                                        for label in host.removesuffix(".").split("."))
 
 
 class DataServer:

@@ -15,31 +15,51 @@ import grpc
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service import logs as logs_lib
+from bubblesnap.service.errors import NotFound
 
 log = logging.getLogger("bubblesnap.daemon")
 
 
 class LogReplication:
-    """The trainer's view of the logs: this daemon's, plus the peers' copies."""
+    """The trainer's view of the logs: this daemon's, plus the peers' copies (``group``
+    None: a lone daemon).
 
-    def __init__(self, logs: logs_lib.TrainingLogs, group=None):
+    ``registered(job, rank)`` raises NotFound unless the rank is registered (or
+    held) here: records are kept only for those, so invented job names cannot
+    fill the logs, and deleting a job frees its records.
+    """
+
+    def __init__(self, logs: logs_lib.TrainingLogs, group, registered):
         self._logs = logs
         self._group = group
+        self._registered = registered
 
     def append(self, logs) -> list[tuple[int, int]]:
-        """Logs several ``(job, rank, records, stream)`` logs after checking all of them
-        (a bad record anywhere keeps none). Returns (newest step held, daemons
-        holding the records) per log."""
+        """Logs several ``(job, rank, records, stream)`` logs, all or none (a bad record
+        anywhere, an unregistered rank, or the log budget refuses them all).
+        Returns (newest step held, daemons holding the records) per log."""
         logs = [(job, rank, list(records), stream) for job, rank, records, stream in logs]
-        for job, rank, records, stream in logs:
+        for job, rank, records, stream in logs:  # malformed before unknown
             self._logs.check(job, rank, records, stream)
-        return [self._append(*entry) for entry in logs]
+        for job, rank, _, _ in logs:
+            self._check_registered(job, rank)
+        lasts = self._logs.append_all(logs)
+        return [(last, self._replicate(*entry)) for last, entry in zip(lasts, logs, strict=True)]
 
-    def _append(self, job: str, rank: int, records, stream: str) -> tuple[int, int]:
-        last = self._logs.append(job, rank, records, stream)
+    def _check_registered(self, job: str, rank: int) -> None:
+        try:
+            self._registered(job, rank)
+        except NotFound:
+            raise NotFound(f"rank {rank} of job {job!r} is not registered with this daemon: "
+                           "call Register before logging (a client's first snapshot or its "
+                           "register() does); records are kept only for registered "
+                           "ranks") from None
+
+    def _replicate(self, job: str, rank: int, records, stream: str) -> int:
+        """Hands training-log records to the next peers; the daemons holding them."""
         copies = 1
         if self._group is None or stream != logs_lib.TRAINING:
-            return last, copies
+            return copies
         request = ppb.LogReplicaRequest(job=job, rank=rank, records=[
             pb.LogRecord(step=s, payload=p) for s, p in records])
         for target in self._group.ring_order_live_first():
@@ -49,9 +69,9 @@ class LogReplication:
                 self._group.call(target, "AppendLogReplica", request)
                 copies += 1
             except grpc.RpcError as err:
-                log.warning("peer %d did not take log records of rank %d of %s: %s",
-                            target, rank, job, err.code().name)
-        return last, copies
+                log.warning("peer %d did not take log records of rank %d of %s: %s", target,
+                            rank, job, err.code().name)
+        return copies
 
     def read(self, job: str, rank: int, after_step: int, stream: str = logs_lib.TRAINING,
              until_step: int | None = None) -> tuple[list, str]:

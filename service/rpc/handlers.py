@@ -10,13 +10,15 @@ import grpc
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
+from bubblesnap.service.errors import bounded
+
 
 def _parse(cls, raw: bytes, context: grpc.ServicerContext):
     try:
         return cls.FromString(raw)
     except (pb_message.DecodeError, RuntimeError, ValueError) as err:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"malformed {cls.DESCRIPTOR.full_name} message ({len(raw)} bytes): {err}")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(
+            f"malformed {cls.DESCRIPTOR.full_name} message ({len(raw)} bytes): {err}"))
 
 
 def generic_handler(service_descriptor, servicer) -> grpc.GenericRpcHandler:

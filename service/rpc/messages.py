@@ -10,13 +10,30 @@ import math
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
-from bubblesnap.service.bubbles.plans import BubbleEvent
+from bubblesnap.service.bubbles.plans import BubbleEvent, check_seconds
 from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.peers import data_channel
 from bubblesnap.service.region_plan import Asked
 from bubblesnap.service.store import layout as layout_lib
+from bubblesnap.service.store.layout import (
+    MAX_BYTES,
+    MAX_RANKS,
+    MAX_SHARDS,
+    MAX_SLOTS,
+    MAX_STEP,
+    MAX_TENSORS,
+    check_count,
+)
 from bubblesnap.service.store.model import BubbleUsage, CopyState
 
 _STATES = {CopyState.STAGING: pb.STAGING, CopyState.LOCAL: pb.LOCAL}
+
+#: Steps one DeleteSnapshots names, records one log append carries, logs one
+#: AppendLogs carries: far more than a client sends, bounded so that one request
+#: cannot hold the daemon's attention for long.
+MAX_STEPS_NAMED = 1 << 16
+MAX_RECORDS = 1 << 16
+MAX_LOGS = 1 << 14
 
 
 # -- what enters -----------------------------------------------------------------------------
@@ -46,11 +63,12 @@ def world(world_size: int) -> int:
     return world_size
 
 
-def optional_step(request) -> int | None:
-    if not request.HasField("step"):
+def optional_step(request, field: str = "step") -> int | None:
+    if not request.HasField(field):
         return None
-    layout_lib.check_step(request.step)
-    return request.step
+    step = getattr(request, field)
+    layout_lib.check_step(step)
+    return step
 
 
 def registration(request) -> tuple:
@@ -63,15 +81,33 @@ def registration(request) -> tuple:
     return request.job, request.rank, request.world_size, layout, group
 
 
+def commit(request) -> tuple:
+    """(job, rank, step, checksums, usage, next step) of a CommitStepRequest."""
+    check_count("checksums", len(request.checksums), MAX_SLOTS)
+    return (*job_rank_step(request), tuple(request.checksums), usage(request.usage),
+            optional_step(request, "next_step"))
+
+
+def restore(request) -> tuple:
+    """(job, rank, step, replica group, alone, world size, regions) of a RestoreRequest
+    (the replica group is checked against the job's world size where it is known)."""
+    check_count("ranks in replica_group", len(request.replica_group), MAX_RANKS)
+    return (*job_rank(request), optional_step(request), tuple(request.replica_group),
+            request.alone, world(request.world_size), asked_regions(request))
+
+
 def asked_regions(request) -> list[Asked]:
     """The tensors and regions a RestoreRequest asks for (none: the rank's own copy)."""
+    check_count("tensors", len(request.tensors), MAX_TENSORS)
+    check_count("regions", sum(len(t.regions) for t in request.tensors), MAX_SLOTS)
     asked = []
     for tensor in request.tensors:
         layout_lib.check_tensor_name(tensor.name)
-        if tensor.dtype not in layout_lib.ITEMSIZE:
-            raise InvalidArgument(f"tensor {tensor.name!r} asks for unknown dtype "
-                                  f"{tensor.dtype!r}")
-        shape = tuple(tensor.global_shape)
+        layout_lib.check_dtype(tensor.name, tensor.dtype)
+        shape = layout_lib.check_shape(tensor.name, tensor.dtype, tensor.global_shape)
+        if len(tensor.regions) > MAX_SHARDS:
+            raise InvalidArgument(f"{len(tensor.regions)} regions of {tensor.name!r} asked; "
+                                  f"at most {MAX_SHARDS}")
         boxes = tuple(layout_lib.check_box(tensor.name, shape,
                                            tuple((s.start, s.stop) for s in region.index))
                       for region in tensor.regions)
@@ -79,15 +115,57 @@ def asked_regions(request) -> list[Asked]:
     return asked
 
 
+def wait_committed(request) -> tuple[str, int, float]:
+    """(job, step, timeout) of a WaitCommittedRequest."""
+    layout_lib.check_step(request.step)
+    return job(request.job), request.step, seconds(request.timeout_seconds)
+
+
+def deleted(request) -> tuple[str, tuple[int, ...]]:
+    """(job, steps) of a DeleteSnapshotsRequest."""
+    check_count("steps", len(request.steps), MAX_STEPS_NAMED)
+    for step in request.steps:
+        layout_lib.check_step(step)
+    return job(request.job), tuple(request.steps)
+
+
 def replica(request) -> tuple:
-    """(job, world size, rank, step, layout, replica group) of a ReplicateRequest."""
+    """(job, world size, rank, step, layout, checksums, replica group) of a ReplicateRequest."""
     layout_lib.check_job_name(request.job)
     layout_lib.check_world(request.rank, request.world_size)
     layout_lib.check_step(request.step)
     layout = layout_lib.build_layout(request.tensors)
+    check_count("checksums", len(request.checksums), MAX_SLOTS)
     group = layout_lib.check_replica_group(request.rank, request.world_size,
                                            request.replica_group)
-    return request.job, request.world_size, request.rank, request.step, layout, group
+    return (request.job, request.world_size, request.rank, request.step, layout,
+            tuple(request.checksums), group)
+
+
+def data_source(request) -> tuple[str, bytes]:
+    """(data address, ticket) a ReplicateRequest says to pull from."""
+    data_channel.check_address(request.data_address)
+    if len(request.ticket) != data_channel.TICKET_BYTES:
+        raise InvalidArgument(f"a ticket of {len(request.ticket)} bytes; tickets have "
+                              f"{data_channel.TICKET_BYTES}")
+    return request.data_address, request.ticket
+
+
+def joined(request) -> tuple[int, str]:
+    """(ring index, peer address) of a JoinRequest (the index is checked by the group)."""
+    data_channel.check_address(request.address, "peer address")
+    return request.index, request.address
+
+
+def slots_asked(request) -> tuple[int, ...]:
+    check_count("slots", len(request.slots), MAX_SLOTS)
+    return tuple(request.slots)
+
+
+def rollback(request) -> tuple[str, int, int]:
+    """(job, world size, step) of a RollbackRequest."""
+    layout_lib.check_step(request.step)
+    return job(request.job), world(request.world_size), request.step
 
 
 def seconds(value: float) -> float:
@@ -98,6 +176,13 @@ def seconds(value: float) -> float:
 
 
 def usage(u: pb.BubbleUsage) -> BubbleUsage:
+    """How a copy used its bubbles, as the client measured it: bounded numbers."""
+    for name in ("offered_seconds", "used_seconds", "spilled_seconds", "overrun_seconds"):
+        check_seconds(f"usage.{name}", getattr(u, name))
+    for name, most in (("spilled_bytes", MAX_BYTES), ("bubbles", 1 << 31),
+                       ("iterations", 1 << 31)):
+        if not 0 <= getattr(u, name) < most:
+            raise InvalidArgument(f"usage.{name} of {getattr(u, name)}: send 0 or more")
     return BubbleUsage(u.offered_seconds, u.used_seconds, u.spilled_seconds, u.spilled_bytes,
                        u.bubbles, u.iterations, u.overrun_seconds)
 
@@ -107,12 +192,30 @@ def log_records(request) -> tuple[str, int, list[tuple[int, bytes]], str]:
     return (*job_rank(request), records(request), request.stream)
 
 
+def logs(request) -> list[tuple[str, int, list[tuple[int, bytes]], str]]:
+    """Every log of an AppendLogsRequest, as :func:`log_records` gives one."""
+    check_count("logs", len(request.logs), MAX_LOGS)
+    check_count("records", sum(len(log.records) for log in request.logs), MAX_RECORDS)
+    return [log_records(log) for log in request.logs]
+
+
 def records(request) -> list[tuple[int, bytes]]:
+    """The records of an append (their steps and sizes are the logs' to check)."""
+    check_count("records", len(request.records), MAX_RECORDS)
     return [(r.step, r.payload) for r in request.records]
 
 
-def until_step(request) -> int | None:
-    return request.until_step if request.HasField("until_step") else None
+def log_read(request) -> tuple[str, int, int, int | None]:
+    """(job, rank, after step, until step) of a ReadLogRequest (the logs check the
+    stream name)."""
+    after, until = request.after_step, optional_step(request, "until_step")
+    if not -1 <= after < MAX_STEP:
+        raise InvalidArgument(f"after_step {after}: send -1 (the log from step 0 on) to "
+                              f"{MAX_STEP - 1}")
+    if until is not None and until <= after:
+        raise InvalidArgument(f"until_step {until} must come after after_step {after}: the "
+                              "read is of steps after_step+1..until_step")
+    return (*job_rank(request), after, until)
 
 
 def bubble_event(event: pb.BubbleEvent) -> BubbleEvent:
@@ -193,7 +296,8 @@ def daemon_status(status) -> pb.StatusResponse:
         memory=pb.MemoryStatus(budget_bytes=memory.budget_bytes, used_bytes=memory.used_bytes,
                                pooled_bytes=memory.pooled_bytes, shm_dir=memory.shm_dir,
                                shm_free_bytes=memory.shm_free_bytes,
-                               log_bytes=status.log_bytes))
+                               log_bytes=status.log_bytes,
+                               log_budget_bytes=status.log_budget_bytes))
 
 
 def _job_status(status) -> pb.JobStatus:

@@ -4,7 +4,6 @@ from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.rpc import messages
 from bubblesnap.service.rpc.status_codes import unary
-from bubblesnap.service.store import layout as layout_lib
 
 
 class PeerServicer:
@@ -20,7 +19,7 @@ class PeerServicer:
 
     @unary
     def Join(self, request, context):
-        self._group.join(request.index, request.address)
+        self._group.join(*messages.joined(request))
         return ppb.JoinResponse()
 
     @unary
@@ -33,15 +32,13 @@ class PeerServicer:
 
     @unary
     def Replicate(self, request, context):
-        job, world, rank, step, layout, group = messages.replica(request)
-        self._transfers.pull(request.data_address, request.ticket, job, world, rank, step,
-                             layout, request.checksums, group)
+        self._transfers.pull(*messages.data_source(request), *messages.replica(request))
         return ppb.ReplicateResponse()
 
     @unary
     def OpenRead(self, request, context):
         pinned, ticket = self._transfers.offer(*messages.job_rank_step(request),
-                                               tuple(request.slots))
+                                               messages.slots_asked(request))
         return messages.open_read(pinned, ticket, self._transfers.data_address)
 
     @unary
@@ -58,11 +55,9 @@ class PeerServicer:
 
     @unary
     def Rollback(self, request, context):
-        layout_lib.check_step(request.step)
-        job = messages.job(request.job)
-        self._store.resume(job, messages.world(request.world_size), request.step)
-        return ppb.RollbackResponse(dropped_copies=self._restorer.roll_back_here(job,
-                                                                                request.step))
+        job, world, step = messages.rollback(request)
+        self._store.resume(job, world, step)
+        return ppb.RollbackResponse(dropped_copies=self._restorer.roll_back_here(job, step))
 
     @unary
     def AppendLogReplica(self, request, context):
@@ -72,8 +67,7 @@ class PeerServicer:
 
     @unary
     def ReadLogReplica(self, request, context):
+        job, rank, after, until = messages.log_read(request)
         return pb.ReadLogResponse(records=[
             pb.LogRecord(step=step, payload=payload)
-            for step, payload in self._logs.held_after(*messages.job_rank(request),
-                                                       request.after_step,
-                                                       until_step=messages.until_step(request))])
+            for step, payload in self._logs.held_after(job, rank, after, until_step=until)])

@@ -35,7 +35,7 @@ def _abort(servicer, name: str, context, err: Exception) -> None:
     else:
         code = grpc.StatusCode.INTERNAL
         log.exception("%s failed", name)
-        message = f"daemon error: {err!r}"
+        message = errors.bounded(f"daemon error: {errors.shown(err, 400)}")
     servicer.metrics.rpcs.labels(name, code.name).inc()
     context.abort(code, message)
 

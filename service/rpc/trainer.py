@@ -3,7 +3,6 @@
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.rpc import messages
 from bubblesnap.service.rpc.status_codes import streaming, unary
-from bubblesnap.service.store import layout as layout_lib
 
 
 class DaemonServicer:
@@ -31,34 +30,25 @@ class DaemonServicer:
 
     @unary
     def CommitStep(self, request, context):
-        commit = self._store.commit_step(
-            *messages.job_rank_step(request), tuple(request.checksums),
-            messages.usage(request.usage),
-            request.next_step if request.HasField("next_step") else None)
+        commit = self._store.commit_step(*messages.commit(request))
         return pb.CommitStepResponse(
             job_committed=commit.job_committed, latest_committed_step=commit.latest_committed_step,
             next=messages.staging(commit.next) if commit.next else None)
 
     @unary
     def AbortStep(self, request, context):
-        self._store.abort_step(*messages.job_rank(request), request.step)
+        self._store.abort_step(*messages.job_rank_step(request))
         return pb.AbortStepResponse()
 
     @unary
     def Restore(self, request, context):
-        restored = self._restorer.restore(*messages.job_rank(request),
-                                          messages.optional_step(request),
-                                          tuple(request.replica_group), request.alone,
-                                          messages.world(request.world_size),
-                                          messages.asked_regions(request))
+        restored = self._restorer.restore(*messages.restore(request))
         self.metrics.restores.labels(restored.source).inc()
         return messages.restored(restored)
 
     @unary
     def WaitCommitted(self, request, context):
-        layout_lib.check_step(request.step)
-        committed, latest = self._status.wait_committed(messages.job(request.job), request.step,
-                                                        messages.seconds(request.timeout_seconds))
+        committed, latest = self._status.wait_committed(*messages.wait_committed(request))
         return pb.WaitCommittedResponse(committed=committed, latest_committed_step=latest)
 
     @unary
@@ -74,7 +64,7 @@ class DaemonServicer:
     @unary
     def DeleteSnapshots(self, request, context):
         return pb.DeleteSnapshotsResponse(deleted_steps=self._store.delete(
-            messages.job(request.job), tuple(request.steps)))
+            *messages.deleted(request)))
 
     @unary
     def AppendLog(self, request, context):
@@ -83,14 +73,14 @@ class DaemonServicer:
 
     @unary
     def AppendLogs(self, request, context):
-        answers = self._logs.append([messages.log_records(log) for log in request.logs])
+        answers = self._logs.append(messages.logs(request))
         return pb.AppendLogsResponse(logs=[pb.AppendLogResponse(last_step=last, copies=copies)
                                            for last, copies in answers])
 
     @unary
     def ReadLog(self, request, context):
-        records, source = self._logs.read(*messages.job_rank(request), request.after_step,
-                                          request.stream, messages.until_step(request))
+        job, rank, after, until = messages.log_read(request)
+        records, source = self._logs.read(job, rank, after, request.stream, until)
         return pb.ReadLogResponse(records=[pb.LogRecord(step=s, payload=p) for s, p in records],
                                   source=source)
 

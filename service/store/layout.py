@@ -9,15 +9,26 @@ import dataclasses
 import math
 import re
 
-from bubblesnap.service.errors import FailedPrecondition, InvalidArgument
+from bubblesnap.service.errors import FailedPrecondition, InvalidArgument, shown
 from bubblesnap.service.store import regions
 
 #: Job names are used as labels and map keys, never as paths; still, keep them
 #: to a safe alphabet so they can be logged, exported and typed.
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAX_TENSOR_NAME = 1024
-_MAX_TENSORS = 1 << 16
-_MAX_RANKS = 1 << 20
+MAX_TENSORS = 1 << 16
+MAX_RANKS = 1 << 20
+#: Shards of one tensor one rank copies (a process holds a few per local device).
+MAX_SHARDS = 1 << 12
+#: Shards of one rank's layout, all tensors together.
+MAX_SLOTS = 1 << 18
+#: Dimensions of a tensor (numpy allows 64).
+MAX_DIMS = 64
+#: Bytes of a tensor's global array, and of a rank's segment: every size and offset the
+#: daemon answers with fits an int64, with room for the sums made of them.
+MAX_BYTES = 1 << 62
+#: Steps (and iterations) are 0 <= step < MAX_STEP: a step after a step still fits an int64.
+MAX_STEP = 1 << 62
 
 #: Item sizes of the dtypes a shard may have. The daemon never interprets the
 #: bytes, it only needs their count, so it keeps no dependency on numpy dtypes.
@@ -91,13 +102,15 @@ def check_job_name(job: str) -> None:
         raise InvalidArgument("job name is empty; pass the name the trainer registered")
     if not _JOB_NAME.fullmatch(job):
         raise InvalidArgument(
-            f"job name {job!r} is not allowed: use 1-128 characters from "
+            f"job name {shown(job)} is not allowed: use 1-128 characters from "
             "A-Z a-z 0-9 . _ - starting with a letter or digit")
 
 
 def check_rank(rank: int, world_size: int | None = None) -> None:
     if rank < 0:
         raise InvalidArgument(f"rank {rank} is negative")
+    if rank >= MAX_RANKS:
+        raise InvalidArgument(f"rank {rank} is beyond the {MAX_RANKS} ranks a job may have")
     if world_size is not None and rank >= world_size:
         raise InvalidArgument(f"rank {rank} is outside world_size {world_size}")
 
@@ -108,10 +121,14 @@ def check_replica_group(rank: int, world_size: int, group) -> tuple[int, ...]:
     The group lists the ranks whose state is identical to this rank's (its
     data-parallel replicas); its lowest rank is the one that copies it.
     """
+    if len(group) > world_size:
+        raise InvalidArgument(
+            f"replica_group of rank {rank} lists {len(group)} ranks; the job has "
+            f"{world_size}: list each replica once")
     for member in group:
         if not 0 <= member < world_size:
             raise InvalidArgument(
-                f"replica_group {list(group)} of rank {rank} names rank {member}, outside "
+                f"replica_group {shown(list(group))} of rank {rank} names rank {member}, outside "
                 f"world_size {world_size}; list the ranks 0..{world_size - 1} whose state is "
                 "identical to this rank's (its data-parallel replicas)")
     return tuple(sorted({rank, *group}))
@@ -130,40 +147,70 @@ def check_held_for(job: str, rank: int, copier: int, declared) -> None:
 def check_step(step: int) -> None:
     if step < 0:
         raise InvalidArgument(f"step {step} is negative; steps count from 0")
+    if step >= MAX_STEP:
+        raise InvalidArgument(f"step {step} is beyond the last step, {MAX_STEP - 1}")
+
+
+def check_count(what: str, count: int, most: int) -> None:
+    """A repeated field of a request holds at most ``most`` entries."""
+    if count > most:
+        raise InvalidArgument(f"{count} {what}; at most {most} in one request")
 
 
 def check_tensor_name(name: str) -> None:
     if not name:
         raise InvalidArgument("a tensor has an empty name")
     if len(name) > _MAX_TENSOR_NAME:
-        raise InvalidArgument(f"tensor name of {len(name)} characters; at most {_MAX_TENSOR_NAME}")
+        raise InvalidArgument(f"tensor name {shown(name)} has {len(name)} characters; at "
+                              f"most {_MAX_TENSOR_NAME}")
     if "\x00" in name or any(ord(c) < 32 for c in name):
-        raise InvalidArgument(f"tensor name {name!r} contains a NUL or control character")
+        raise InvalidArgument(f"tensor name {shown(name)} contains a NUL or control character")
     if any(part in ("..", ".") for part in name.split("/")) or name.startswith("/"):
         raise InvalidArgument(
-            f"tensor name {name!r} contains a '.' or '..' component or a leading '/'; "
+            f"tensor name {shown(name)} contains a '.' or '..' component or a leading '/'; "
             "names are pytree paths like 'params/dense/kernel'")
+
+
+def check_dtype(name: str, dtype: str) -> int:
+    """The item size of ``dtype``, a dtype the daemon knows, of tensor ``name``."""
+    if dtype not in ITEMSIZE:
+        raise InvalidArgument(f"tensor {name!r} has unknown dtype {shown(dtype)}; "
+                              f"known: {', '.join(sorted(ITEMSIZE))}")
+    return ITEMSIZE[dtype]
+
+
+def check_shape(name: str, dtype: str, shape) -> tuple[int, ...]:
+    """A global shape from the wire: at most MAX_DIMS dimensions, none negative, and an
+    array of at most MAX_BYTES."""
+    shape = tuple(shape)
+    if len(shape) > MAX_DIMS:
+        raise InvalidArgument(f"tensor {name!r} has {len(shape)} dimensions; at most {MAX_DIMS}")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"tensor {name!r} has a negative dimension in {shape}")
+    if max(shape, default=0) > MAX_BYTES or \
+            math.prod(shape) * ITEMSIZE[dtype] > MAX_BYTES:
+        raise InvalidArgument(f"tensor {name!r} of shape {shape} and dtype {dtype} passes "
+                              f"{MAX_BYTES} bytes")
+    return shape
 
 
 def build_layout(tensors) -> Layout:
     """Validates ``TensorSpec`` messages and returns the layout they describe."""
     if not tensors:
         raise InvalidArgument("the layout has no tensors; register the state pytree you snapshot")
-    if len(tensors) > _MAX_TENSORS:
-        raise InvalidArgument(f"{len(tensors)} tensors; at most {_MAX_TENSORS} per rank")
+    check_count("tensors", len(tensors), MAX_TENSORS)
+    check_count("shards", sum(len(spec.shards) for spec in tensors), MAX_SLOTS)
     seen, built = set(), []
     for spec in tensors:
         check_tensor_name(spec.name)
         if spec.name in seen:
-            raise InvalidArgument(f"tensor name {spec.name!r} appears twice")
+            raise InvalidArgument(f"tensor name {shown(spec.name)} appears twice")
         seen.add(spec.name)
-        if spec.dtype not in ITEMSIZE:
-            raise InvalidArgument(
-                f"tensor {spec.name!r} has unknown dtype {spec.dtype!r}; "
-                f"known: {', '.join(sorted(ITEMSIZE))}")
-        shape = tuple(spec.global_shape)
-        if any(d < 0 for d in shape):
-            raise InvalidArgument(f"tensor {spec.name!r} has a negative dimension in {shape}")
+        check_dtype(spec.name, spec.dtype)
+        shape = check_shape(spec.name, spec.dtype, spec.global_shape)
+        if len(spec.shards) > MAX_SHARDS:
+            raise InvalidArgument(f"tensor {spec.name!r} has {len(spec.shards)} shards; at "
+                                  f"most {MAX_SHARDS}")
         shards = tuple(_build_shard(spec.name, spec.dtype, shape, s) for s in spec.shards)
         if not spec.job_wide:
             gap = regions.missing(shape, [shard.index for shard in shards])
@@ -173,7 +220,11 @@ def build_layout(tensors) -> Layout:
                     f"leave {regions.describe(spec.name, gap)} uncovered: list every region "
                     "of it, or mark it job_wide if other ranks copy the rest")
         built.append(Tensor(spec.name, spec.dtype, shape, shards, spec.job_wide))
-    return Layout(tuple(built))
+    layout = Layout(tuple(built))
+    if layout.segment_bytes > MAX_BYTES:
+        raise InvalidArgument(f"the layout's shards take {layout.segment_bytes} bytes (64-byte "
+                              f"aligned); at most {MAX_BYTES} per rank")
+    return layout
 
 
 def check_box(name: str, shape: tuple[int, ...], box) -> tuple[tuple[int, int], ...]:
@@ -182,8 +233,6 @@ def check_box(name: str, shape: tuple[int, ...], box) -> tuple[tuple[int, int], 
         raise InvalidArgument(
             f"a region of {name!r} has {len(box)} index dimensions; "
             f"the global shape {shape} has {len(shape)}")
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"tensor {name!r} has a negative dimension in {shape}")
     for (start, stop), dim in zip(box, shape, strict=True):
         if not 0 <= start <= stop <= dim:
             raise InvalidArgument(
@@ -202,6 +251,6 @@ def _build_shard(name: str, dtype: str, shape: tuple[int, ...], spec) -> Shard:
 
 
 def check_world(rank: int, world_size: int) -> None:
-    if not 1 <= world_size <= _MAX_RANKS:
-        raise InvalidArgument(f"world_size {world_size} must be between 1 and {_MAX_RANKS}")
+    if not 1 <= world_size <= MAX_RANKS:
+        raise InvalidArgument(f"world_size {world_size} must be between 1 and {MAX_RANKS}")
     check_rank(rank, world_size)

@@ -164,9 +164,16 @@ def uncovered(layouts: tuple[Layout, ...]) -> tuple[str, ...]:
             if tensor.job_wide:
                 shapes[tensor.name] = tensor.global_shape
                 boxes.setdefault(tensor.name, []).extend(s.index for s in tensor.shards)
-    gaps = (regions.missing(shape, boxes[name]) for name, shape in sorted(shapes.items()))
-    return tuple(regions.describe(name, gap) for name, gap in
-                 zip(sorted(shapes), gaps, strict=True) if gap is not None)[:8]
+    gaps = []
+    for name, shape in sorted(shapes.items()):
+        try:
+            gap = regions.missing(shape, boxes[name])
+        except regions.TooFragmented:  # never judged whole: refused where it registers
+            gaps.append(f"{name!r} (its regions are too fragmented to check)")
+            continue
+        if gap is not None:
+            gaps.append(regions.describe(name, gap))
+    return tuple(gaps[:8])
 
 
 def conflict(layouts: tuple[Layout, ...]) -> str | None:

@@ -8,7 +8,18 @@ the boxes of the copies cover every element of every array.
 import itertools
 import math
 
+from bubblesnap.service.errors import InvalidArgument
+
 Box = tuple[tuple[int, int], ...]
+
+#: Work :func:`missing` does at most (cells visited plus boxes looked at in them):
+#: shardings cut a tensor into few pieces, and a set of boxes that needs more
+#: (crafted to) is refused, not walked for ever under the store's lock.
+MAX_WORK = 1 << 20
+
+
+class TooFragmented(InvalidArgument):
+    """The boxes cut the tensor into more pieces than MAX_WORK allows to check."""
 
 
 def whole(shape) -> Box:
@@ -37,8 +48,9 @@ def missing(shape, boxes) -> Box | None:
     when they cover it all. An empty tensor (a zero dimension) is always covered.
 
     The boxes' edges cut every dimension into intervals; the grid of those
-    intervals is walked cell by cell. Shardings produce few edges per
-    dimension, so the grid stays small.
+    intervals is walked cell by cell, skipping a slab one box covers whole.
+    Shardings produce few edges per dimension, so the walk stays short;
+    TooFragmented past MAX_WORK.
     """
     if any(d == 0 for d in shape):
         return None
@@ -46,20 +58,35 @@ def missing(shape, boxes) -> Box | None:
     edges = [sorted({0, dim, *(e for b in boxes for e in b[axis])})
              for axis, dim in enumerate(shape)]
     cells = [list(itertools.pairwise(e)) for e in edges]
-    return _first_uncovered((), cells, boxes)
+    return _first_uncovered((), cells, boxes, [MAX_WORK])
 
 
-def _first_uncovered(prefix: Box, cells, boxes) -> Box | None:
+def _first_uncovered(prefix: Box, cells, boxes, left: list[int]) -> Box | None:
+    """The first uncovered box of the slab ``prefix`` x (every later dimension whole);
+    every box of ``boxes`` contains ``prefix``."""
     axis = len(prefix)
+    rest = tuple((c[0][0], c[-1][1]) for c in cells[axis:])
+    if any(_contains(b, (*prefix, *rest)) for b in boxes):
+        return None
     if axis == len(cells):
-        return None if any(_contains(b, prefix) for b in boxes) else prefix
-    for interval in cells[axis]:
-        here = (*prefix, interval)
-        # Only boxes that contain this cell's prefix can cover the rest of it.
-        inside = [b for b in boxes if _contains(b[:axis + 1], here)]
-        if not inside:  # nothing covers this slab: all of it is missing
-            return (*here, *((c[0][0], c[-1][1]) for c in cells[axis + 1:]))
-        found = _first_uncovered(here, cells, inside)
+        return prefix
+    # A sweep along this axis: the boxes that span each interval (an interval lies
+    # between two neighbouring edges, so a box spanning its start spans it all).
+    pending = sorted(boxes, key=lambda b: b[axis][0], reverse=True)
+    spanning: list = []
+    for start, stop in cells[axis]:
+        while pending and pending[-1][axis][0] <= start:
+            spanning.append(pending.pop())
+        spanning = [b for b in spanning if b[axis][1] >= stop]
+        left[0] -= 1 + len(spanning)
+        if left[0] < 0:
+            raise TooFragmented(f"the regions given cut a tensor of shape "
+                                f"{tuple(c[-1][1] for c in cells)} into too many pieces to "
+                                "check; shard it on a regular grid")
+        here = (*prefix, (start, stop))
+        if not spanning:  # nothing covers this slab: all of it is missing
+            return (*here, *rest[1:])
+        found = _first_uncovered(here, cells, spanning, left)
         if found is not None:
             return found
     return None

@@ -10,9 +10,10 @@ reaching the store are well formed.
 
 Listeners hear what other parts react to: ``on_local(job, rank, step)``
 after a trainer's copy became LOCAL (replication, the durable tier),
-``on_job_deleted(job)`` after a whole job was deleted (plans, logs), both
-outside the lock; ``on_retained(job, step)`` with the oldest committed step
-retention keeps, under the lock (it must not call the store).
+``on_job_deleted(job)`` after a whole job was deleted (plans, logs; each
+returns whether it held anything of the job), both outside the lock;
+``on_retained(job, step)`` with the oldest committed step retention keeps,
+under the lock (it must not call the store).
 """
 
 import threading
@@ -195,18 +196,23 @@ class SnapshotStore:
     # -- listing and deleting -------------------------------------------------
 
     def delete(self, job: str, steps=()) -> int:
-        """Deletes the given steps of ``job``; no steps: the whole job. Returns steps deleted."""
+        """Deletes the given steps of ``job``; no steps: the whole job, with what the
+        ``on_job_deleted`` listeners hold of it (a job only they know, such as one whose
+        training-log records a peer handed here, is deleted too). Returns steps deleted."""
         with self._lock:
             deleted = self._delete(job, set(steps))
-        if not steps:
-            for listener in self._on_job_deleted:
-                listener(job)
-        return deleted
+        held_elsewhere = [listener(job) for listener in self._on_job_deleted] \
+            if not steps else []
+        if deleted is None and not any(held_elsewhere):
+            raise NotFound(f"no job {job!r} is registered with this daemon, and it holds no "
+                           "log records of it")
+        return deleted or 0
 
-    def _delete(self, job: str, steps: set[int]) -> int:
+    def _delete(self, job: str, steps: set[int]) -> int | None:
+        """None: the job is not held here."""
         entry = self._state.jobs.get(job)
         if entry is None:
-            raise NotFound(f"no job {job!r} is registered with this daemon")
+            return None
         held_steps = {s for r in entry.ranks.values() for s in r.steps}
         if not steps:
             for held in entry.ranks.values():
