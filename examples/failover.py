@@ -4,9 +4,10 @@ Three daemons (separate processes on loopback ports, a ring with --replicas
 copies of every committed snapshot on the next hosts and a durable tier)
 serve a 3-stage GPT pipeline, one stage process per host, snapshotting in
 the bubbles every iteration. The stages train until the failure: once a step
-is committed for the job (and, with --kill-adjacent 2, written durably) and
-every stage has trained --steps-past-commit iterations more, host 1 (its
-daemon and its stage) is killed with SIGKILL; the surviving stages are
+is committed for the job (with --kill-adjacent 2: once a step is written
+durably, the newest one two adjacent hosts dying may not lose) and every
+stage has trained --steps-past-commit iterations more, host 1 (its daemon
+and its stage) is killed with SIGKILL; the surviving stages are
 stopped as a job scheduler would stop them. A replacement daemon (new port,
 empty memory) takes host 1's place in the ring, and three fresh stage
 processes restore the step the whole job can restore: hosts 0 and 2 from
@@ -168,22 +169,28 @@ def job_status(address: str):
     return jobs[0] if jobs else None
 
 
-def wait_until_safe(hosts: list[Host], args) -> int:
-    """Waits until a step is committed (and, when hosts will die together, written
-    durably), then until every stage trained ``--steps-past-commit`` iterations past
-    it, so the failure strikes a job that had moved on; the step committed."""
+def wait_until_safe(hosts: list[Host], args) -> tuple[int, int]:
+    """Waits until a step the failure may not lose exists, then until every stage
+    trained ``--steps-past-commit`` iterations past it, so the failure strikes a job
+    that had moved on. Returns (the step committed, the step the failure may not
+    lose). One host dying may not lose the committed step; two adjacent hosts with
+    one replica take both copies of a stage, so only the durable tier's newest whole
+    step is safe then."""
     deadline = time.monotonic() + args.timeout
-    committed = None
+    safe = None
     while time.monotonic() < deadline:
         if any(h.stage.poll() is not None for h in hosts):
             raise SystemExit("a stage process ended before the kill: see its output above")
-        if committed is None:
+        if safe is None:
             status = job_status(hosts[0].address)
-            if status is not None and status.latest_committed_step >= args.kill_after and (
-                    args.kill_adjacent == 1 or status.durable_steps):
-                committed = status.latest_committed_step
-        elif min(h.trained(args) for h in hosts) >= committed + args.steps_past_commit:
-            return committed
+            if status is not None and status.latest_committed_step >= args.kill_after:
+                if args.kill_adjacent == 1:
+                    safe = status.latest_committed_step
+                elif status.durable_steps and max(status.durable_steps) >= args.kill_after:
+                    safe = max(status.durable_steps)
+        elif min(h.trained(args) for h in hosts) >= safe + args.steps_past_commit:
+            status = job_status(hosts[0].address)
+            return (status.latest_committed_step if status is not None else safe), safe
         time.sleep(0.05)
     raise SystemExit(f"the kill's condition did not hold within {args.timeout:.0f} s")
 
@@ -198,12 +205,13 @@ def run(args) -> dict:
         rendezvous = tempfile.mkdtemp(dir=args.workdir)
         for host in hosts:
             host.start_stage(args, rendezvous, resume=False)
-        committed = wait_until_safe(hosts, args)
+        committed, safe = wait_until_safe(hosts, args)
         doomed = list(range(1, 1 + args.kill_adjacent))
         killed_at = time.time()
         for i in doomed:
             hosts[i].kill()
-        log(f"step {committed} committed; killed host(s) {doomed} (daemon and stage) with SIGKILL")
+        log(f"step {committed} committed, step {safe} may not be lost; killed host(s) {doomed} "
+            "(daemon and stage) with SIGKILL")
         for host in hosts:  # the scheduler stops the rest of the job
             if host.stage.poll() is None:
                 host.stage.kill()
@@ -239,6 +247,8 @@ def run(args) -> dict:
             "state_matches_snapshot": all(r["matches"] for r in restored) and len(steps) == 1,
             "killed_hosts": doomed, "replicas": args.replicas,
             "committed_at_kill": committed,
+            # the newest step the failure may not lose (see wait_until_safe)
+            "safe_at_kill": safe,
             "trained_to_step": max(r["step"] for r in restored) + args.train_after,
             "stages": [{k: r[k] for k in ("stage", "step", "source", "restore_seconds",
                                           "matches")} for r in restored]}

@@ -1,5 +1,6 @@
 """examples/failover.py end to end, both ways, several times: a host (or two adjacent hosts)
-killed with SIGKILL after a committed step, the job resumed from a step at least as new."""
+killed with SIGKILL after a committed step, the job resumed from a step at least as new as
+the one it may not lose: the committed step for one host, the durable one for two."""
 
 import os
 
@@ -16,12 +17,14 @@ RUNS = int(os.environ.get("BUBBLESNAP_FAILOVER_RUNS", "2"))
     ((), [1], "peer"),
     (("--kill-adjacent", "2", "--replicas", "1"), [1, 2], "durable"),
 ])
-def test_failover_resumes_from_a_step_at_least_as_new_as_the_committed_one(flags, killed,
-                                                                           source, run):
+def test_failover_resumes_from_a_step_at_least_as_new_as_the_safe_one(flags, killed,
+                                                                       source, run):
     code, report = run_example("failover.py", *flags)
     assert code == 0 and report["state_matches_snapshot"], report
     assert report["killed_hosts"] == killed
-    assert report["restored_step"] >= report["committed_at_kill"], report
+    assert report["restored_step"] >= report["safe_at_kill"], report
+    if killed == [1]:  # a copy of every committed step outlived the one host
+        assert report["restored_step"] >= report["committed_at_kill"], report
     if killed == [1, 2]:  # both copies of stage 1 died with its hosts
         assert report["source"] == source, report
     else:
