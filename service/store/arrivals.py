@@ -84,8 +84,9 @@ def land(state: StoreState, arrival: Arrival, computed, for_restore: bool) -> in
         raise DataLoss(f"step {step} of rank {arrival.rank} of job {arrival.job!r}: checksum "
                        f"mismatch on {names}; the copy was dropped")
     rank_step.checksums = arrival.checksums
-    rank_step.state = CopyState.LOCAL
     rank_step.replicated = True
+    state.record(arrival.job, arrival.entry, arrival.rank, held, step, rank_step)
+    rank_step.state = CopyState.LOCAL
     rank_step.arriving = False
     rank_step.just_verified = for_restore
     state.retain(arrival.job, arrival.entry)

@@ -74,6 +74,7 @@ def commit(state: StoreState, job: str, rank: int, step: int, checksums=(),
             f"client's checksums for {names}; the copy was dropped, snapshot again")
     rank_step.checksums = computed
     rank_step.usage = usage
+    state.record(job, entry, rank, held, step, rank_step)
     rank_step.state = CopyState.LOCAL
     state.retain(job, entry)
     return dataclasses.replace(_result(state, job, rank, entry, held, step, next_step),
