@@ -1,13 +1,16 @@
-"""The record beside each held copy."""
+"""The record beside each held copy, and which directories a starting daemon may take over."""
 
+import fcntl
 import json
 import os
+import subprocess
 
 import pytest
 
 from bubblesnap.service.store import persistence
 from bubblesnap.service.store.layout import Layout, Shard, Tensor
 from bubblesnap.service.store.persistence import CopyRecord
+from bubblesnap.service.store.segments import SegmentPool
 
 LAYOUT = Layout((Tensor("params/w", "bfloat16", (4, 6), (Shard(((0, 2), (0, 6)), 24),
                                                          Shard(((2, 4), (0, 6)), 24)), True),
@@ -58,3 +61,41 @@ def test_a_newer_version_is_reported_and_not_read(tmp_path):
     with pytest.raises(persistence.NewerVersion) as newer:
         persistence.read(path)
     assert newer.value.version == 2
+
+
+def _gone_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_only_directories_of_dead_daemons_nobody_holds_are_claimed(tmp_path):
+    made = {name: tmp_path / name for name in (
+        f"bubblesnap-{_gone_pid()}-dead", f"bubblesnap-{os.getpid()}-earlier",
+        f"bubblesnap-{_gone_pid()}-held", "bubblesnap-1-alive", "bubblesnap-testing-x",
+        "unrelated")}
+    for directory in made.values():
+        directory.mkdir()
+        (directory / "seg-0").write_bytes(b"x")
+    # A live daemon whose pid this process cannot see (another pid namespace) holds its lock.
+    held = os.open(made[next(n for n in made if n.endswith("-held"))] / "lock",
+                   os.O_RDWR | os.O_CREAT)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    pool = SegmentPool(str(tmp_path))
+    try:
+        claimed = pool.claim_dead()
+        # The dead one and this pid's earlier one (a container restarted under the same
+        # pid) are now this daemon's, under new names; the others are as they were.
+        assert len(claimed) == 2
+        for path in claimed:
+            assert os.path.basename(path).startswith(f"bubblesnap-{os.getpid()}-")
+            assert sorted(os.listdir(path)) == ["lock", "seg-0"]
+        left = {n for n in made if (tmp_path / n).exists()}
+        assert left == {n for n in made if not n.endswith(("-dead", "-earlier"))}
+        second = SegmentPool(str(tmp_path))  # another daemon starting: every one is held
+        assert second.claim_dead() == []
+        second.close()
+    finally:
+        os.close(held)
+        pool.close()
+    assert sorted(os.listdir(tmp_path)) == sorted(left)

@@ -47,6 +47,10 @@ class Memory:
         segment.handed_out = True
         return segment
 
+    def adopt(self, segment: Segment) -> None:
+        """Counts a segment a dead daemon left (adoption.py) as held here."""
+        self._in_use += segment.nbytes
+
     def drop(self, segment: Segment) -> None:
         """Frees a handed-over segment (a trainer's mapping of it stays valid)."""
         self._in_use -= segment.nbytes

@@ -61,7 +61,10 @@ class StoreState:
                 "dropped. Free space in --shm-dir and snapshot again") from err
 
     def retain(self, name: str, entry: Job) -> None:
-        """Frees what retention lets go of ``entry``'s copies."""
+        """Frees what retention lets go of ``entry``'s copies (nothing while adopted
+        copies wait for the group's committed steps)."""
+        if entry.awaiting_group:
+            return
         committed = entry.committed_steps()
         keep = self.options.keep_steps
         for held in entry.ranks.values():
