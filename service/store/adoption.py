@@ -29,6 +29,7 @@ import logging
 import os
 import time
 
+from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.store import persistence, segments
 from bubblesnap.service.store.model import CopyState, Rank, RankStep, mismatches
 from bubblesnap.service.store.persistence import CopyRecord
@@ -91,7 +92,8 @@ class _Scan:
 
     def __init__(self, state: StoreState):
         self._state = state
-        self.found: list[_Found] = []
+        self._recorded: list[tuple[str, CopyRecord]] = []  # segments with a record
+        self.found: list[_Found] = []  # verified
         self.dropped: list[LeftFile] = []
         self.kept: list[LeftFile] = []
 
@@ -111,7 +113,7 @@ class _Scan:
                 self.drop(path, "no record: being written or arriving when the daemon died, "
                           "pooled, or a restore's")
             else:
-                self._copy(path)
+                self._record(path)
 
     def drop(self, path: str, reason: str, segment: Segment | None = None) -> None:
         """Removes a segment (or stray file) and its record."""
@@ -122,36 +124,46 @@ class _Scan:
             segments.unlink(path)
         persistence.remove(path)
 
-    def _copy(self, path: str) -> None:
+    def verify(self) -> None:
+        """Maps the recorded segments and checks them against their records, several at
+        once on the store's hashers (mapping a segment costs more than hashing it)."""
+        outcomes = self._state.hashers.map(_verified, self._recorded)
+        for (path, record), (segment, problem) in zip(self._recorded, outcomes, strict=True):
+            if problem:
+                self.drop(path, problem, segment)
+            else:
+                self.found.append(_Found(record, segment))
+
+    def _record(self, path: str) -> None:
         meta = persistence.path_of(path)
         try:
-            record = persistence.read(meta)
+            self._recorded.append((path, persistence.read(meta)))
         except persistence.NewerVersion as err:
             for kept in (path, meta):
                 self._state.memory.pool.keep(kept)
             self.kept.append(LeftFile(path, f"a record of {err}", _size(path)))
-            return
         except persistence.Unreadable as err:
             self.drop(path, str(err))
-            return
-        try:
-            segment = Segment.existing(path)
-        except (OSError, ValueError) as err:
-            self.drop(path, f"the segment cannot be mapped: {err}")
-            return
-        what = f"step {record.step} of rank {record.rank} of job {record.job!r}"
-        if segment.nbytes != record.layout.segment_bytes:
-            self.drop(path, f"{what}: a segment of {segment.nbytes} bytes, its record says "
-                      f"{record.layout.segment_bytes}", segment)
-            return
-        slots = record.layout.slots()
-        bad = mismatches(record.checksums, self._state.hash(segment, slots))
-        if bad:
-            named = RankStep(segment, CopyState.LOCAL, record.layout, record.world_size,
-                             record.group).slot_names(bad[:4])
-            self.drop(path, f"{what} failed its checksum on {named}", segment)
-            return
-        self.found.append(_Found(record, segment))
+
+
+def _verified(recorded: tuple[str, CopyRecord]) -> tuple[Segment | None, str]:
+    """The segment of a record, mapped, and what is wrong with it ("": nothing)."""
+    path, record = recorded
+    try:
+        segment = Segment.existing(path)
+    except (OSError, ValueError) as err:
+        return None, f"the segment cannot be mapped: {err}"
+    what = f"step {record.step} of rank {record.rank} of job {record.job!r}"
+    if segment.nbytes != record.layout.segment_bytes:
+        return segment, (f"{what}: a segment of {segment.nbytes} bytes, its record says "
+                         f"{record.layout.segment_bytes}")
+    computed = [checksum(segment.view[o:o + n]) for _, _, o, n in record.layout.slots()]
+    bad = mismatches(record.checksums, computed)
+    if bad:
+        named = RankStep(segment, CopyState.LOCAL, record.layout, record.world_size,
+                         record.group).slot_names(bad[:4])
+        return segment, f"{what} failed its checksum on {named}"
+    return segment, ""
 
 
 def adopt(state: StoreState) -> Adoption:
@@ -162,6 +174,7 @@ def adopt(state: StoreState) -> Adoption:
     scan = _Scan(state)
     for directory in directories:
         scan.directory(directory)
+    scan.verify()
     adopted = _install(state, _fitting(state, scan))
     state.memory.pool.prune()
     adoption = Adoption(tuple(directories), tuple(adopted), tuple(scan.dropped),
