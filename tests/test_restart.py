@@ -113,6 +113,10 @@ def test_damaged_copies_are_dropped_and_newer_formats_left_alone(start_daemon, s
         f.truncate(40)  # cannot happen through the rename, but a record is never trusted
     with open(os.path.join(directory, "seg-7.meta.tmp"), "w") as f:
         f.write('{"version": 1, "job"')  # the daemon died writing a record
+    with open(os.path.join(directory, "seg-8.meta"), "w") as f:
+        f.write(header)  # its segment is gone
+    with open(os.path.join(directory, "seg-9.meta"), "w") as f:
+        f.write('{"version": 3}\n')  # a newer daemon's, whatever it means
 
     second = _on(start_daemon, shm)
     adoption = _status(second).adoption
@@ -122,8 +126,10 @@ def test_damaged_copies_are_dropped_and_newer_formats_left_alone(start_daemon, s
     assert "failed its checksum on 'x' shard 0" in reasons[os.path.basename(records[("a", 1)])]
     assert "unreadable record" in reasons[os.path.basename(records[("b", 1)])]
     assert "cut short" in reasons["seg-7.meta.tmp"]
-    assert [(os.path.basename(f.path), "version 2" in f.reason) for f in adoption.kept] == \
-        [(os.path.basename(records[("b", 0)]), True)]
+    assert reasons["seg-8.meta"] == "a record without its segment"
+    assert [(os.path.basename(f.path), f.reason.split(";")[0]) for f in adoption.kept] == \
+        [(os.path.basename(records[("b", 0)]), "a record of format version 2"),
+         ("seg-9.meta", "a record of format version 3")]
     text = format_status(_status(second))
     assert "adopted at start: 1 copies" in text and "kept" in text
     step, restored = NumpyClient("a", options=ClientOptions(daemon=second.address)).restore()
@@ -135,10 +141,11 @@ def test_damaged_copies_are_dropped_and_newer_formats_left_alone(start_daemon, s
         written = f.read()
     assert second.stop() == 0
     assert sorted(os.listdir(renamed)) == sorted([os.path.basename(kept),
-                                                  os.path.basename(kept) + ".meta"])
+                                                  os.path.basename(kept) + ".meta",
+                                                  "seg-9.meta"])
     third = _on(start_daemon, shm)
     assert [os.path.basename(f.path) for f in _status(third).adoption.kept] == \
-        [os.path.basename(kept)]
+        [os.path.basename(kept), "seg-9.meta"]
     assert third.stop() == 0
     [left] = os.listdir(shm)
     with open(os.path.join(shm, left, os.path.basename(kept) + ".meta")) as f:

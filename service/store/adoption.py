@@ -105,7 +105,7 @@ class _Scan:
                 self.drop(path, "a record cut short (the daemon died writing it)")
             elif name.endswith(persistence.SUFFIX):
                 if name[:-len(persistence.SUFFIX)] not in names:
-                    self.drop(path, "a record without its segment")
+                    self._stray(path)
             elif not _is_segment(name):
                 self.kept.append(LeftFile(path, "not a file of this daemon's format",
                                           _size(path)))
@@ -134,16 +134,31 @@ class _Scan:
             else:
                 self.found.append(_Found(record, segment))
 
+    def _stray(self, path: str) -> None:
+        """A record without its segment: dropped, unless a newer daemon wrote it."""
+        try:
+            persistence.read(path)
+        except persistence.NewerVersion as err:
+            self._keep(err, path)
+            return
+        except persistence.Unreadable:
+            pass
+        self.drop(path, "a record without its segment")
+
     def _record(self, path: str) -> None:
         meta = persistence.path_of(path)
         try:
             self._recorded.append((path, persistence.read(meta)))
         except persistence.NewerVersion as err:
-            for kept in (path, meta):
-                self._state.memory.pool.keep(kept)
-            self.kept.append(LeftFile(path, f"a record of {err}", _size(path)))
+            self._keep(err, path, meta)
         except persistence.Unreadable as err:
             self.drop(path, str(err))
+
+    def _keep(self, newer: persistence.NewerVersion, *paths: str) -> None:
+        """Files a newer daemon wrote: left on disk as they are, even at this one's stop."""
+        for path in paths:
+            self._state.memory.pool.keep(path)
+        self.kept.append(LeftFile(paths[0], f"a record of {newer}", _size(paths[0])))
 
 
 def _verified(recorded: tuple[str, CopyRecord]) -> tuple[Segment | None, str]:
