@@ -117,6 +117,8 @@ def test_damaged_copies_are_dropped_and_newer_formats_left_alone(start_daemon, s
         f.write(header)  # its segment is gone
     with open(os.path.join(directory, "seg-9.meta"), "w") as f:
         f.write('{"version": 3}\n')  # a newer daemon's, whatever it means
+    with open(os.path.join(directory, "future.idx"), "w") as f:
+        f.write("a newer daemon's file")
 
     second = _on(start_daemon, shm)
     adoption = _status(second).adoption
@@ -128,7 +130,8 @@ def test_damaged_copies_are_dropped_and_newer_formats_left_alone(start_daemon, s
     assert "cut short" in reasons["seg-7.meta.tmp"]
     assert reasons["seg-8.meta"] == "a record without its segment"
     assert [(os.path.basename(f.path), f.reason.split(";")[0]) for f in adoption.kept] == \
-        [(os.path.basename(records[("b", 0)]), "a record of format version 2"),
+        [("future.idx", "not a file of this daemon's format"),
+         (os.path.basename(records[("b", 0)]), "a record of format version 2"),
          ("seg-9.meta", "a record of format version 3")]
     text = format_status(_status(second))
     assert "adopted at start: 1 copies" in text and "kept" in text
@@ -142,10 +145,10 @@ def test_damaged_copies_are_dropped_and_newer_formats_left_alone(start_daemon, s
     assert second.stop() == 0
     assert sorted(os.listdir(renamed)) == sorted([os.path.basename(kept),
                                                   os.path.basename(kept) + ".meta",
-                                                  "seg-9.meta"])
+                                                  "seg-9.meta", "future.idx"])
     third = _on(start_daemon, shm)
     assert [os.path.basename(f.path) for f in _status(third).adoption.kept] == \
-        [os.path.basename(kept), "seg-9.meta"]
+        ["future.idx", os.path.basename(kept), "seg-9.meta"]
     assert third.stop() == 0
     [left] = os.listdir(shm)
     with open(os.path.join(shm, left, os.path.basename(kept) + ".meta")) as f:

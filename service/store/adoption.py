@@ -44,6 +44,8 @@ _LOGGED_EXAMPLES = 3
 
 @dataclasses.dataclass(frozen=True)
 class AdoptedCopy:
+    """A copy a killed daemon committed, verified and now held here."""
+
     job: str
     rank: int
     step: int
@@ -107,8 +109,7 @@ class _Scan:
                 if name[:-len(persistence.SUFFIX)] not in names:
                     self._stray(path)
             elif not _is_segment(name):
-                self.kept.append(LeftFile(path, "not a file of this daemon's format",
-                                          _size(path)))
+                self._keep("not a file of this daemon's format", path)
             elif name + persistence.SUFFIX not in names:
                 self.drop(path, "no record: being written or arriving when the daemon died, "
                           "pooled, or a restore's")
@@ -139,7 +140,7 @@ class _Scan:
         try:
             persistence.read(path)
         except persistence.NewerVersion as err:
-            self._keep(err, path)
+            self._keep(f"a record of {err}", path)
             return
         except persistence.Unreadable:
             pass
@@ -150,15 +151,16 @@ class _Scan:
         try:
             self._recorded.append((path, persistence.read(meta)))
         except persistence.NewerVersion as err:
-            self._keep(err, path, meta)
+            self._keep(f"a record of {err}", path, meta)
         except persistence.Unreadable as err:
             self.drop(path, str(err))
 
-    def _keep(self, newer: persistence.NewerVersion, *paths: str) -> None:
-        """Files a newer daemon wrote: left on disk as they are, even at this one's stop."""
+    def _keep(self, reason: str, *paths: str) -> None:
+        """Files this daemon cannot read (a newer daemon's): left on disk as they are,
+        even at this one's stop; reported as the first of them."""
         for path in paths:
             self._state.memory.pool.keep(path)
-        self.kept.append(LeftFile(paths[0], f"a record of {newer}", _size(paths[0])))
+        self.kept.append(LeftFile(paths[0], reason, _size(paths[0])))
 
 
 def _verified(recorded: tuple[str, CopyRecord]) -> tuple[Segment | None, str]:

@@ -90,6 +90,7 @@ def remove(segment_path: str) -> None:
 
 
 def encode(record: CopyRecord) -> bytes:
+    """The two lines of a version-1 record (see the module docstring)."""
     header = {"version": VERSION, "job": record.job, "job_world_size": record.job_world_size,
               "rank": record.rank, "step": record.step, "world_size": record.world_size,
               "group": list(record.group), "replica": record.replica,
