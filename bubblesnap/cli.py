@@ -244,6 +244,7 @@ def format_status(status) -> str:
              f"budget {_human(mem.budget_bytes)}; {mem.shm_dir} has "
              f"{_human(mem.shm_free_bytes)} free; logs hold {_human(mem.log_bytes)}"
              + (f" of {_human(mem.log_budget_bytes)}" if mem.log_budget_bytes else "")]
+    lines += _adoption_lines(status.adoption)
     if not status.jobs:
         lines.append("no jobs registered")
     for job in status.jobs:
@@ -287,6 +288,21 @@ def format_status(status) -> str:
             lines.append(f"  corrupt copy skipped: step {c.step} rank {c.rank} from {c.source}: "
                          f"{c.detail}")
     return "\n".join(lines)
+
+
+def _adoption_lines(adoption) -> list[str]:
+    """What the daemon took over from a killed one at its start (nothing: no lines)."""
+    if not adoption.directories:
+        return []
+    lines = [f"adopted at start: {len(adoption.adopted)} copies "
+             f"({_human(adoption.adopted_bytes)}) in {adoption.seconds:.3f} s from "
+             f"{', '.join(adoption.directories)}; dropped {len(adoption.dropped)} files "
+             f"({_human(adoption.dropped_bytes)})"]
+    lines += [f"  dropped {f.path}: {f.reason}" for f in adoption.dropped[:10]]
+    if len(adoption.dropped) > 10:
+        lines.append(f"  ... and {len(adoption.dropped) - 10} more dropped (see --json)")
+    lines += [f"  kept {f.path}: {f.reason}" for f in adoption.kept]
+    return lines
 
 
 def parser() -> argparse.ArgumentParser:

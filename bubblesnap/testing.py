@@ -91,8 +91,13 @@ class DaemonProcess:
     daemon's log goes: None inherits this process's stderr,
     ``subprocess.PIPE`` or ``subprocess.DEVNULL`` as for Popen, or a path,
     written from the start (see :meth:`stderr_text`). With ``own_shm_dir``
-    the daemon gets a fresh ``--shm-dir`` in /dev/shm that is removed once it
-    stopped or was killed, segments and all. ``name`` labels it in errors.
+    (the default) the daemon gets a fresh ``--shm-dir`` in /dev/shm that is
+    removed once it stopped or was killed, segments and all: a daemon adopts
+    the copies a killed one left in its --shm-dir, and one started later by
+    another test or program must not find this one's. A ``--shm-dir`` flag
+    names a directory that outlives it instead (a restart on the same shared
+    memory); ``own_shm_dir=False`` runs it on the daemon's default /dev/shm.
+    ``name`` labels it in errors.
 
     Raises DaemonError (with the end of its log where it can be read) if the
     daemon exits or prints no ready line within ``ready_timeout`` seconds; it
@@ -101,7 +106,7 @@ class DaemonProcess:
     """
 
     def __init__(self, *flags: str, metrics: str = "", log_level: str = "WARNING",
-                 env: dict[str, str] | None = None, stderr=None, own_shm_dir: bool = False,
+                 env: dict[str, str] | None = None, stderr=None, own_shm_dir: bool = True,
                  name: str = "daemon", ready_timeout: float = 120.0):
         self.name = name
         self.stderr_path = None if stderr is None or isinstance(stderr, int) else str(stderr)

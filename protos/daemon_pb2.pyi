@@ -399,12 +399,56 @@ class MemoryStatus(_message.Message):
     def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("jobs", "memory")
+    __slots__ = ("jobs", "memory", "adoption")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    ADOPTION_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     memory: MemoryStatus
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ...) -> None: ...
+    adoption: Adoption
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., adoption: _Optional[_Union[Adoption, _Mapping]] = ...) -> None: ...
+
+class Adoption(_message.Message):
+    __slots__ = ("directories", "adopted", "adopted_bytes", "dropped", "dropped_bytes", "kept", "seconds")
+    DIRECTORIES_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    directories: _containers.RepeatedScalarFieldContainer[str]
+    adopted: _containers.RepeatedCompositeFieldContainer[AdoptedCopy]
+    adopted_bytes: int
+    dropped: _containers.RepeatedCompositeFieldContainer[LeftFile]
+    dropped_bytes: int
+    kept: _containers.RepeatedCompositeFieldContainer[LeftFile]
+    seconds: float
+    def __init__(self, directories: _Optional[_Iterable[str]] = ..., adopted: _Optional[_Iterable[_Union[AdoptedCopy, _Mapping]]] = ..., adopted_bytes: _Optional[int] = ..., dropped: _Optional[_Iterable[_Union[LeftFile, _Mapping]]] = ..., dropped_bytes: _Optional[int] = ..., kept: _Optional[_Iterable[_Union[LeftFile, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class AdoptedCopy(_message.Message):
+    __slots__ = ("job", "rank", "step", "nbytes", "replica")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    nbytes: int
+    replica: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., nbytes: _Optional[int] = ..., replica: _Optional[bool] = ...) -> None: ...
+
+class LeftFile(_message.Message):
+    __slots__ = ("path", "reason", "nbytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    reason: str
+    nbytes: int
+    def __init__(self, path: _Optional[str] = ..., reason: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("job", "rank", "step", "replica_group", "alone", "world_size", "tensors")

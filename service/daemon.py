@@ -32,7 +32,7 @@ from bubblesnap.service.rpc.peer import PeerServicer
 from bubblesnap.service.rpc.trainer import DaemonServicer
 from bubblesnap.service.status import Status
 from bubblesnap.service.store import SnapshotStore, StoreOptions
-from bubblesnap.service.store.segments import shm_free_bytes
+from bubblesnap.service.store.segments import leftover_bytes, shm_free_bytes
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -96,8 +96,9 @@ class DaemonStartError(RuntimeError):
 
 
 def _fit_budget_to_shm(options: DaemonOptions) -> StoreOptions:
-    """Caps the memory budget to what the shm filesystem can hold, and says so."""
-    free = shm_free_bytes(options.shm_dir)
+    """Caps the memory budget to what the shm filesystem can hold, and says so. What
+    killed daemons left there counts as free: it is adopted into the budget or dropped."""
+    free = shm_free_bytes(options.shm_dir) + leftover_bytes(options.shm_dir)
     budget = options.store.memory_budget_bytes
     if budget <= free * _SHM_HEADROOM:
         return options.store

@@ -1,9 +1,10 @@
 """Status: what each job's snapshots look like, assembled from the parts that know.
 
-The store knows the copies held here; the bubble plans know the plan and
-its profiles; the replicator knows how many copies the group holds; the
-durable tier knows which steps are on disk; restore knows which copies
-failed their checksums. Nothing here changes anything.
+The store knows the copies held here, and what it adopted at start; the
+bubble plans know the plan and its profiles; the replicator knows how many
+copies the group holds; the durable tier knows which steps are on disk;
+restore knows which copies failed their checksums. Nothing here changes
+anything.
 """
 
 import dataclasses
@@ -11,6 +12,7 @@ import time
 
 from bubblesnap.service.bubbles.planner import Plan
 from bubblesnap.service.restore import CorruptCopy
+from bubblesnap.service.store.adoption import Adoption
 from bubblesnap.service.store.registration import Coverage
 from bubblesnap.service.store.views import JobView, MemoryView
 
@@ -38,6 +40,7 @@ class DaemonStatus:
     memory: MemoryView
     log_bytes: int
     log_budget_bytes: int
+    adoption: Adoption = Adoption()
 
 
 class Status:
@@ -57,7 +60,7 @@ class Status:
         """NotFound when ``job`` is named and not registered here."""
         return DaemonStatus([self._job(view) for view in self._store.jobs(job)],
                             self._store.memory(), self._logs.bytes_held(),
-                            self._logs.options.max_total_bytes)
+                            self._logs.options.max_total_bytes, self._store.adoption)
 
     def wait_committed(self, job: str, step: int, timeout: float) -> tuple[bool, int]:
         """Waits up to ``timeout`` (capped) for ``step`` to be committed for the job;

@@ -1,7 +1,9 @@
 """Fixtures that start real daemons as separate processes on loopback ports."""
 
 import os
+import shutil
 import subprocess
+import tempfile
 
 # Four CPU devices so sharded layouts can be tested; must precede any jax import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -39,3 +41,17 @@ def start_ring(start_daemon):
     def start(size: int, *flags: str, **options) -> Ring:
         return Ring(size, *flags, start=start_daemon, **options)
     return start
+
+
+@pytest.fixture
+def shm_dirs():
+    """Makes --shm-dir directories in /dev/shm that outlive the daemons using them (a
+    daemon restarted on one adopts what its killed predecessor left); removed after."""
+    made = []
+
+    def make() -> str:
+        made.append(tempfile.mkdtemp(prefix="bubblesnap-test-shm-", dir="/dev/shm"))
+        return made[-1]
+    yield make
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)

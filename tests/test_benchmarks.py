@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-PROGRAMS = ("datapath", "log_cost", "overhead", "plan_scale", "restore")
+PROGRAMS = ("adoption", "datapath", "log_cost", "overhead", "plan_scale", "restore")
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +166,20 @@ def check_log_cost(report: dict) -> None:
     assert len(report["state_bytes_per_stage"]) == 3
 
 
-CHECKS = {"datapath": check_datapath, "log_cost": check_log_cost, "overhead": check_overhead,
-          "plan_scale": check_plan_scale, "restore": check_restore}
+def check_adoption(report: dict) -> None:
+    assert report["copies"] == 4 and report["rounds"] == 1
+    assert report["adopted_bytes"] == report["copies"] * report["copy_bytes"]
+    assert_finite({k: report["adoption_seconds"][k] for k in ("median", "min", "max")},
+                  "adoption_seconds")
+    assert_finite({k: report[k] for k in ("adoption_seconds_per_gib", "adoption_vs_hash",
+                                          "restart_seconds", "empty_start_seconds")}, "report")
+    assert set(report["hash_seconds_per_gib"]) == {"1_threads", "2_threads"}
+    assert_finite(report["hash_seconds_per_gib"], "hash_seconds_per_gib")
+    assert report["restored_matches"] is True
+
+
+CHECKS = {"adoption": check_adoption, "datapath": check_datapath, "log_cost": check_log_cost,
+          "overhead": check_overhead, "plan_scale": check_plan_scale, "restore": check_restore}
 
 
 @pytest.mark.parametrize("name", PROGRAMS)

@@ -297,7 +297,19 @@ def daemon_status(status) -> pb.StatusResponse:
                                pooled_bytes=memory.pooled_bytes, shm_dir=memory.shm_dir,
                                shm_free_bytes=memory.shm_free_bytes,
                                log_bytes=status.log_bytes,
-                               log_budget_bytes=status.log_budget_bytes))
+                               log_budget_bytes=status.log_budget_bytes),
+        adoption=_adoption(status.adoption))
+
+
+def _adoption(found) -> pb.Adoption:
+    def left(files):
+        return [pb.LeftFile(path=f.path, reason=f.reason, nbytes=f.nbytes) for f in files]
+    return pb.Adoption(
+        directories=found.directories, adopted_bytes=found.adopted_bytes,
+        adopted=[pb.AdoptedCopy(job=c.job, rank=c.rank, step=c.step, nbytes=c.nbytes,
+                                replica=c.replica) for c in found.adopted],
+        dropped=left(found.dropped), dropped_bytes=found.dropped_bytes, kept=left(found.kept),
+        seconds=found.seconds)
 
 
 def _job_status(status) -> pb.JobStatus:

@@ -7,7 +7,13 @@ that fails is dropped whole. Called with the store's lock held.
 
 import dataclasses
 
-from bubblesnap.service.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from bubblesnap.service.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from bubblesnap.service.store.layout import Layout
 from bubblesnap.service.store.model import (
     CopyState,
@@ -97,10 +103,16 @@ def land(state: StoreState, arrival: Arrival, computed, for_restore: bool) -> in
         _forget_if_empty(state, arrival)
         raise DataLoss(f"step {step} of rank {arrival.rank} of job {arrival.job!r}: checksum "
                        f"mismatch on {names}; the copy was dropped")
+    rank_step.replicated = True
+    try:
+        state.record(arrival.job, arrival.entry, arrival.rank, held, step, rank_step,
+                     arrival.checksums)
+    except ResourceExhausted:
+        _forget_if_empty(state, arrival)
+        raise
     if held.replica:  # a replica's layout and group are what its newest copy has
         held.layout, held.group = rank_step.layout, rank_step.group
     rank_step.make_local(arrival.checksums)
-    rank_step.replicated = True
     rank_step.arriving = False
     rank_step.just_verified = for_restore
     state.retain(arrival.job, arrival.entry)

@@ -7,6 +7,7 @@ store's lock held.
 """
 
 from bubblesnap.service.errors import ResourceExhausted
+from bubblesnap.service.store import persistence
 from bubblesnap.service.store.model import CopyState, Rank, RankStep
 from bubblesnap.service.store.segments import Segment, SegmentPool
 
@@ -46,14 +47,20 @@ class Memory:
         segment.handed_out = True
         return segment
 
+    def adopt(self, segment: Segment) -> None:
+        """Counts a segment a dead daemon left (adoption.py) as held here."""
+        self._in_use += segment.nbytes
+
     def drop(self, segment: Segment) -> None:
         """Frees a handed-over segment (a trainer's mapping of it stays valid)."""
         self._in_use -= segment.nbytes
         segment.destroy()
 
     def free(self, held: Rank, step: int) -> None:
-        """Drops ``held``'s copy of ``step``; a pinned copy lingers until its last unpin."""
+        """Drops ``held``'s copy of ``step``, its record first (a restart must not bring it
+        back); a pinned copy lingers until its last unpin."""
         rank_step = held.steps.pop(step)
+        persistence.remove(rank_step.segment.path)
         if rank_step.pins:
             rank_step.released = True
             self._lingering.append(rank_step)

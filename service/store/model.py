@@ -113,6 +113,9 @@ class Job:
     #: (world size, step): a restore resumed the job from ``step`` for callers
     #: of that world size, whose ranks may register as a new epoch.
     resume: tuple[int, int] | None = None
+    #: Adopted after a restart, with peers: the group's committed steps are not
+    #: known yet, and retention must not free a copy the group still counts.
+    awaiting_group: bool = False
 
     def committed_steps(self) -> list[int]:
         """Steps committed for the job, oldest first.

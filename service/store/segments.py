@@ -1,4 +1,4 @@
-"""Shared-memory segments owned by the daemon, and a pool that reuses them.
+"""Shared-memory segments owned by the daemon, the pool that reuses them, and their directories.
 
 A segment is a file in a tmpfs directory (``/dev/shm`` by default) that the
 daemon maps for its whole life; the trainer maps the same file and writes its
@@ -6,9 +6,19 @@ shards into it, so a trainer crash loses nothing already written. Freed
 segments go back to a pool instead of being unlinked: writing into pages that
 are already allocated runs at memcpy speed, first-touch allocation is several
 times slower.
+
+Each daemon keeps its segments in a directory of its own,
+``bubblesnap-<pid>-<random>``, and holds an exclusive ``flock`` on a
+``lock`` file in it for its whole life. A directory whose pid no longer runs
+(or is this process's: a container restarted under the same pid) and whose
+lock nobody holds was left by a killed daemon: the pool claims it (locks it,
+then renames it into one of its own names, so a daemon started at the same
+moment never claims it too) for adoption.py to take the copies over. A live
+daemon's directory is never touched.
 """
 
 import errno
+import fcntl
 import itertools
 import logging
 import mmap
@@ -23,11 +33,15 @@ from bubblesnap.service.errors import ResourceExhausted
 
 log = logging.getLogger("bubblesnap.daemon")
 
+_PREFIX = "bubblesnap"
+LOCK_NAME = "lock"
+
 
 class Segment:
     """One mapped shared-memory file."""
 
     def __init__(self, path: str, nbytes: int):
+        """Creates the file ``path`` of ``nbytes``, its pages reserved, and maps it."""
         self.path = path
         self.nbytes = nbytes
         self.handed_out = False  # a client may alias it: never recycle
@@ -49,6 +63,24 @@ class Segment:
             os.close(fd)
         self.view = np.frombuffer(self._map, dtype=np.uint8)
 
+    @classmethod
+    def existing(cls, path: str) -> "Segment":
+        """Maps a segment file a dead daemon made. A trainer may still map it (a copy
+        it restored), so it is marked handed out: never recycled, unlinked when freed."""
+        segment = cls.__new__(cls)
+        segment.path, segment.handed_out = path, True
+        fd = os.open(path, os.O_RDWR)
+        try:
+            segment.nbytes = os.fstat(fd).st_size
+            # Every page is read at once (verified): mapping them all in one call
+            # costs a fraction of one page fault each.
+            segment._map = mmap.mmap(fd, segment.nbytes,
+                                     flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        segment.view = np.frombuffer(segment._map, dtype=np.uint8)
+        return segment
+
     def destroy(self) -> None:
         del self.view
         try:
@@ -62,11 +94,14 @@ class Segment:
 
 
 class SegmentPool:
-    """Creates, recycles and destroys the segments in one private directory."""
+    """Creates, recycles and destroys the segments in this daemon's directories."""
 
     def __init__(self, shm_dir: str):
-        _remove_dead_daemons(shm_dir)
-        self.directory = tempfile.mkdtemp(prefix=f"bubblesnap-{os.getpid()}-", dir=shm_dir)
+        self.shm_dir = shm_dir
+        self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}-{os.getpid()}-", dir=shm_dir)
+        self._own_lock = _lock(self.directory)
+        self._claimed: dict[str, int] = {}  # dead daemons' directories taken over -> lock
+        self._kept: set[str] = set()   # files in them left for a daemon that reads them
         self._ids = itertools.count()
         self._free: list[Segment] = []
         self._lock = threading.Lock()
@@ -104,25 +139,113 @@ class SegmentPool:
                 seg.destroy()
         return freed
 
+    def claim_dead(self) -> list[str]:
+        """Takes over the directories dead daemons left in the shm dir; their new paths."""
+        for name in sorted(os.listdir(self.shm_dir)):
+            path = os.path.join(self.shm_dir, name)
+            if path == self.directory or not _left_by_dead_daemon(name):
+                continue
+            fd = _lock(path)
+            if fd is None:  # a live daemon's (another pid namespace), or being claimed
+                continue
+            # Renamed onto an empty directory of this daemon's: atomic, and from now
+            # on the name says who holds it (a pid that runs).
+            target = tempfile.mkdtemp(prefix=f"{_PREFIX}-{os.getpid()}-", dir=self.shm_dir)
+            try:
+                os.rename(path, target)
+            except OSError as err:
+                log.warning("could not take over %s: %s", path, err)
+                os.rmdir(target)
+                os.close(fd)
+                continue
+            log.info("took over %s, left by a daemon that is gone, as %s", name, target)
+            self._claimed[target] = fd
+        return list(self._claimed)
+
+    def prune(self) -> None:
+        """Gives up the claimed directories that hold nothing but their lock."""
+        for directory, fd in list(self._claimed.items()):
+            if os.listdir(directory) == [LOCK_NAME]:
+                unlink(os.path.join(directory, LOCK_NAME))
+                os.rmdir(directory)
+                os.close(fd)
+                del self._claimed[directory]
+
+    def keep(self, path: str) -> None:
+        """Leaves the file ``path`` of a claimed directory on disk, even at close."""
+        self._kept.add(path)
+
     def close(self) -> None:
+        """Frees every segment; claimed directories keep only the files kept."""
         self.trim(float("inf"))
         shutil.rmtree(self.directory, ignore_errors=True)
+        for directory, fd in self._claimed.items():
+            for name in os.listdir(directory):
+                path = os.path.join(directory, name)
+                if path not in self._kept:
+                    unlink(path)
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass  # it holds kept files: a later daemon claims it again
+            os.close(fd)
+        os.close(self._own_lock)
 
 
-def _remove_dead_daemons(shm_dir: str) -> None:
-    """Frees the segments of daemons that were killed (their pid no longer runs)."""
+def _lock(directory: str) -> int | None:
+    """The descriptor of ``directory``'s lock file, locked exclusively; None when another
+    process holds the lock or the directory is gone."""
+    try:
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _left_by_dead_daemon(name: str) -> bool:
+    """Whether ``name`` is a daemon's directory whose process no longer runs (its lock,
+    checked by the caller, is what proves it)."""
+    parts = name.split("-")
+    if len(parts) < 3 or parts[0] != _PREFIX or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return True  # this process made only its own directory, which is skipped
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+def leftover_bytes(shm_dir: str) -> int:
+    """Bytes held by files in the directories dead daemons left in ``shm_dir``: space a
+    new daemon gets back (adopted or dropped) once it started."""
+    total = 0
     for name in os.listdir(shm_dir):
-        parts = name.split("-")
-        if len(parts) < 2 or parts[0] != "bubblesnap" or not parts[1].isdigit():
+        if not _left_by_dead_daemon(name):
             continue
-        pid = int(parts[1])
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            log.warning("removing %s, left by daemon %d which is gone", name, pid)
-            shutil.rmtree(os.path.join(shm_dir, name), ignore_errors=True)
-        except PermissionError:
-            pass  # alive, another user's
+            with os.scandir(os.path.join(shm_dir, name)) as entries:
+                total += sum(entry.stat().st_blocks * 512 for entry in entries)
+        except OSError:
+            pass  # claimed or removed meanwhile
+    return total
+
+
+def unlink(path: str) -> None:
+    """Removes ``path`` if it is still there."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def shm_free_bytes(shm_dir: str) -> int:

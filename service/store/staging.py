@@ -73,6 +73,7 @@ def commit(state: StoreState, job: str, rank: int, step: int, checksums=(),
             f"step {step} of rank {rank}: the bytes in shared memory do not match the "
             f"client's checksums for {names}; the copy was dropped, snapshot again")
     rank_step.usage = usage
+    state.record(job, entry, rank, held, step, rank_step, computed)
     rank_step.make_local(computed)
     state.retain(job, entry)
     return dataclasses.replace(_result(state, job, rank, entry, held, step, next_step),

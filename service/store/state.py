@@ -5,9 +5,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.service.store import retention
+from bubblesnap.service.errors import ResourceExhausted
+from bubblesnap.service.store import persistence, retention
 from bubblesnap.service.store.memory import Memory
-from bubblesnap.service.store.model import Job
+from bubblesnap.service.store.model import Job, Rank, RankStep
 from bubblesnap.service.store.options import StoreOptions
 from bubblesnap.service.store.segments import Segment
 
@@ -42,8 +43,28 @@ class StoreState:
                                       group_committed=[] if self.grouped else None)
         return entry
 
+    def record(self, name: str, entry: Job, rank: int, held: Rank, step: int,
+               rank_step: RankStep, checksums: tuple[int, ...]) -> None:
+        """Writes beside its segment what a restarted daemon needs to serve this copy,
+        which is becoming LOCAL with ``checksums`` (persistence.py). One that cannot be
+        recorded is dropped: ResourceExhausted."""
+        record = persistence.CopyRecord(name, entry.world_size, rank, step,
+                                        rank_step.world_size, rank_step.group, held.replica,
+                                        rank_step.replicated, rank_step.layout, checksums)
+        try:
+            persistence.write(rank_step.segment.path, record)
+        except OSError as err:
+            self.memory.free(held, step)
+            raise ResourceExhausted(
+                f"step {step} of rank {rank} of job {name!r} could not be recorded beside its "
+                f"segment ({err}), so it would not survive a daemon restart; the copy was "
+                "dropped. Free space in --shm-dir and snapshot again") from err
+
     def retain(self, name: str, entry: Job) -> None:
-        """Frees what retention lets go of ``entry``'s copies."""
+        """Frees what retention lets go of ``entry``'s copies (nothing while adopted
+        copies wait for the group's committed steps)."""
+        if entry.awaiting_group:
+            return
         committed = entry.committed_steps()
         keep = self.options.keep_steps
         now = time.monotonic()

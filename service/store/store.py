@@ -8,6 +8,10 @@ read, at the cost of other calls waiting for one hash (~20 ms per 256 MB on
 the dev VM). Inputs are validated where the request enters (rpc/); names
 reaching the store are well formed.
 
+A store started on a --shm-dir where a killed daemon left its segments
+adopts the committed copies first (adoption.py): ``adoption`` says what it
+took over, dropped and left alone.
+
 Listeners hear what other parts react to: ``on_local(job, rank, step)``
 after a trainer's copy became LOCAL (replication, the durable tier),
 ``on_job_deleted(job)`` after a whole job was deleted (plans, logs; each
@@ -20,7 +24,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from bubblesnap.service.errors import NotFound
-from bubblesnap.service.store import arrivals, reads, registration, staging
+from bubblesnap.service.store import adoption, arrivals, reads, registration, staging
+from bubblesnap.service.store.adoption import Adoption
 from bubblesnap.service.store.layout import Layout
 from bubblesnap.service.store.memory import Memory
 from bubblesnap.service.store.model import BubbleUsage, lookup
@@ -56,6 +61,9 @@ class SnapshotStore:
         self._on_local: list = []
         self._on_job_deleted: list = []
         self._lock = threading.Lock()
+        with self._lock:
+            #: What this store took over from a killed daemon's shm dir when it started.
+            self.adoption: Adoption = adoption.adopt(self._state)
 
     def listen(self, on_local=None, on_job_deleted=None, on_retained=None) -> None:
         """Adds listeners (see the module docstring)."""
@@ -191,6 +199,7 @@ class SnapshotStore:
             entry = self._state.jobs.get(job)
             if entry is not None:
                 entry.group_committed = sorted(steps)
+                entry.awaiting_group = False
                 self._state.retain(job, entry)
 
     # -- listing and deleting -------------------------------------------------
