@@ -1,15 +1,35 @@
 """The gRPC face trainers and tools see (``bubblesnap.v1.Daemon``): convert, call, convert back."""
 
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.errors import DeadlineExceeded
 from bubblesnap.service.rpc import messages
-from bubblesnap.service.rpc.status_codes import streaming, unary
+from bubblesnap.service.rpc.status_codes import late, streaming, unary
 from bubblesnap.service.store import layout as layout_lib
+
+#: The pools (lanes) of the calls that do not run in "calls": those that may wait long (a
+#: restore pulling from a peer or the durable tier, a wait for the job's commit) so that
+#: they never hold up stagings and commits, and Status so that it answers under any load.
+LANES = {"Restore": "waits", "WaitCommitted": "waits", "Status": "status"}
+
+
+def _release_if_late(context, release) -> None:
+    """A reservation answered after the caller's deadline is released (``release()``) at
+    once: the caller gave up on it, and its staging memory would stay held until the
+    rank's next BeginStep."""
+    if late(context):
+        release()
+        raise DeadlineExceeded("the caller's deadline passed while its staging was reserved; "
+                               "the reservation was released")
 
 
 class DaemonServicer:
-    """Each method converts its request, calls one method of a part, converts the answer."""
+    """Each method converts its request, calls one method of a part, converts the answer.
 
-    def __init__(self, store, layouts, plans, restorer, logs, status, metrics):
+    ``token`` (``trainer_token.TrainerToken``) guards the calls that drop snapshots.
+    """
+
+    def __init__(self, store, layouts, plans, restorer, logs, status, metrics, token):
+        self._token = token
         self._store = store
         self._layouts = layouts  # peers.layouts.GroupLayouts
         self._plans = plans
@@ -27,14 +47,19 @@ class DaemonServicer:
 
     @unary
     def BeginStep(self, request, context):
-        return messages.staging(self._store.begin_step(*messages.job_rank_step(request)))
+        job, rank, step = messages.job_rank_step(request)
+        staging = self._store.begin_step(job, rank, step)
+        _release_if_late(context, lambda: self._store.abort_step(job, rank, step))
+        return messages.staging(staging)
 
     @unary
     def CommitStep(self, request, context):
-        commit = self._store.commit_step(
-            *messages.job_rank_step(request), tuple(request.checksums),
-            messages.usage(request.usage),
-            request.next_step if request.HasField("next_step") else None)
+        job, rank, step = messages.job_rank_step(request)
+        next_step = request.next_step if request.HasField("next_step") else None
+        commit = self._store.commit_step(job, rank, step, tuple(request.checksums),
+                                         messages.usage(request.usage), next_step)
+        if commit.next:  # the commit stands; only the next step's staging goes
+            _release_if_late(context, lambda: self._store.abort_step(job, rank, next_step))
         return pb.CommitStepResponse(
             job_committed=commit.job_committed, latest_committed_step=commit.latest_committed_step,
             next=messages.staging(commit.next) if commit.next else None)
@@ -46,6 +71,9 @@ class DaemonServicer:
 
     @unary
     def Restore(self, request, context):
+        if not request.alone:
+            self._token.check(context, "Restore (not alone: it drops every later step of the "
+                              "job, on every daemon of the ring)")
         restored = self._restorer.restore(*messages.job_rank(request),
                                           messages.optional_step(request),
                                           tuple(request.replica_group), request.alone,
@@ -73,6 +101,7 @@ class DaemonServicer:
 
     @unary
     def DeleteSnapshots(self, request, context):
+        self._token.check(context, "DeleteSnapshots")
         return pb.DeleteSnapshotsResponse(deleted_steps=self._store.delete(
             messages.job(request.job), tuple(request.steps)))
 
