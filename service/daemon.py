@@ -17,7 +17,7 @@ from bubblesnap.service.bubbles import BubbleOptions, BubblePlans
 from bubblesnap.service.durable import DurableOptions, DurableReader, DurableWriter
 from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
-from bubblesnap.service.peers.data_channel import DataServer
+from bubblesnap.service.peers.data_server import DataServer
 from bubblesnap.service.peers.group import PeerGroup, PeerOptions
 from bubblesnap.service.peers.layouts import GroupLayouts
 from bubblesnap.service.peers.log_replication import LogReplication

@@ -13,6 +13,7 @@ from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
 from bubblesnap.service.errors import InvalidArgument
 from bubblesnap.service.peers import group_view
+from bubblesnap.service.peers.addresses import check_address
 from bubblesnap.service.peers.group_view import Holding
 from bubblesnap.service.peers.security import PeerSecurity
 
@@ -119,11 +120,13 @@ class PeerGroup:
         return [i for i in range(self.size) if i != self.index]
 
     def join(self, index: int, address: str) -> None:
-        """A replacement daemon took ring position ``index`` at ``address``."""
+        """A replacement daemon took ring position ``index`` at ``address`` (host:port,
+        checked: InvalidArgument otherwise)."""
         if not 0 <= index < self.size or index == self.index:
             raise InvalidArgument(
                 f"ring index {index} is not another member of this {self.size}-daemon group; "
                 "check --index and --peers")
+        check_address(address, f"the peer address of ring index {index}")
         with self._lock:
             if self._addresses[index] != address:
                 log.info("peer %d is now at %s (was %s)", index, address, self._addresses[index])
