@@ -72,7 +72,8 @@ class DaemonOptions:
       rpc_threads: threads doing the work of trainer calls (``--rpc-threads``);
         calls that may wait long (Restore, WaitCommitted) have as many again
         of their own and Status two, so none waits behind the others. A
-        Bubbles stream holds none between its messages. Default 32.
+        Bubbles stream holds none between its messages. Default 16 (more
+        threads mostly contend for the GIL and the store lock).
       max_streams: Bubbles streams open at once (one per pipeline stage);
         more are refused with RESOURCE_EXHAUSTED (``--max-streams``). Default
         4096.
@@ -91,7 +92,7 @@ class DaemonOptions:
     store: StoreOptions = StoreOptions()
     bubbles: BubbleOptions = BubbleOptions()
     max_message_bytes: int = 64 << 20
-    rpc_threads: int = 32
+    rpc_threads: int = 16
     max_streams: int = 4096
     grace_seconds: float = 5.0
     nice: int = 10
