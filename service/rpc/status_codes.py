@@ -48,14 +48,19 @@ def late(context) -> bool:
     return left is not None and left <= 0
 
 
-def unary(method):
+def unary(method=None, *, run_late: bool = False):
     """For a unary method of a servicer that has ``metrics``. A call whose deadline
-    passed while it waited for a thread is not run: DEADLINE_EXCEEDED."""
+    passed while it waited for a thread is not run (DEADLINE_EXCEEDED): nobody waits
+    for it, and what it would reserve or roll back would be nobody's. ``run_late``:
+    it is run even so, because it keeps what the caller already handed over (a commit
+    of bytes in shared memory, a log record); dropping those would lose them."""
+    if method is None:
+        return functools.partial(unary, run_late=run_late)
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
-            if late(context):
+            if not run_late and late(context):
                 raise errors.DeadlineExceeded(f"{method.__name__}: the caller's deadline "
                                               "passed before the daemon could start on it")
             response = method(self, request, context)

@@ -52,7 +52,7 @@ class DaemonServicer:
         _release_if_late(context, lambda: self._store.abort_step(job, rank, step))
         return messages.staging(staging)
 
-    @unary
+    @unary(run_late=True)
     def CommitStep(self, request, context):
         job, rank, step = messages.job_rank_step(request)
         next_step = request.next_step if request.HasField("next_step") else None
@@ -64,7 +64,7 @@ class DaemonServicer:
             job_committed=commit.job_committed, latest_committed_step=commit.latest_committed_step,
             next=messages.staging(commit.next) if commit.next else None)
 
-    @unary
+    @unary(run_late=True)
     def AbortStep(self, request, context):
         self._store.abort_step(*messages.job_rank(request), request.step)
         return pb.AbortStepResponse()
@@ -105,12 +105,12 @@ class DaemonServicer:
         return pb.DeleteSnapshotsResponse(deleted_steps=self._store.delete(
             messages.job(request.job), tuple(request.steps)))
 
-    @unary
+    @unary(run_late=True)
     def AppendLog(self, request, context):
         [(last, copies)] = self._logs.append([messages.log_records(request)])
         return pb.AppendLogResponse(last_step=last, copies=copies)
 
-    @unary
+    @unary(run_late=True)
     def AppendLogs(self, request, context):
         answers = self._logs.append([messages.log_records(log) for log in request.logs])
         return pb.AppendLogsResponse(logs=[pb.AppendLogResponse(last_step=last, copies=copies)
