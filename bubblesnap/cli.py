@@ -7,6 +7,8 @@ import os
 import re
 import sys
 
+from bubblesnap.trainer_api import TOKEN_ENV
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
           "tb": 1000**4, "tib": 1024**4}
@@ -38,9 +40,24 @@ def _daemon_parser(sub):
                     "memory (so they outlive a crashed trainer) and serves them back on restore. "
                     "Prints one JSON line with its addresses when ready; SIGTERM stops it "
                     "gracefully and frees its shared memory.")
-    p.add_argument("--listen", default=d.listen, metavar="HOST:PORT",
-                   help=f"gRPC address for trainers and tools; port 0 picks a free one "
-                        f"(default {d.listen}, loopback only)")
+    p.add_argument("--listen", default=d.listen, metavar="unix:PATH|HOST:PORT",
+                   help="gRPC address for trainers and tools: a Unix socket only this user "
+                        "can open (its folder is made 0700 if missing), or TCP (port 0 picks "
+                        "a free one), where any local user can connect and Restore (not "
+                        "alone) and DeleteSnapshots need --trainer-token-file "
+                        f"(default {d.listen}, where clients look by default)")
+    p.add_argument("--trainer-token-file", default="", metavar="FILE",
+                   help="file holding the token that trainer calls over TCP must carry to "
+                        "drop snapshots (Restore not alone, DeleteSnapshots; clients: "
+                        f"ClientOptions.token or {TOKEN_ENV}); without one those calls are "
+                        f"refused over TCP with UNAUTHENTICATED. {TOKEN_ENV} works too")
+    p.add_argument("--rpc-threads", type=int, default=d.rpc_threads, metavar="N",
+                   help="threads doing the work of trainer calls; restores and waits for a "
+                        f"commit have as many again (default {d.rpc_threads}; a Bubbles "
+                        "stream holds none between its messages)")
+    p.add_argument("--max-streams", type=int, default=d.max_streams, metavar="N",
+                   help="Bubbles streams (one per pipeline stage) open at once; more are "
+                        f"refused with RESOURCE_EXHAUSTED (default {d.max_streams})")
     p.add_argument("--memory-budget", type=parse_bytes, default=s.memory_budget_bytes,
                    metavar="SIZE", help="shared memory the daemon may hold, e.g. 16GiB; new "
                    "snapshots beyond it are refused with RESOURCE_EXHAUSTED (default "
@@ -155,6 +172,15 @@ def _peer_options(args):
                        data_listen=args.data_listen, replicas=args.replicas, security=security)
 
 
+def _trainer_token(args) -> str:
+    token = os.environ.get(TOKEN_ENV, "")
+    if args.trainer_token_file:
+        token = _read_text(args.trainer_token_file, "--trainer-token-file").strip()
+        if not token:
+            raise SystemExit(f"--trainer-token-file {args.trainer_token_file} is empty")
+    return token
+
+
 def _read_text(path: str, flag: str) -> str:
     try:
         with open(path) as f:
@@ -174,7 +200,9 @@ def daemon_options(args):
         StoreOptions,
     )
     return DaemonOptions(
-        listen=args.listen, metrics=args.metrics, shm_dir=args.shm_dir, nice=args.nice,
+        listen=args.listen, trainer_token=_trainer_token(args), metrics=args.metrics,
+        shm_dir=args.shm_dir, nice=args.nice, rpc_threads=args.rpc_threads,
+        max_streams=args.max_streams,
         store=StoreOptions(memory_budget_bytes=args.memory_budget, keep_steps=args.keep,
                            checksum_threads=args.checksum_threads,
                            verify_on_commit=args.verify_on_commit),
@@ -206,8 +234,8 @@ def _status_parser(sub):
         "status", help="show what a daemon holds",
         description="Show the snapshots a daemon holds: per job, step and rank, whether the "
                     "step is committed (every rank holds it) and how much memory it uses.")
-    p.add_argument("--daemon", default=c.daemon, metavar="HOST:PORT",
-                   help=f"daemon address (default {c.daemon})")
+    p.add_argument("--daemon", default=c.daemon, metavar="unix:PATH|HOST:PORT",
+                   help=f"daemon address (default {c.daemon}: this user's daemon)")
     p.add_argument("--job", default="", help="only this job")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--timeout", type=float, default=c.rpc_timeout_seconds,

@@ -84,8 +84,10 @@ def wait_for(check: Callable[[], object], what: str, timeout: float = 60.0,
 class DaemonProcess:
     """A ``bubblesnap daemon`` child process, started and ready when the constructor returns.
 
-    It listens on a free loopback port; ``flags`` are appended to the command
-    line (a flag given twice: the last one wins). ``metrics`` is the
+    It listens on a Unix socket of its own (as daemons do by default, in a
+    fresh temporary folder that is removed once it ended); ``flags`` are
+    appended to the command line (a flag given twice: the last one wins, so
+    ``"--listen", "127.0.0.1:0"`` puts it on a free loopback port). ``metrics`` is the
     ``--metrics`` address ("" disables it, "127.0.0.1:0" picks a port),
     ``env`` is added to this process's environment. ``stderr`` is where the
     daemon's log goes: None inherits this process's stderr,
@@ -113,13 +115,15 @@ class DaemonProcess:
         self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir="/dev/shm")
                             if own_shm_dir else None)
         self._channel: grpc.Channel | None = None
+        self._socket_dir = tempfile.mkdtemp(prefix="bubblesnap-socket-")
         shm = ["--shm-dir", self.own_shm_dir] if own_shm_dir else []
-        command = [sys.executable, "-m", "bubblesnap", "daemon", "--listen", "127.0.0.1:0",
+        command = [sys.executable, "-m", "bubblesnap", "daemon",
+                   "--listen", f"unix://{self._socket_dir}/daemon.sock",
                    "--metrics", metrics, "--log-level", log_level, *shm, *flags]
         try:
             self.proc = self._spawn(command, stderr, None if env is None else {**os.environ, **env})
         except BaseException:
-            self._remove_own_shm_dir()
+            self._remove_own_dirs()
             raise
         self.ready: dict = self._await_ready(ready_timeout)
 
@@ -159,7 +163,7 @@ class DaemonProcess:
 
     @property
     def address(self) -> str:
-        """Its gRPC address for trainers and tools, host:port."""
+        """Its gRPC address for trainers and tools: ``unix:///...`` or host:port."""
         return self.ready["address"]
 
     @property
@@ -235,10 +239,11 @@ class DaemonProcess:
     def _reap(self) -> int:
         code = self.proc.wait()
         self.proc.stdout.close()
-        self._remove_own_shm_dir()
+        self._remove_own_dirs()
         return code
 
-    def _remove_own_shm_dir(self) -> None:
+    def _remove_own_dirs(self) -> None:
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self.own_shm_dir is not None:
             shutil.rmtree(self.own_shm_dir, ignore_errors=True)
 

@@ -8,6 +8,7 @@ of deep inside a training step.
 import dataclasses
 
 from bubblesnap.options import is_number, require
+from bubblesnap.trainer_api import DEFAULT_ADDRESS, TOKEN_ENV
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -15,7 +16,13 @@ class ClientOptions:
     """How a client reaches its daemon and how patient it is.
 
     Attributes:
-      daemon: address of the local daemon. Default ``127.0.0.1:7070``.
+      daemon: address of the local daemon: its Unix socket (``unix:PATH``) or
+        ``host:port``. Default this user's daemon's socket, where a daemon
+        listens unless told otherwise (``trainer_api.DEFAULT_ADDRESS``).
+      token: the trainer token, sent with every call; a daemon reached over
+        TCP refuses the calls that drop snapshots (a restore that is not
+        ``alone``) without it. Default: $BUBBLESNAP_TRAINER_TOKEN when the
+        client connects. Not needed on the Unix socket.
       rpc_timeout_seconds: deadline of each call, > 0. Default 5 s.
       backoff_seconds: after the daemon timed out or was unreachable, how long
         snapshots are skipped without asking it again, >= 0. Default 10 s.
@@ -29,7 +36,8 @@ class ClientOptions:
         replicas), > 0. Default 60 s.
     """
 
-    daemon: str = "127.0.0.1:7070"
+    daemon: str = DEFAULT_ADDRESS
+    token: str = dataclasses.field(default="", repr=False)
     rpc_timeout_seconds: float = 5.0
     backoff_seconds: float = 10.0
     verify_restore: bool = False
@@ -38,7 +46,9 @@ class ClientOptions:
 
     def __post_init__(self):
         require(self, "daemon", isinstance(self.daemon, str) and bool(self.daemon),
-                     "an address such as 127.0.0.1:7070")
+                     "an address such as unix:///path/daemon.sock or 127.0.0.1:7070")
+        if not isinstance(self.token, str):
+            raise ValueError(f"ClientOptions.token must be a string (empty: ${TOKEN_ENV})")
         for name in ("rpc_timeout_seconds", "restore_timeout_seconds", "commit_timeout_seconds"):
             value = getattr(self, name)
             require(self, name, is_number(value) and value > 0, "> 0")

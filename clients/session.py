@@ -12,6 +12,7 @@ while instead of paying the deadline every step.
 
 import dataclasses
 import logging
+import os
 import time
 
 import grpc
@@ -27,6 +28,7 @@ from bubblesnap.clients.staging import PendingStaging, Staging
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc
 from bubblesnap.protos.checksum import checksum
+from bubblesnap.trainer_api import TOKEN_ENV, with_token
 
 log = logging.getLogger("bubblesnap.client")
 
@@ -64,7 +66,8 @@ class Session:
         # Answers carrying layouts or log pages may pass gRPC's default 4 MiB.
         self._channel = grpc.insecure_channel(
             options.daemon, options=[("grpc.max_receive_message_length", 64 << 20)])
-        self._stub = daemon_pb2_grpc.DaemonStub(self._channel)
+        self._stub = daemon_pb2_grpc.DaemonStub(with_token(
+            self._channel, options.token or os.environ.get(TOKEN_ENV, "")))
         self._maps = SegmentMaps()
         self._tensors: tuple = ()
         self._registered = False

@@ -13,7 +13,7 @@ The last line on stdout is JSON: restored_step, restore_seconds,
 state_matches_snapshot and more. Progress goes to stderr.
 
   python examples/quickstart.py                    # everything, own daemon
-  python examples/quickstart.py --daemon 127.0.0.1:7070 --kill-at 30 --steps 50
+  python examples/quickstart.py --daemon ADDRESS --kill-at 30 --steps 50   # a running one
 """
 
 import argparse
@@ -207,8 +207,9 @@ def orchestrate(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--daemon", metavar="HOST:PORT",
-                        help="use this running daemon instead of starting one")
+    parser.add_argument("--daemon", metavar="ADDRESS",
+                        help="use this running daemon (its unix:PATH socket, or HOST:PORT) "
+                             "instead of starting one")
     parser.add_argument("--steps", type=int, default=40, help="training steps in all (default 40)")
     parser.add_argument("--kill-at", type=int, default=25,
                         help="SIGKILL the trainer after this step (default 25)")

@@ -10,8 +10,6 @@ import threading
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from bubblesnap.options import require
 from bubblesnap.protos import daemon_pb2, peer_pb2
@@ -19,7 +17,7 @@ from bubblesnap.service.bubbles import BubbleOptions, BubblePlans
 from bubblesnap.service.durable import DurableOptions, DurableReader, DurableWriter
 from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
-from bubblesnap.service.peers.data_channel import DataServer
+from bubblesnap.service.peers.data_server import DataServer
 from bubblesnap.service.peers.group import PeerGroup, PeerOptions
 from bubblesnap.service.peers.layouts import GroupLayouts
 from bubblesnap.service.peers.log_replication import LogReplication
@@ -27,12 +25,16 @@ from bubblesnap.service.peers.replicator import Replicator
 from bubblesnap.service.peers.security import TokenInterceptor
 from bubblesnap.service.peers.transfers import Transfers
 from bubblesnap.service.restore import Restorer
+from bubblesnap.service.rpc import trainer
 from bubblesnap.service.rpc.handlers import generic_handler
+from bubblesnap.service.rpc.local_socket import SocketError
 from bubblesnap.service.rpc.peer import PeerServicer
-from bubblesnap.service.rpc.trainer import DaemonServicer
+from bubblesnap.service.rpc.server import TrainerServer
+from bubblesnap.service.rpc.trainer_token import TrainerToken
 from bubblesnap.service.status import Status
 from bubblesnap.service.store import SnapshotStore, StoreOptions
 from bubblesnap.service.store.segments import leftover_bytes, shm_free_bytes
+from bubblesnap.trainer_api import DEFAULT_ADDRESS, TOKEN_ENV, socket_path
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -49,8 +51,15 @@ class DaemonOptions:
     """Everything ``bubblesnap daemon`` can be told (its flags in brackets).
 
     Attributes:
-      listen: gRPC address for trainers and tools (``--listen``). Default
-        loopback only.
+      listen: gRPC address for trainers and tools (``--listen``): a Unix
+        socket ``unix:PATH``, made owner-only, or ``host:port`` (TCP, where
+        any local user can connect: the calls that drop snapshots need
+        ``trainer_token`` there). Default this user's socket,
+        ``trainer_api.DEFAULT_ADDRESS``.
+      trainer_token: the token a call over TCP must carry to drop snapshots
+        (a Restore that is not ``alone``, DeleteSnapshots)
+        (``--trainer-token-file``, or $BUBBLESNAP_TRAINER_TOKEN); empty: over
+        TCP those calls are refused. Not needed on the Unix socket.
       metrics: ``host:port`` of the Prometheus endpoint; empty disables it
         (``--metrics``).
       shm_dir: tmpfs directory for snapshot segments (``--shm-dir``). Default
@@ -60,8 +69,14 @@ class DaemonOptions:
       max_message_bytes: largest gRPC message accepted or sent, on the
         trainer port and between peers (layouts of huge pytrees); larger
         ones get RESOURCE_EXHAUSTED (``--max-message``). Default 64 MiB.
-      rpc_threads: threads answering trainer calls; every pipeline stage's
-        Bubbles stream holds one for its life. Default 96.
+      rpc_threads: threads doing the work of trainer calls (``--rpc-threads``);
+        calls that may wait long (Restore, WaitCommitted) have as many again
+        of their own and Status two, so none waits behind the others. A
+        Bubbles stream holds none between its messages. Default 16 (more
+        threads mostly contend for the GIL and the store lock).
+      max_streams: Bubbles streams open at once (one per pipeline stage);
+        more are refused with RESOURCE_EXHAUSTED (``--max-streams``). Default
+        4096.
       grace_seconds: how long SIGTERM lets in-flight RPCs finish. Default 5 s.
       nice: niceness added to the daemon's process so training processes win
         every contended core (``--nice``, 0..19). Default 10.
@@ -70,13 +85,15 @@ class DaemonOptions:
       logs: limits of the training logs.
     """
 
-    listen: str = "127.0.0.1:7070"
+    listen: str = DEFAULT_ADDRESS
+    trainer_token: str = dataclasses.field(default="", repr=False)
     metrics: str = "127.0.0.1:7071"
     shm_dir: str = "/dev/shm"
     store: StoreOptions = StoreOptions()
     bubbles: BubbleOptions = BubbleOptions()
     max_message_bytes: int = 64 << 20
-    rpc_threads: int = 96
+    rpc_threads: int = 16
+    max_streams: int = 4096
     grace_seconds: float = 5.0
     nice: int = 10
     peers: PeerOptions = PeerOptions()
@@ -86,7 +103,11 @@ class DaemonOptions:
     def __post_init__(self):
         require(self, "max_message_bytes", self.max_message_bytes >= 1 << 20, "at least 1 MiB",
                 "--max-message")
-        require(self, "rpc_threads", self.rpc_threads >= 1, "at least 1")
+        require(self, "listen", not self.listen.startswith("unix-abstract:"),
+                "a unix:PATH socket or host:port (an abstract socket has no owner-only mode)",
+                "--listen")
+        require(self, "rpc_threads", self.rpc_threads >= 1, "at least 1", "--rpc-threads")
+        require(self, "max_streams", self.max_streams >= 1, "at least 1", "--max-streams")
         require(self, "grace_seconds", self.grace_seconds >= 0, ">= 0")
         require(self, "nice", 0 <= self.nice <= 19, "between 0 and 19", "--nice")
 
@@ -133,6 +154,8 @@ def _server(threads: int, max_message_bytes: int, name: str, interceptors=()) ->
 def _bind(add_port, address: str, what: str) -> int:
     try:
         port = add_port(address)
+    except SocketError as err:
+        raise DaemonStartError(f"cannot listen {what} on {address}: {err}") from None
     except RuntimeError:
         port = 0
     if port == 0:
@@ -153,10 +176,15 @@ class Daemon:
             log.warning("%s is not a tmpfs: snapshots will go through the page cache to disk",
                         options.shm_dir)
         self.options = options
-        self._server = _server(options.rpc_threads, options.max_message_bytes, "rpc")
+        self._server = TrainerServer(
+            options.max_message_bytes,
+            {"calls": options.rpc_threads, "waits": options.rpc_threads, "status": 2},
+            options.max_streams, "--max-streams")
         # Bind first: a daemon that cannot listen must not take shared memory.
-        self.port = _bind(self._server.add_insecure_port, options.listen, "for trainers")
-        self.address = f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
+        self.port = _bind(self._server.add_port, options.listen, "for trainers")
+        path = socket_path(options.listen)
+        self.address = f"unix://{os.path.abspath(path)}" if path is not None else \
+            f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
         self.group = PeerGroup(options.peers, options.max_message_bytes) \
             if options.peers.enabled else None
         self._peer_server = self._bind_peer_port() if self.group else None
@@ -171,15 +199,13 @@ class Daemon:
         self._build_tiers()
         status = Status(self.store, self.plans, self.logs, self.restorer, self.layouts,
                         self.replicator, options.peers.replicas if self.group else 0)
-        self._server.add_generic_rpc_handlers((generic_handler(
+        self._server.add_service(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
-            DaemonServicer(self.store, self.layouts, self.plans, self.restorer,
-                           LogReplication(self.logs, self.group, self.store.layout_of), status,
-                           self.metrics)),))
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+            trainer.DaemonServicer(self.store, self.layouts, self.plans, self.restorer,
+                                   LogReplication(self.logs, self.group, self.store.layout_of),
+                                   status, self.metrics, TrainerToken(options.trainer_token)),
+            trainer.LANES)
+        self._server.enable_reflection((SERVICE_NAME,))
         self.metrics_address = ""
         self._stopped = threading.Event()
 
@@ -222,6 +248,11 @@ class Daemon:
 
     def start(self) -> None:
         self._server.start()
+        if socket_path(self.options.listen) is None and not self.options.trainer_token:
+            log.warning("trainers call this daemon over TCP (%s), where any local user can "
+                        "connect, and no trainer token is set (--trainer-token-file or %s): "
+                        "Restore (not alone) and DeleteSnapshots are refused there",
+                        self.address, TOKEN_ENV)
         security = self.options.peers.security
         listen = self.options.peers.listen or (self.group.address(self.group.index)
                                                if self.group else "")
@@ -239,15 +270,13 @@ class Daemon:
         if self.options.metrics:
             host, port = self.options.metrics.rsplit(":", 1)
             self.metrics_address = f"{host}:{self.metrics.serve(host, int(port))}"
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server.serving(("", SERVICE_NAME))
 
     def stop(self) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._health.enter_graceful_shutdown()
-        self._server.stop(self.options.grace_seconds).wait()
+        self._server.stop(self.options.grace_seconds)
         if self.durable is not None:
             self.durable.stop()
         if self.group is not None:

@@ -76,3 +76,11 @@ class Aborted(DaemonError):
 
 class Unavailable(DaemonError):
     """The copies that exist could not be reached now (peers down or busy)."""
+
+
+class Unauthenticated(DaemonError):
+    """A call that drops snapshots came over TCP without the trainer token."""
+
+
+class DeadlineExceeded(DaemonError):
+    """The caller's deadline passed before the answer; what the call reserved is released."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-PROGRAMS = ("adoption", "datapath", "log_cost", "overhead", "plan_scale", "restore")
+PROGRAMS = ("adoption", "datapath", "load", "log_cost", "overhead", "plan_scale", "restore")
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +178,22 @@ def check_adoption(report: dict) -> None:
     assert report["restored_matches"] is True
 
 
-CHECKS = {"adoption": check_adoption, "datapath": check_datapath, "log_cost": check_log_cost,
-          "overhead": check_overhead, "plan_scale": check_plan_scale, "restore": check_restore}
+def check_load(report: dict) -> None:
+    assert [row["ranks"] for row in report["runs"]] == [8, 16]
+    for row in report["runs"]:
+        assert row["errors"] == 0 and row["error_reasons"] == [], row["error_reasons"]
+        assert row["streams"] == row["ranks"] and row["snapshots"] == 2 * row["ranks"]
+        assert row["health_ms"]["probes"] > 0
+        for key in ("snapshot_ms", "health_ms", "status_ms"):
+            assert_finite({k: row[key][k] for k in ("p50", "p99", "max")}, key)
+            assert 0 <= row[key]["p50"] <= row[key]["p99"] <= row[key]["max"], (key, row)
+        assert row["processes"] == 2 and row["plans_received"] >= 0 and row["seconds"] > 0
+    assert report["ok"] is True
+
+
+CHECKS = {"adoption": check_adoption, "datapath": check_datapath, "load": check_load,
+          "log_cost": check_log_cost, "overhead": check_overhead, "plan_scale": check_plan_scale,
+          "restore": check_restore}
 
 
 @pytest.mark.parametrize("name", PROGRAMS)

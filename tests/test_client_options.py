@@ -1,6 +1,7 @@
 """Options check themselves where they are written and say which option is wrong."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -9,7 +10,8 @@ from bubblesnap.clients.jax import BubbleSnapshotOptions
 
 
 def test_defaults_are_the_documented_ones():
-    assert ClientOptions() == ClientOptions(daemon="127.0.0.1:7070", rpc_timeout_seconds=5.0,
+    socket = f"unix:///dev/shm/bubblesnap-user-{os.getuid()}/daemon.sock"  # the daemon's default
+    assert ClientOptions() == ClientOptions(daemon=socket, token="", rpc_timeout_seconds=5.0,
                                             backoff_seconds=10.0, verify_restore=False,
                                             restore_timeout_seconds=300.0,
                                             commit_timeout_seconds=60.0)

@@ -126,14 +126,14 @@ def test_daemon_rejects_bad_flags(flags, words):
     assert result.returncode != 0 and words in result.stderr
 
 
-def test_a_restarted_daemon_gets_the_job_registered_again(start_daemon):
-    first = start_daemon()
-    port = first.address.rsplit(":", 1)[1]
+def test_a_restarted_daemon_gets_the_job_registered_again(start_daemon, tmp_path):
+    listen = f"unix://{tmp_path}/daemon.sock"  # the second daemon where the first was
+    first = start_daemon("--listen", listen)
     client = NumpyClient("again", options=ClientOptions(daemon=first.address,
                                                         backoff_seconds=0.0))
     assert client.snapshot(0, {"x": np.ones(8)}).committed
     first.stop()
-    second = start_daemon("--listen", f"127.0.0.1:{port}")
+    second = start_daemon("--listen", listen)
     results = [client.snapshot(step, {"x": np.ones(8) * step}) for step in (1, 2, 3)]
     assert results[-1].committed, [r.reason for r in results]
     step, restored = client.restore()

@@ -1,208 +1,35 @@
-"""The bulk path between daemons: TCP (or TLS) connections that carry a segment.
+"""The bulk path between daemons: TCP (or TLS) connections that carry a segment; the
+pulling end (``data_server`` is the serving one).
 
 gRPC from Python moves bulk bytes at about half of raw loopback TCP (each
 message is copied several times); this channel sends a segment file with
 ``sendfile`` straight from shared memory, and the receiver reads it straight
 into its own segment, over a few connections at once (one TCP stream is
 bound by one core's copying: two streams moved 1.5-2x the bytes on the dev
-VM). Control stays on gRPC: a peer call that passed the token check hands
-out a one-time ticket, and a connection that does not open with a live
-ticket and a range inside its segment is closed at once.
+VM), each its own byte range of the offer. Control stays on gRPC: a peer
+call that passed the token check hands out a ticket for some byte ranges,
+and every byte of them is sent once, to the connection that asked first.
 """
 
-import dataclasses
 import functools
-import ipaddress
-import logging
 import os
-import re
-import secrets
 import socket
 import ssl
 import struct
 import threading
-import time
 
 from bubblesnap.protos.checksum import SlotHasher, new_hasher
-from bubblesnap.service.errors import Aborted, InvalidArgument, shown
-from bubblesnap.sockets import recv_exact, recv_exact_into
-
-log = logging.getLogger("bubblesnap.daemon")
+from bubblesnap.service.errors import Aborted
+from bubblesnap.service.peers.addresses import check_address
+from bubblesnap.sockets import recv_exact_into
 
 TICKET_BYTES = 16
 
 #: What a connection sends first: its ticket and the [start, stop) byte range.
-_HEADER = struct.Struct(f"!{TICKET_BYTES}sQQ")
+HEADER = struct.Struct(f"!{TICKET_BYTES}sQQ")
 
 #: Parallel connections of one pull.
 PULL_STREAMS = min(4, os.cpu_count() or 1)
-
-#: A ticket nobody redeems is dropped (and its copy unpinned) after this long.
-TICKET_SECONDS = 120.0
-
-#: Connections served at once; more wait in the listen backlog.
-_MAX_CONNECTIONS = 64
-
-
-@dataclasses.dataclass
-class _Offer:
-    path: str
-    allowed: tuple[tuple[int, int], ...]  # the byte ranges of the file that may be read
-    deadline: float
-    done: object
-    served: set = dataclasses.field(default_factory=set)  # distinct (start, stop) sent
-    active: int = 0  # connections sending now: the offer does not expire under them
-
-    def permits(self, start: int, stop: int) -> bool:
-        return start < stop and any(a <= start and stop <= b for a, b in self.allowed)
-
-    def complete(self) -> bool:
-        return sum(stop - start for start, stop in self.served) >= \
-            sum(b - a for a, b in self.allowed)
-
-
-_PORT = re.compile(r"[0-9]{1,5}")
-_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
-
-
-def check_address(address: str, what: str = "data address") -> None:
-    """An address from a peer is host:port, the host an IP address ([...] for IPv6) or
-    a DNS name (labels of 1-63 letters, digits and '-', 253 characters in all);
-    InvalidArgument otherwise, before any socket or resolver sees it."""
-    host, _, port = address.rpartition(":")
-    if not (_PORT.fullmatch(port) and 0 < int(port) < 65536 and _is_host(host)):
-        raise InvalidArgument(f"{what} {shown(address)} is not host:port (a DNS name or an "
-                              "IP address, [...] around IPv6, and a port 1-65535)")
-
-
-def _is_host(host: str) -> bool:
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        try:
-            return ipaddress.ip_address(host).version == 6
-        except ValueError:
-            return False
-    return 0 < len(host) <= 253 and all(_HOST_LABEL.fullmatch(label)
-                                        for label in host.removesuffix(".").split("."))
-
-
-class DataServer:
-    """Serves offered segments to whoever presents their ticket.
-
-    A connection opens with the ticket and the byte range it wants; a
-    segment may be read over several connections in parallel, and the offer
-    ends (``done()``) once all its bytes were sent.
-    """
-
-    def __init__(self, listen: str, ssl_context: ssl.SSLContext | None = None):
-        host, port = listen.rsplit(":", 1)
-        self._sock = socket.create_server((host, int(port)), backlog=64)
-        self.address = f"{host}:{self._sock.getsockname()[1]}"
-        self._ssl = ssl_context
-        self._offers: dict[bytes, _Offer] = {}
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
-        self._closed = False
-        threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
-
-    def offer(self, path: str, nbytes: int, done, ranges=None) -> bytes:
-        """A ticket for reading the first ``nbytes`` of the file at ``path``, or only its
-        byte ``ranges`` ((start, stop) each); ``done()`` runs once: when every byte
-        offered was sent, the ticket was cancelled, or it expired unused for
-        ``TICKET_SECONDS``."""
-        ticket = secrets.token_bytes(TICKET_BYTES)
-        allowed = tuple((a, b) for a, b in (ranges if ranges is not None else [(0, nbytes)])
-                        if a < b)
-        with self._lock:
-            self._offers[ticket] = _Offer(path, allowed, time.monotonic() + TICKET_SECONDS,
-                                          done)
-        return ticket
-
-    def cancel(self, ticket: bytes) -> None:
-        """The reader will not come (its call failed): end the offer now."""
-        with self._lock:
-            offer = self._offers.get(ticket)
-            if offer is None or offer.active:
-                return  # done already, or a connection still sends: it ends the offer
-            del self._offers[ticket]
-        offer.done()
-
-    def close(self) -> None:
-        self._closed = True
-        self._sock.close()
-        with self._lock:
-            offers, self._offers = self._offers, {}
-        for offer in offers.values():
-            offer.done()
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            stale = [t for t, offer in self._offers.items()
-                     if offer.deadline < now and not offer.active]
-            dropped = [self._offers.pop(t) for t in stale]
-        for offer in dropped:
-            offer.done()
-
-    def _accept(self) -> None:
-        self._sock.settimeout(1.0)  # wakes up to expire unused tickets
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                self._expire()
-                continue
-            except OSError:
-                return
-            self._expire()
-            if not self._slots.acquire(timeout=30):
-                log.warning("data channel: %d connections busy; one refused", _MAX_CONNECTIONS)
-                conn.close()
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(conn,), name="data-send",
-                                 daemon=True).start()
-            except RuntimeError as err:  # no thread to be had
-                self._slots.release()
-                conn.close()
-                log.warning("data channel: connection refused: %s", err)
-
-    def _serve(self, conn: socket.socket) -> None:
-        offer = None
-        try:
-            conn.settimeout(30)
-            if self._ssl is not None:
-                conn = self._ssl.wrap_socket(conn, server_side=True)
-            ticket, start, stop = _HEADER.unpack(recv_exact(conn, _HEADER.size))
-            with self._lock:
-                offer = self._offers.get(ticket)
-                if offer is not None and offer.permits(start, stop):
-                    offer.active += 1
-                else:
-                    offer = None
-            if offer is None:
-                log.warning("data channel: a connection presented an unknown ticket or a bad "
-                            "range; closed")
-                return
-            _send_file(conn, offer.path, start, stop - start)
-            with self._lock:
-                offer.served.add((start, stop))
-        except (OSError, ConnectionError) as err:
-            log.warning("data channel: sending failed: %s", err)
-        finally:
-            conn.close()
-            self._slots.release()
-            if offer is not None:
-                self._finish_connection(ticket, offer)
-
-    def _finish_connection(self, ticket: bytes, offer: _Offer) -> None:
-        with self._lock:
-            offer.active -= 1
-            offer.deadline = time.monotonic() + TICKET_SECONDS  # in use: not stale yet
-            finished = offer.active == 0 and offer.complete() and \
-                self._offers.pop(ticket, None) is not None
-        if finished:
-            offer.done()
 
 
 def pull(address: str, ticket: bytes, view, ranges, ssl_context: ssl.SSLContext | None = None,
@@ -247,7 +74,7 @@ def _receive(address, ticket, start, stop, target, ssl_context, timeout, receive
         conn = raw
         if ssl_context is not None:
             conn = ssl_context.wrap_socket(raw, server_hostname=host)
-        conn.sendall(_HEADER.pack(ticket, start, stop))
+        conn.sendall(HEADER.pack(ticket, start, stop))
         try:
             recv_exact_into(conn, target, received)
         except ConnectionError as err:
@@ -259,7 +86,7 @@ def read_ranges(address: str, ticket: bytes, ranges, ssl_context, timeout: float
     """Each (start, stop) of ``ranges`` of an offer into a buffer of its own, over up to
     ``streams`` connections at once, hashed as it lands: [(bytes, checksum)] in order.
     ``what`` names the copy in errors (Aborted when a transfer breaks off)."""
-    check_address(address)
+    check_address(address, "data address")
     buffers = [bytearray(stop - start) for start, stop in ranges]
     hashers = [new_hasher() for _ in ranges]
     pending = [(i, r) for i, r in enumerate(ranges) if r[0] < r[1]]  # zero-size shards
@@ -310,7 +137,7 @@ def puller(address: str, ticket: bytes, ssl_context, timeout: float, what: str,
     names the copy in errors."""
 
     def fill(view, slots):
-        check_address(address)
+        check_address(address, "data address")
         groups = split(slots, len(view), streams)
         bounds = [g[0][0] for g in groups[1:]]
         ranges = list(zip([0, *bounds], [*bounds, len(view)], strict=True))
@@ -323,12 +150,3 @@ def puller(address: str, ticket: bytes, ssl_context, timeout: float, what: str,
         return tuple(d for h in hashers for d in h.digests())
 
     return fill
-
-
-def _send_file(conn, path: str, offset: int, nbytes: int) -> None:
-    # socket.sendfile: os.sendfile (zero copy) on a plain socket, waiting out a
-    # full send buffer under the socket's timeout; plain sends under TLS.
-    with open(path, "rb") as f:
-        sent = conn.sendfile(f, offset, nbytes)
-    if sent != nbytes:
-        raise ConnectionError(f"{path} ended after {sent} of {nbytes} bytes")

@@ -119,7 +119,8 @@ class PeerGroup:
         return [i for i in range(self.size) if i != self.index]
 
     def join(self, index: int, address: str) -> None:
-        """A replacement daemon took ring position ``index`` at ``address``."""
+        """A replacement daemon took ring position ``index`` at ``address`` (host:port,
+        checked where the Join entered: rpc/messages.py)."""
         if not 0 <= index < self.size or index == self.index:
             raise InvalidArgument(
                 f"ring index {index} is not another member of this {self.size}-daemon group; "

@@ -11,6 +11,7 @@ import dataclasses
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.errors import DataLoss, InvalidArgument
 from bubblesnap.service.peers import data_channel
+from bubblesnap.service.peers.data_server import DataServer
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.views import PinnedCopy
 
@@ -27,7 +28,7 @@ class PeerCopy:
 class Transfers:
     """Offers this daemon's copies to peers and pulls theirs into the store."""
 
-    def __init__(self, store, group, data_server: data_channel.DataServer):
+    def __init__(self, store, group, data_server: DataServer):
         self._store = store
         self._group = group
         self._data = data_server
@@ -63,7 +64,6 @@ class Transfers:
              for_restore: bool = False) -> int:
         """Pulls a copy offered at ``address`` under ``ticket`` into the store; the bytes
         stored (0: this very copy was held already)."""
-        data_channel.check_address(address)
         options = self._group.options
         fill = data_channel.puller(address, ticket, options.security.client_ssl_context(),
                                    options.transfer_timeout_seconds,

@@ -13,6 +13,7 @@ from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.bubbles.plans import BubbleEvent, check_seconds
 from bubblesnap.service.errors import InvalidArgument
 from bubblesnap.service.peers import data_channel
+from bubblesnap.service.peers.addresses import check_address
 from bubblesnap.service.region_plan import Asked
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.layout import (
@@ -144,7 +145,7 @@ def replica(request) -> tuple:
 
 def data_source(request) -> tuple[str, bytes]:
     """(data address, ticket) a ReplicateRequest says to pull from."""
-    data_channel.check_address(request.data_address)
+    check_address(request.data_address, "data address")
     if len(request.ticket) != data_channel.TICKET_BYTES:
         raise InvalidArgument(f"a ticket of {len(request.ticket)} bytes; tickets have "
                               f"{data_channel.TICKET_BYTES}")
@@ -153,7 +154,7 @@ def data_source(request) -> tuple[str, bytes]:
 
 def joined(request) -> tuple[int, str]:
     """(ring index, peer address) of a JoinRequest (the index is checked by the group)."""
-    data_channel.check_address(request.address, "peer address")
+    check_address(request.address, "peer address")
     return request.index, request.address
 
 

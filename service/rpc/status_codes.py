@@ -24,6 +24,8 @@ CODES = {
     errors.DataLoss: grpc.StatusCode.DATA_LOSS,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -40,34 +42,51 @@ def _abort(servicer, name: str, context, err: Exception) -> None:
     context.abort(code, message)
 
 
-def unary(method):
-    """For a unary method of a servicer that has ``metrics``."""
+def late(context) -> bool:
+    """Whether the caller's deadline has passed: nobody waits for the answer any more."""
+    left = context.time_remaining()
+    return left is not None and left <= 0
+
+
+def unary(method=None, *, run_late: bool = False):
+    """For a unary method of a servicer that has ``metrics``. A call whose deadline
+    passed while it waited for a thread is not run (DEADLINE_EXCEEDED): nobody waits
+    for it, and what it would reserve or roll back would be nobody's. ``run_late``:
+    it is run even so, because it keeps what the caller already handed over (a commit
+    of bytes in shared memory, a log record); dropping those would lose them."""
+    if method is None:
+        return functools.partial(unary, run_late=run_late)
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
+            if not run_late and late(context):
+                raise errors.DeadlineExceeded(f"{method.__name__}: the caller's deadline "
+                                              "passed before the daemon could start on it")
             response = method(self, request, context)
         except Exception as err:
             _abort(self, method.__name__, context, err)
-        self.metrics.rpcs.labels(method.__name__, "OK").inc()
+        count_ok(self, method.__name__)
         return response
 
     return wrapper
 
 
 def streaming(method):
-    """For a bidi method written as its answer to one request (None: no answer): an
-    error in any request ends the stream with its code."""
+    """For a bidi method written as its answer to one request (None: no answer); the
+    server calls it for each request of the stream in turn (``handlers``). An error in
+    any request ends the stream with its code."""
 
     @functools.wraps(method)
-    def wrapper(self, requests, context):
-        for request in requests:
-            try:
-                answer = method(self, request, context)
-            except Exception as err:
-                _abort(self, method.__name__, context, err)
-            if answer is not None:
-                yield answer
-        self.metrics.rpcs.labels(method.__name__, "OK").inc()
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as err:
+            _abort(self, method.__name__, context, err)
 
     return wrapper
+
+
+def count_ok(servicer, name: str) -> None:
+    """Counts a call (or a whole stream) of ``name`` that ended well."""
+    servicer.metrics.rpcs.labels(name, "OK").inc()

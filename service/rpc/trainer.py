@@ -1,14 +1,34 @@
 """The gRPC face trainers and tools see (``bubblesnap.v1.Daemon``): convert, call, convert back."""
 
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.errors import DeadlineExceeded
 from bubblesnap.service.rpc import messages
-from bubblesnap.service.rpc.status_codes import streaming, unary
+from bubblesnap.service.rpc.status_codes import late, streaming, unary
+
+#: The pools (lanes) of the calls that do not run in "calls": those that may wait long (a
+#: restore pulling from a peer or the durable tier, a wait for the job's commit) so that
+#: they never hold up stagings and commits, and Status so that it answers under any load.
+LANES = {"Restore": "waits", "WaitCommitted": "waits", "Status": "status"}
+
+
+def _release_if_late(context, release) -> None:
+    """A reservation answered after the caller's deadline is released (``release()``) at
+    once: the caller gave up on it, and its staging memory would stay held until the
+    rank's next BeginStep."""
+    if late(context):
+        release()
+        raise DeadlineExceeded("the caller's deadline passed while its staging was reserved; "
+                               "the reservation was released")
 
 
 class DaemonServicer:
-    """Each method converts its request, calls one method of a part, converts the answer."""
+    """Each method converts its request, calls one method of a part, converts the answer.
 
-    def __init__(self, store, layouts, plans, restorer, logs, status, metrics):
+    ``token`` (``trainer_token.TrainerToken``) guards the calls that drop snapshots.
+    """
+
+    def __init__(self, store, layouts, plans, restorer, logs, status, metrics, token):
+        self._token = token
         self._store = store
         self._layouts = layouts  # peers.layouts.GroupLayouts
         self._plans = plans
@@ -26,22 +46,31 @@ class DaemonServicer:
 
     @unary
     def BeginStep(self, request, context):
-        return messages.staging(self._store.begin_step(*messages.job_rank_step(request)))
+        job, rank, step = messages.job_rank_step(request)
+        staging = self._store.begin_step(job, rank, step)
+        _release_if_late(context, lambda: self._store.abort_step(job, rank, step))
+        return messages.staging(staging)
 
-    @unary
+    @unary(run_late=True)
     def CommitStep(self, request, context):
-        commit = self._store.commit_step(*messages.commit(request))
+        job, rank, step, checksums, usage, next_step = messages.commit(request)
+        commit = self._store.commit_step(job, rank, step, checksums, usage, next_step)
+        if commit.next:  # the commit stands; only the next step's staging goes
+            _release_if_late(context, lambda: self._store.abort_step(job, rank, next_step))
         return pb.CommitStepResponse(
             job_committed=commit.job_committed, latest_committed_step=commit.latest_committed_step,
             next=messages.staging(commit.next) if commit.next else None)
 
-    @unary
+    @unary(run_late=True)
     def AbortStep(self, request, context):
         self._store.abort_step(*messages.job_rank_step(request))
         return pb.AbortStepResponse()
 
     @unary
     def Restore(self, request, context):
+        if not request.alone:
+            self._token.check(context, "Restore (not alone: it drops every later step of the "
+                              "job, on every daemon of the ring)")
         restored = self._restorer.restore(*messages.restore(request))
         self.metrics.restores.labels(restored.source).inc()
         return messages.restored(restored)
@@ -63,15 +92,16 @@ class DaemonServicer:
 
     @unary
     def DeleteSnapshots(self, request, context):
+        self._token.check(context, "DeleteSnapshots")
         return pb.DeleteSnapshotsResponse(deleted_steps=self._store.delete(
             *messages.deleted(request)))
 
-    @unary
+    @unary(run_late=True)
     def AppendLog(self, request, context):
         [(last, copies)] = self._logs.append([messages.log_records(request)])
         return pb.AppendLogResponse(last_step=last, copies=copies)
 
-    @unary
+    @unary(run_late=True)
     def AppendLogs(self, request, context):
         answers = self._logs.append(messages.logs(request))
         return pb.AppendLogsResponse(logs=[pb.AppendLogResponse(last_step=last, copies=copies)
