@@ -11,7 +11,8 @@ and its stage) is killed with SIGKILL; the surviving stages are
 stopped as a job scheduler would stop them. A replacement daemon (new port,
 empty memory) takes host 1's place in the ring, and three fresh stage
 processes restore the step the whole job can restore: hosts 0 and 2 from
-their own memory, host 1 from a neighbour's. Training then goes on for
+their own memory, host 1 from a neighbour's (or from its own, when the
+survivors re-replicated to the replacement before it asked). Training then goes on for
 --train-after iterations.
 
 With --kill-adjacent 2, hosts 1 and 2 die together: with --replicas 1 both
