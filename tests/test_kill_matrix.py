@@ -4,7 +4,7 @@ Every trial ends with a restore that must give back, bit for bit, a step the
 trainers were told was committed, or a newer one: never a torn tensor, never
 tensors of two steps, and never nothing (or an older step) while a copy of a
 committed step survives, on its daemon's shared memory or at a peer. A
-killed daemon is restarted on the same --shm-dir (and the same ports) and
+killed daemon is restarted on the same --shm-dir (and the same socket and ports) and
 adopts what its predecessor committed. Real processes throughout: daemons
 (``bubblesnap daemon``) and trainers (tests/programs/numpy_trainer.py).
 
@@ -146,13 +146,15 @@ def trainer(tmp_path):
 
 @pytest.fixture
 def host(tmp_path):
-    """Starts a daemon on a given shm dir and trainer port (a restart reuses both);
-    every daemon started is stopped after the test."""
+    """Starts a daemon on a given shm dir and the trainer socket of host ``name`` (a restart
+    reuses both; a Unix socket, the trainers' default, so a trainer may roll back without
+    a token); every daemon started is stopped after the test."""
     started = []
 
-    def start(shm: str, port: int, *flags: str) -> DaemonProcess:
+    def start(shm: str, name: str, *flags: str) -> DaemonProcess:
         log = tmp_path / f"daemon-{len(started)}.log"
-        started.append(DaemonProcess("--shm-dir", shm, "--listen", f"127.0.0.1:{port}",
+        started.append(DaemonProcess("--shm-dir", shm, "--listen",
+                                     f"unix:{tmp_path}/{name}.sock",
                                      "--keep", "2", *flags, own_shm_dir=False, stderr=log,
                                      log_level="INFO", name=f"daemon ({log})"))
         return started[-1]
@@ -163,7 +165,7 @@ def host(tmp_path):
 
 def test_kill_the_trainer(shm_dirs, host, trainer):
     rng, tally = random.Random(101), Tally("trainer")
-    daemon, committed = host(shm_dirs(), free_port()), -1
+    daemon, committed = host(shm_dirs(), "host"), -1
     for _ in range(TRIALS):
         run = trainer(daemon.address, "--job", "t", *(["--resume"] * (committed >= 0)))
         run.wait_committed(rng.randint(1, 6))
@@ -177,8 +179,8 @@ def test_kill_the_trainer(shm_dirs, host, trainer):
 def test_kill_the_daemon_while_its_trainer_runs_on(shm_dirs, host, trainer):
     """The trainer outlives every daemon restart and reattaches to the adopted copies."""
     rng, tally = random.Random(202), Tally("daemon")
-    shm, port = shm_dirs(), free_port()
-    daemon = host(shm, port)
+    shm = shm_dirs()
+    daemon = host(shm, "host")
     run = trainer(daemon.address, "--job", "d")
     try:
         for _ in range(TRIALS):
@@ -187,7 +189,7 @@ def test_kill_the_daemon_while_its_trainer_runs_on(shm_dirs, host, trainer):
             daemon.kill()
             time.sleep(rng.uniform(0.01, 0.3))  # the trainer snapshots into the void meanwhile
             committed = max(run.committed())  # each one the dead daemon answered
-            daemon = host(shm, port)
+            daemon = host(shm, "host")
             tally.judge(committed, [_restore(daemon.address, "d", 0, 1)],
                         adopted=(_adopted(daemon, "d"), committed))
         run.wait_committed(len(run.committed()) + 3)  # it snapshots on
@@ -199,8 +201,8 @@ def test_kill_the_daemon_while_its_trainer_runs_on(shm_dirs, host, trainer):
 def test_kill_the_trainer_and_its_daemon(shm_dirs, host, trainer):
     """Both die, in either order; the restarted daemon restores before anyone registers."""
     rng, tally = random.Random(303), Tally("both")
-    shm, port, committed = shm_dirs(), free_port(), -1
-    daemon = host(shm, port)
+    shm, committed = shm_dirs(), -1
+    daemon = host(shm, "host")
     for _ in range(TRIALS):
         run = trainer(daemon.address, "--job", "b", *(["--resume"] * (committed >= 0)))
         run.wait_committed(rng.randint(1, 6))
@@ -210,7 +212,7 @@ def test_kill_the_trainer_and_its_daemon(shm_dirs, host, trainer):
         time.sleep(rng.uniform(0, 0.02))
         second()
         committed = max([committed, *run.committed()])
-        daemon = host(shm, port)
+        daemon = host(shm, "host")
         tally.judge(committed, [_restore(daemon.address, "b", 0, 1)])
     tally.check()
 
@@ -219,11 +221,11 @@ def test_kill_a_peer_of_a_ring(shm_dirs, host, trainer):
     """A ring of 3 (--replicas 1), a job of 2 ranks on daemons 0 and 1; any daemon dies
     and comes back on its shared memory, then the job is restarted from it."""
     rng, tally = random.Random(404), Tally("peer")
-    shms, ports = [shm_dirs() for _ in range(3)], [free_port() for _ in range(3)]
+    shms = [shm_dirs() for _ in range(3)]
     peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
 
     def start(i: int) -> DaemonProcess:
-        return host(shms[i], ports[i], "--peers", peers, "--index", str(i), "--replicas", "1")
+        return host(shms[i], f"host{i}", "--peers", peers, "--index", str(i), "--replicas", "1")
 
     daemons, committed = [start(i) for i in range(3)], -1
     for _ in range(TRIALS):

@@ -154,7 +154,7 @@ def data_source(request) -> tuple[str, bytes]:
 
 def joined(request) -> tuple[int, str]:
     """(ring index, peer address) of a JoinRequest (the index is checked by the group)."""
-    check_address(request.address, "peer address")
+    check_address(request.address, f"the peer address of ring index {request.index}")
     return request.index, request.address
 
 
