@@ -22,6 +22,9 @@ import grpc
 #: The daemon's default ``--listen`` and the clients' default daemon: this user's socket.
 DEFAULT_ADDRESS = f"unix:///dev/shm/bubblesnap-user-{os.getuid()}/daemon.sock"
 
+#: The environment variable that, when set, overrides the clients' default daemon.
+DAEMON_ENV = "BUBBLESNAP_DAEMON"
+
 #: The environment variable the daemon and the clients read the trainer token from.
 TOKEN_ENV = "BUBBLESNAP_TRAINER_TOKEN"
 

@@ -6,9 +6,10 @@ of deep inside a training step.
 """
 
 import dataclasses
+import os
 
 from bubblesnap.options import is_number, require
-from bubblesnap.trainer_api import DEFAULT_ADDRESS, TOKEN_ENV
+from bubblesnap.trainer_api import DAEMON_ENV, DEFAULT_ADDRESS, TOKEN_ENV
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,8 +18,10 @@ class ClientOptions:
 
     Attributes:
       daemon: address of the local daemon: its Unix socket (``unix:PATH``) or
-        ``host:port``. Default this user's daemon's socket, where a daemon
-        listens unless told otherwise (``trainer_api.DEFAULT_ADDRESS``).
+        ``host:port``. Default $BUBBLESNAP_DAEMON when set (so a launcher can
+        point code it does not change at a daemon), else this user's daemon's
+        socket, where a daemon listens unless told otherwise
+        (``trainer_api.DEFAULT_ADDRESS``).
       token: the trainer token, sent with every call; a daemon reached over
         TCP refuses the calls that drop snapshots (a restore that is not
         ``alone``) without it. Default: $BUBBLESNAP_TRAINER_TOKEN when the
@@ -36,7 +39,8 @@ class ClientOptions:
         replicas), > 0. Default 60 s.
     """
 
-    daemon: str = DEFAULT_ADDRESS
+    daemon: str = dataclasses.field(
+        default_factory=lambda: os.environ.get(DAEMON_ENV) or DEFAULT_ADDRESS)
     token: str = dataclasses.field(default="", repr=False)
     rpc_timeout_seconds: float = 5.0
     backoff_seconds: float = 10.0

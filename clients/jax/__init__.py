@@ -1,6 +1,8 @@
 """The JAX client: snapshot pytrees of jax.Arrays into the local daemon and restore them.
 
-Public names: :class:`SnapshotClient`, :class:`Restored`, the pipeline
+Public names: :class:`CheckpointManager` and :class:`CheckpointManagerOptions`
+(Orbax's CheckpointManager API over the daemon: change one import),
+:class:`SnapshotClient`, :class:`Restored`, the pipeline
 bubble hooks :class:`BubbleSnapshotter` and :class:`BubbleSnapshotOptions`,
 the one-step undo of optimizer updates for data-parallel survivors
 (:func:`undo_sgd_momentum`, :func:`undo_adamw`, :func:`check_undo` and its
@@ -11,6 +13,7 @@ the shared :class:`ClientOptions`, :class:`SnapshotResult`,
 """
 
 from bubblesnap.clients.jax.bubbles import BubbleSnapshotOptions, BubbleSnapshotter
+from bubblesnap.clients.jax.checkpoint_manager import CheckpointManager, CheckpointManagerOptions
 from bubblesnap.clients.jax.client import Restored, SnapshotClient
 from bubblesnap.clients.jax.inverse_updates import (
     UndoCheck,
@@ -23,6 +26,7 @@ from bubblesnap.clients.jax.inverse_updates import (
 from bubblesnap.clients.options import ClientOptions
 from bubblesnap.clients.results import LogError, RestoreError, SnapshotResult
 
-__all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "ClientOptions", "LogError",
+__all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "CheckpointManager",
+           "CheckpointManagerOptions", "ClientOptions", "LogError",
            "RestoreError", "Restored", "SnapshotClient", "SnapshotResult", "UndoCheck",
            "UndoDecision", "check_undo", "undo_adamw", "undo_or_restore", "undo_sgd_momentum"]
