@@ -134,8 +134,8 @@ class Assembler:
             got = self._transfers.read_slots(index, job, rank, step, slots, described)
             return {slot: np.frombuffer(data, np.uint8) for slot, data in got.items()}
         layout_slots = source.layout.slots()
-        return {slot: self._durable.read_shard(job, step, rank, layout_slots[slot][0],
-                                               layout_slots[slot][1]) for slot in slots}
+        read = self._durable.read_shards(job, step, rank, [layout_slots[s][:2] for s in slots])
+        return dict(zip(slots, read, strict=True))
 
     def _read_memory(self, job: str, step: int, rank: int, slots: list[int],
                      pinned: list) -> dict[int, np.ndarray]:

@@ -110,7 +110,7 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
             leaf = tensor.name if tensor.job_wide else f"rank_{rank}/{tensor.name}"
             for s_index, shard in enumerate(tensor.shards):
                 region = expected[leaf][tuple(slice(a, b) for a, b in shard.index)]
-                got = reader.read_shard(JOB, 3, rank, t_index, s_index)
+                [got] = reader.read_shards(JOB, 3, rank, [(t_index, s_index)])
                 assert got.dtype == np.uint8 and got.tobytes() == region.tobytes()
 
     # The current restore's path: rank 1's copy cut into its registered layout.
@@ -128,13 +128,13 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
 
     # A region whose bytes changed on disk (still valid zarr) is refused.
     array = ts.open(durable_checkpoint.open_array(str(step_dir), "params.w",
-                                                  durable_checkpoint.context()).spec(),
+                                                  durable_checkpoint.context()).result().spec(),
                     open=True).result()
     array[8:16, 0:4].write(np.zeros((8, 4), np.float32)).result()
     w_index = [t.name for t in copies[1].layout.tensors].index("params/w")
     with pytest.raises(DataLoss, match="does not match its checksum"):
-        reader.read_shard(JOB, 3, 1, w_index, 0)
-    reader.read_shard(JOB, 3, 0, w_index, 0)  # rank 0's regions are intact
+        reader.read_shards(JOB, 3, 1, [(w_index, 0)])
+    reader.read_shards(JOB, 3, 0, [(w_index, 0)])  # rank 0's regions are intact
 
 
 def test_the_writer_never_allocates_a_global_array(start_daemon, tmp_path):

@@ -123,17 +123,28 @@ def _write_spec(step_dir: str, rank: int, part: ArrayPart):
 
 
 def open_array(step_dir: str, param: str, ctx):
-    """The array ``param`` of a finalized step, opened for reading as Orbax opens it."""
+    """The array ``param`` of a finalized step being opened for reading as Orbax opens
+    it: a TensorStore future (``.result()`` is the array), so that many open at once."""
     import tensorstore as ts
 
     ts_utils, _ = _orbax_modules()
     spec = ts_utils.ArrayReadSpec(step_dir, param, use_zarr3=False, use_ocdbt=True)
-    return ts.open(ts.Spec(spec.json), open=True, context=ctx).result()
+    return ts.open(ts.Spec(spec.json), open=True, context=ctx)
 
 
-def read_box(array, box: orbax_layout.Box) -> np.ndarray:
-    """The C-ordered elements of ``box`` of an opened array (a region read)."""
-    return np.ascontiguousarray(array[tuple(slice(a, b) for a, b in box)].read().result())
+def read_box(array, box: orbax_layout.Box, into: np.ndarray | None = None):
+    """The elements of ``box`` of an opened array being read, a future, so that the
+    reads of a restore run at once on TensorStore's threads: of the array (C order),
+    or, with ``into`` (a writable uint8 view of the box's C-order bytes, e.g. in the
+    segment that will be served), of None once they were decoded straight into it,
+    with no array in between."""
+    import tensorstore as ts
+
+    region = array[tuple(slice(a, b) for a, b in box)]
+    if into is None:
+        return region.read(order="C")
+    target = into.view(array.dtype.numpy_dtype).reshape(tuple(b - a for a, b in box))
+    return ts.array(target, copy=False, write=True).write(region)
 
 
 def finalize(step_dir: str, written: dict[int, WrittenRank], finalizer: int) -> None:

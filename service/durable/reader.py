@@ -62,17 +62,25 @@ class DurableReader:
         return {rank: RankCopy(rank, w.world_size, w.layout(), w.group, w.slot_checksums())
                 for rank, w in self.sidecars(job, step).items()}
 
-    def read_shard(self, job: str, step: int, rank: int, tensor_index: int,
-                   shard_index: int) -> np.ndarray:
-        """The bytes (C order, uint8) of one region ``rank`` wrote, read from the step's
-        checkpoint and verified against its checksum (DataLoss if not)."""
+    def read_shards(self, job: str, step: int, rank: int,
+                    shards: list[tuple[int, int]]) -> list[np.ndarray]:
+        """The bytes (C order, uint8) of the regions ``rank`` wrote, each named by
+        (tensor index, region index), read from the step's checkpoint at once (every
+        array opened once, every read in flight together on TensorStore's threads)
+        and each verified against its checksum (DataLoss if not)."""
         step_dir = self._finalized(job, step)
-        tensor = self._tensor(self._sidecar(job, step, rank), tensor_index)
-        if not 0 <= shard_index < len(tensor.regions):
-            raise NotFound(f"rank {rank} wrote {len(tensor.regions)} regions of "
-                           f"{tensor.name!r} in step {step}; there is no region {shard_index}")
-        array = self._open(step_dir, tensor)
-        return self._verified(step_dir, array, tensor, shard_index).reshape(-1).view(np.uint8)
+        written = self._sidecar(job, step, rank)
+        wanted = []
+        for tensor_index, shard_index in shards:
+            tensor = self._tensor(written, tensor_index)
+            if not 0 <= shard_index < len(tensor.regions):
+                raise NotFound(f"rank {rank} wrote {len(tensor.regions)} regions of "
+                               f"{tensor.name!r} in step {step}; there is no region "
+                               f"{shard_index}")
+            wanted.append((tensor, shard_index))
+        arrays = self._open_all(step_dir, [t for t, _ in wanted])
+        return [data.reshape(-1).view(np.uint8)
+                for data in self._read_all(step_dir, arrays, wanted)]
 
     def sidecars(self, job: str, step: int) -> dict[int, WrittenRank]:
         """The finished writes of ``step`` (finalized or not), by rank; an unreadable
@@ -128,40 +136,70 @@ class DurableReader:
             raise FailedPrecondition(
                 f"{step_dir} does not hold the registered state of rank {rank}: tensors "
                 f"{differ[:4]} differ in name, dtype or shape")
-        pieces, checksums, opened = [], [], {}
-        for t_index, s_index, offset, nbytes in layout.slots():
+        # A slot that is a region as written (the usual case) is read in ``fill``
+        # straight into the segment and verified there against the checksum it was
+        # written with; one cut from other regions is read and assembled now.
+        direct, cut, checksums = [], [], []
+        for slot, (t_index, s_index, offset, nbytes) in enumerate(layout.slots()):
             tensor = mine[layout.tensors[t_index].name]
-            if tensor.key not in opened:
-                opened[tensor.key] = self._open(step_dir, tensor)
-            sources = [t for w in written.values() for t in w.tensors if t.key == tensor.key] \
-                if tensor.job_wide else [tensor]
-            piece = self._assemble(step_dir, opened[tensor.key], sources,
-                                   layout.tensors[t_index].shards[s_index].index)
-            pieces.append((offset, nbytes, piece.reshape(-1).view(np.uint8)))
-            checksums.append(checksum(pieces[-1][2]))
+            tensors = [t for w in written.values() for t in w.tensors
+                       if t.key == tensor.key] if tensor.job_wide else [tensor]
+            box = layout.tensors[t_index].shards[s_index].index
+            exact = next((t for t in tensors if box in t.regions), None)
+            if exact is not None:
+                direct.append((offset, nbytes, exact, exact.regions.index(box)))
+                checksums.append(exact.checksums[direct[-1][3]])
+            else:
+                cut.append((slot, offset, nbytes, tensors, box))
+                checksums.append(None)  # of the piece, once assembled below
+        arrays = self._open_all(step_dir, [d[2] for d in direct] + [c[3][0] for c in cut])
+        read = self._regions_meeting(step_dir, arrays, [c[3] for c in cut],
+                                     [c[4] for c in cut])
+        pieces = []
+        for slot, offset, nbytes, tensors, box in cut:
+            pieces.append((offset, nbytes, self._assemble(step_dir, read, tensors, box)
+                           .reshape(-1).view(np.uint8)))
+            checksums[slot] = checksum(pieces[-1][2])
 
         def fill(view, slots):
+            self._read_all(step_dir, arrays, [(t, i) for _, _, t, i in direct],
+                           into=[view[o:o + n] for o, n, _, _ in direct])
             for offset, nbytes, piece in pieces:
                 view[offset:offset + nbytes] = piece
-            return tuple(checksums)  # of the regions just verified and copied
+            return tuple(checksums)  # every slot's bytes verified, read in or copied
 
         return fill, tuple(checksums)
 
-    def _assemble(self, step_dir: str, array, sources: list[WrittenTensor],
+    def _regions_meeting(self, step_dir: str, arrays: dict, sources, boxes) -> dict:
+        """Every written region a box needs (the box itself where it was written so, as
+        is usual), read at once and verified: by (tensor key, region). Ranks that wrote
+        the same region of a job-wide array wrote the same bytes: it is read once."""
+        wanted = {}
+        for tensors, box in zip(sources, boxes, strict=True):
+            exact = [t for t in tensors if box in t.regions]
+            for tensor in exact[:1] or tensors:
+                for index in ([tensor.regions.index(box)] if exact else
+                              range(len(tensor.regions))):
+                    if exact or regions.intersect(tensor.regions[index], box) is not None:
+                        wanted[(tensor.key, tensor.regions[index])] = (tensor, index)
+        got = self._read_all(step_dir, arrays, list(wanted.values()))
+        return dict(zip(wanted, got, strict=True))
+
+    def _assemble(self, step_dir: str, read: dict, sources: list[WrittenTensor],
                   box) -> np.ndarray:
-        """``box`` of an array from the verified regions that meet it."""
+        """``box`` of an array from the verified regions that meet it (in ``read``)."""
         tensor = sources[0]
         for source in sources:  # the common case: the box is a region as written
             if box in source.regions:
-                return self._verified(step_dir, array, source, source.regions.index(box))
+                return read[(source.key, box)]
         out = np.empty(tuple(b - a for a, b in box), fmt.numpy_dtype(tensor.dtype))
         found = []
         for source in sources:
-            for index, region in enumerate(source.regions):
+            for region in source.regions:
                 common = regions.intersect(region, box)
                 if common is None:
                     continue
-                data = self._verified(step_dir, array, source, index)
+                data = read[(source.key, region)]
                 out[regions.relative(common, box)] = data[regions.relative(common, region)]
                 found.append(common)
         gap = regions.missing(out.shape, [tuple((a - s, b - s) for (a, b), (s, _) in
@@ -171,25 +209,43 @@ class DurableReader:
                            f"{regions.describe(tensor.name, box)}")
         return out
 
-    def _verified(self, step_dir: str, array, tensor: WrittenTensor, index: int) -> np.ndarray:
-        try:
-            data = checkpoint.read_box(array, tensor.regions[index])
-        except Exception as err:  # TensorStore raises many types for damaged files
-            raise DataLoss(f"{step_dir}: region {index} of {tensor.name!r} cannot be read: "
-                           f"{err}") from err
-        if checksum(data.reshape(-1).view(np.uint8)) != tensor.checksums[index]:
-            raise DataLoss(f"{step_dir}: region "
-                           f"{regions.describe(tensor.name, tensor.regions[index])} does not "
-                           "match its checksum")
-        return data
+    def _read_all(self, step_dir: str, arrays: dict, wanted: list[tuple[WrittenTensor, int]],
+                  into: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The regions (tensor, region index) of opened ``arrays``, all reads in flight
+        at once, then each verified against its checksum; with ``into``, each read
+        straight into its uint8 view there (returned)."""
+        targets = into or [None] * len(wanted)
+        futures = [checkpoint.read_box(arrays[t.key], t.regions[i], target)
+                   for (t, i), target in zip(wanted, targets, strict=True)]
+        out = []
+        for (tensor, index), future, target in zip(wanted, futures, targets, strict=True):
+            try:
+                data = future.result()
+            except Exception as err:  # TensorStore raises many types for damaged files
+                raise DataLoss(f"{step_dir}: region {index} of {tensor.name!r} cannot be "
+                               f"read: {err}") from err
+            data = target if target is not None else data
+            if checksum(data.reshape(-1).view(np.uint8)) != tensor.checksums[index]:
+                raise DataLoss(f"{step_dir}: region "
+                               f"{regions.describe(tensor.name, tensor.regions[index])} does "
+                               "not match its checksum")
+            out.append(data)
+        return out
 
-    def _open(self, step_dir: str, tensor: WrittenTensor):
-        try:
-            # A context per read: a rewritten step must not be read from a stale cache.
-            return checkpoint.open_array(step_dir, orbax_layout.param_name(tensor.key),
-                                         checkpoint.context())
-        except Exception as err:
-            raise DataLoss(f"{step_dir}: array {tensor.name!r} cannot be opened: {err}") from err
+    def _open_all(self, step_dir: str, tensors: list[WrittenTensor]) -> dict:
+        """Each array of ``tensors`` opened once, the opens in flight together; by key.
+        One context per call: a rewritten step must not be read from a stale cache."""
+        ctx = checkpoint.context()
+        futures = {t.key: (t, checkpoint.open_array(step_dir, orbax_layout.param_name(t.key),
+                                                    ctx)) for t in tensors}
+        opened = {}
+        for key, (tensor, future) in futures.items():
+            try:
+                opened[key] = future.result()
+            except Exception as err:
+                raise DataLoss(f"{step_dir}: array {tensor.name!r} cannot be opened: "
+                               f"{err}") from err
+        return opened
 
     def _finalized(self, job: str, step: int) -> str:
         step_dir = self._step_dir(job, step)
