@@ -1,33 +1,15 @@
-"""The ``bubblesnap`` command: ``daemon`` runs one, ``status`` asks one what it holds."""
+"""The ``bubblesnap`` command: ``daemon`` runs one, ``status`` asks one what it holds,
+``inspect`` lists (and verifies) a durable tier."""
 
 import argparse
 import json
 import logging
 import os
-import re
 import sys
 
+from bubblesnap import cli_inspect
+from bubblesnap.sizes import human_bytes, parse_bytes
 from bubblesnap.trainer_api import TOKEN_ENV
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
-          "tb": 1000**4, "tib": 1024**4}
-
-
-def parse_bytes(text: str) -> int:
-    """'4GiB' -> 4294967296; '500MB' -> 500000000; '1024' -> 1024."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size: use a number with an optional unit, e.g. 512MiB, 4GiB, 2GB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def _human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
 
 
 def _daemon_parser(sub):
@@ -61,31 +43,31 @@ def _daemon_parser(sub):
     p.add_argument("--memory-budget", type=parse_bytes, default=s.memory_budget_bytes,
                    metavar="SIZE", help="shared memory the daemon may hold, e.g. 16GiB; new "
                    "snapshots beyond it are refused with RESOURCE_EXHAUSTED (default "
-                   f"{_human(s.memory_budget_bytes)}; capped to the free space of --shm-dir)")
+                   f"{human_bytes(s.memory_budget_bytes)}; capped to the free space of --shm-dir)")
     p.add_argument("--shm-dir", default=d.shm_dir, metavar="DIR",
                    help=f"tmpfs directory for snapshot memory (default {d.shm_dir})")
     p.add_argument("--keep", type=int, default=s.keep_steps, metavar="N",
                    help=f"committed steps kept per job (default {s.keep_steps})")
     p.add_argument("--training-log-budget", type=parse_bytes, default=d.logs.max_rank_bytes,
                    metavar="SIZE", help="training-log records kept per job and rank, oldest "
-                   f"dropped first (default {_human(d.logs.max_rank_bytes)})")
+                   f"dropped first (default {human_bytes(d.logs.max_rank_bytes)})")
     p.add_argument("--boundary-log-budget", type=parse_bytes,
                    default=d.logs.max_boundary_rank_bytes, metavar="SIZE",
                    help="boundary-log records (the tensors a pipeline stage sent) kept per job "
                    "and rank over all its streams, oldest steps dropped first; the records of "
                    "the oldest kept snapshot's step and older are dropped anyway (no stage "
                    "replays them). Held apart from --memory-budget "
-                   f"(default {_human(d.logs.max_boundary_rank_bytes)})")
+                   f"(default {human_bytes(d.logs.max_boundary_rank_bytes)})")
     p.add_argument("--log-budget", type=parse_bytes, default=d.logs.max_total_bytes,
                    metavar="SIZE", help="log records of every job, rank and stream together "
                    "(process memory, apart from --memory-budget); records that would pass it "
                    "are refused with RESOURCE_EXHAUSTED and what is held is kept (default "
-                   f"{_human(d.logs.max_total_bytes)})")
+                   f"{human_bytes(d.logs.max_total_bytes)})")
     p.add_argument("--metrics", default=d.metrics, metavar="HOST:PORT",
                    help=f"Prometheus endpoint; port 0 picks one; '' disables (default {d.metrics})")
     p.add_argument("--max-message", type=parse_bytes, default=d.max_message_bytes,
                    metavar="SIZE", help=f"largest gRPC message accepted (default "
-                   f"{_human(d.max_message_bytes)})")
+                   f"{human_bytes(d.max_message_bytes)})")
     p.add_argument("--checksum-threads", type=int, default=s.checksum_threads, metavar="N",
                    help=f"threads hashing shards (default {s.checksum_threads})")
     p.add_argument("--max-interval", type=int, default=planner.max_interval,
@@ -268,10 +250,10 @@ def format_status(status) -> str:
     """A readable table of a StatusResponse."""
     from bubblesnap.protos import daemon_pb2
     mem = status.memory
-    lines = [f"memory: {_human(mem.used_bytes)} used, {_human(mem.pooled_bytes)} pooled, "
-             f"budget {_human(mem.budget_bytes)}; {mem.shm_dir} has "
-             f"{_human(mem.shm_free_bytes)} free; logs hold {_human(mem.log_bytes)}"
-             + (f" of {_human(mem.log_budget_bytes)}" if mem.log_budget_bytes else "")]
+    lines = [f"memory: {human_bytes(mem.used_bytes)} used, {human_bytes(mem.pooled_bytes)} pooled, "
+             f"budget {human_bytes(mem.budget_bytes)}; {mem.shm_dir} has "
+             f"{human_bytes(mem.shm_free_bytes)} free; logs hold {human_bytes(mem.log_bytes)}"
+             + (f" of {human_bytes(mem.log_budget_bytes)}" if mem.log_budget_bytes else "")]
     lines += _adoption_lines(status.adoption)
     if not status.jobs:
         lines.append("no jobs registered")
@@ -305,7 +287,7 @@ def format_status(status) -> str:
                 state = daemon_pb2.CopyState.Name(rank.state) + ("*" if rank.replica else "")
                 lines.append(f"  {step.step:>8}  {'yes' if step.committed else 'no':<9}  "
                              f"{rank.rank:>4}  {state:<8}  {rank.copies or '-':>6}  "
-                             f"{len(rank.shards):>6}  {_human(rank.nbytes):>10}  {usage:>30}")
+                             f"{len(rank.shards):>6}  {human_bytes(rank.nbytes):>10}  {usage:>30}")
         if any(r.replica for st in job.steps for r in st.ranks):
             lines.append("  (* a replica held for a peer's rank)")
         for rank, others in sorted({(r.rank, tuple(r.held_for))
@@ -323,9 +305,9 @@ def _adoption_lines(adoption) -> list[str]:
     if not adoption.directories:
         return []
     lines = [f"adopted at start: {len(adoption.adopted)} copies "
-             f"({_human(adoption.adopted_bytes)}) in {adoption.seconds:.3f} s from "
+             f"({human_bytes(adoption.adopted_bytes)}) in {adoption.seconds:.3f} s from "
              f"{', '.join(adoption.directories)}; dropped {len(adoption.dropped)} files "
-             f"({_human(adoption.dropped_bytes)})"]
+             f"({human_bytes(adoption.dropped_bytes)})"]
     lines += [f"  dropped {f.path}: {f.reason}" for f in adoption.dropped[:10]]
     if len(adoption.dropped) > 10:
         lines.append(f"  ... and {len(adoption.dropped) - 10} more dropped (see --json)")
@@ -334,13 +316,14 @@ def _adoption_lines(adoption) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The ``bubblesnap`` command line: ``daemon`` and ``status``."""
+    """The ``bubblesnap`` command line: ``daemon``, ``status`` and ``inspect``."""
     top = argparse.ArgumentParser(
         prog="bubblesnap",
         description="Snapshots of JAX training state in pipeline bubbles, held in host memory.")
     sub = top.add_subparsers(dest="command", required=True)
     _daemon_parser(sub)
     _status_parser(sub)
+    cli_inspect.add_parser(sub)
     return top
 
 
