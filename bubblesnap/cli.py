@@ -1,5 +1,5 @@
 """The ``bubblesnap`` command: ``daemon`` runs one, ``status`` asks one what it holds,
-``inspect`` lists (and verifies) a durable tier."""
+``inspect`` lists (and verifies) a durable tier, ``plan`` prints a bubble plan."""
 
 import argparse
 import json
@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from bubblesnap import cli_inspect
+from bubblesnap import cli_inspect, cli_plan
 from bubblesnap.sizes import human_bytes, parse_bytes
 from bubblesnap.trainer_api import TOKEN_ENV
 
@@ -316,7 +316,7 @@ def _adoption_lines(adoption) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The ``bubblesnap`` command line: ``daemon``, ``status`` and ``inspect``."""
+    """The ``bubblesnap`` command line: ``daemon``, ``status``, ``inspect`` and ``plan``."""
     top = argparse.ArgumentParser(
         prog="bubblesnap",
         description="Snapshots of JAX training state in pipeline bubbles, held in host memory.")
@@ -324,6 +324,7 @@ def parser() -> argparse.ArgumentParser:
     _daemon_parser(sub)
     _status_parser(sub)
     cli_inspect.add_parser(sub)
+    cli_plan.add_parser(sub)
     return top
 
 

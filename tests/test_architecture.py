@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Modules that decide from state alone: they must not reach the outside world.
-PURE = ["service/bubbles/planner.py", "service/peers/group_view.py",
+PURE = ["service/bubbles/planner.py", "service/bubbles/schedules.py", "service/peers/group_view.py",
         "service/store/retention.py", "service/durable/policy.py",
         "service/durable/orbax_layout.py", "service/durable/sidecar.py", "clients/log_groups.py",
         "service/store/regions.py", "service/region_plan.py"]
