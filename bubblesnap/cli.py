@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from bubblesnap import cli_inspect, cli_plan
 from bubblesnap.sizes import human_bytes, parse_bytes
@@ -222,28 +223,49 @@ def _status_parser(sub):
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.add_argument("--timeout", type=float, default=c.rpc_timeout_seconds,
                    help=f"seconds to wait (default {c.rpc_timeout_seconds:g})")
+    p.add_argument("--watch", type=float, nargs="?", const=1.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 1) until interrupted (Ctrl-C)")
     p.set_defaults(func=_run_status)
 
 
 def _run_status(args) -> int:
     import grpc
+
+    from bubblesnap.protos import daemon_pb2_grpc
+    if args.watch is not None and args.watch <= 0:
+        print("bubblesnap status: --watch takes a number of seconds > 0", file=sys.stderr)
+        return 2
+    try:
+        with grpc.insecure_channel(args.daemon) as channel:
+            return _show_status(daemon_pb2_grpc.DaemonStub(channel), args)
+    except KeyboardInterrupt:  # the way out of --watch
+        return 0
+
+
+def _show_status(stub, args) -> int:
+    """Prints the daemon's status once, or every ``--watch`` seconds."""
+    import grpc
     from google.protobuf import json_format
 
-    from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
-    with grpc.insecure_channel(args.daemon) as channel:
+    from bubblesnap.protos import daemon_pb2
+    while True:
         try:
-            status = daemon_pb2_grpc.DaemonStub(channel).Status(
-                daemon_pb2.StatusRequest(job=args.job), timeout=args.timeout)
+            status = stub.Status(daemon_pb2.StatusRequest(job=args.job), timeout=args.timeout)
         except grpc.RpcError as err:
             print(f"bubblesnap status: {args.daemon}: {err.code().name}: {err.details()}",
                   file=sys.stderr)
             return 1
-    if args.json:
-        print(json.dumps(json_format.MessageToDict(
-            status, always_print_fields_with_no_presence=True), indent=2))
-    else:
-        print(format_status(status))
-    return 0
+        if args.json:
+            print(json.dumps(json_format.MessageToDict(
+                status, always_print_fields_with_no_presence=True),
+                indent=None if args.watch else 2), flush=True)
+        else:
+            if args.watch and sys.stdout.isatty():
+                print("\x1b[H\x1b[J", end="")  # the table redrawn in place
+            print(format_status(status), flush=True)
+        if args.watch is None:
+            return 0
+        time.sleep(args.watch)
 
 
 def format_status(status) -> str:
@@ -255,6 +277,7 @@ def format_status(status) -> str:
              f"{human_bytes(mem.shm_free_bytes)} free; logs hold {human_bytes(mem.log_bytes)}"
              + (f" of {human_bytes(mem.log_budget_bytes)}" if mem.log_budget_bytes else "")]
     lines += _adoption_lines(status.adoption)
+    lines += [in_flight_line(w) for w in status.in_flight]
     if not status.jobs:
         lines.append("no jobs registered")
     for job in status.jobs:
@@ -298,6 +321,16 @@ def format_status(status) -> str:
             lines.append(f"  corrupt copy skipped: step {c.step} rank {c.rank} from {c.source}: "
                          f"{c.detail}")
     return "\n".join(lines)
+
+
+def in_flight_line(work) -> str:
+    """'persist of step 4 of rank 0 of j: 120.0 MiB of 256.0 MiB (47%), 510 MB/s, 0.3 s left'."""
+    rate = work.done_bytes / work.seconds if work.seconds > 0 else 0.0
+    left = f", {(work.total_bytes - work.done_bytes) / rate:.1f} s left" if rate > 0 else ""
+    share = 100 * work.done_bytes / work.total_bytes if work.total_bytes else 100.0
+    return (f"in flight: {work.kind} of step {work.step} of rank {work.rank} of {work.job}: "
+            f"{human_bytes(work.done_bytes)} of {human_bytes(work.total_bytes)} "
+            f"({share:.0f}%), {rate / 1e6:.0f} MB/s{left}")
 
 
 def _adoption_lines(adoption) -> list[str]:

@@ -399,14 +399,34 @@ class MemoryStatus(_message.Message):
     def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("jobs", "memory", "adoption")
+    __slots__ = ("jobs", "memory", "adoption", "in_flight")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     ADOPTION_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     memory: MemoryStatus
     adoption: Adoption
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., adoption: _Optional[_Union[Adoption, _Mapping]] = ...) -> None: ...
+    in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., adoption: _Optional[_Union[Adoption, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ...) -> None: ...
+
+class InFlight(_message.Message):
+    __slots__ = ("kind", "job", "rank", "step", "done_bytes", "total_bytes", "seconds")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    job: str
+    rank: int
+    step: int
+    done_bytes: int
+    total_bytes: int
+    seconds: float
+    def __init__(self, kind: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Adoption(_message.Message):
     __slots__ = ("directories", "adopted", "adopted_bytes", "dropped", "dropped_bytes", "kept", "seconds")

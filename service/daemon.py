@@ -24,6 +24,7 @@ from bubblesnap.service.peers.log_replication import LogReplication
 from bubblesnap.service.peers.replicator import Replicator
 from bubblesnap.service.peers.security import TokenInterceptor
 from bubblesnap.service.peers.transfers import Transfers
+from bubblesnap.service.progress import Progress
 from bubblesnap.service.restore import Restorer
 from bubblesnap.service.rpc import trainer
 from bubblesnap.service.rpc.handlers import generic_handler
@@ -198,7 +199,8 @@ class Daemon:
         self.store.listen(on_retained=self.logs.drop_boundary_through)
         self._build_tiers()
         status = Status(self.store, self.plans, self.logs, self.restorer, self.layouts,
-                        self.replicator, options.peers.replicas if self.group else 0)
+                        self.replicator, options.peers.replicas if self.group else 0,
+                        self.progress)
         self._server.add_service(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
             trainer.DaemonServicer(self.store, self.layouts, self.plans, self.restorer,
@@ -213,6 +215,7 @@ class Daemon:
         """Peers (data channel, transfers, replicator) and the durable tier, as configured;
         what a trainer commits here fans out to them."""
         options = self.options
+        self.progress = Progress()
         self.data = self.transfers = self.replicator = None
         self.layouts = GroupLayouts(self.store, self.group, options.peers.refresh_seconds)
         if self.group is not None:
@@ -226,7 +229,8 @@ class Daemon:
         if options.durable.enabled:
             reader = DurableReader(options.durable.directory)
             try:
-                self.durable = DurableWriter(options.durable, self.store, reader)
+                self.durable = DurableWriter(options.durable, self.store, reader,
+                                             progress=self.progress)
             except ImportError as err:
                 raise DaemonStartError(str(err)) from err
             self.store.listen(on_local=self.durable.committed)

@@ -11,6 +11,7 @@ import dataclasses
 import time
 
 from bubblesnap.service.bubbles.planner import Plan
+from bubblesnap.service.progress import InFlight, Progress
 from bubblesnap.service.restore import CorruptCopy
 from bubblesnap.service.store.adoption import Adoption
 from bubblesnap.service.store.registration import Coverage
@@ -41,14 +42,16 @@ class DaemonStatus:
     log_bytes: int
     log_budget_bytes: int
     adoption: Adoption = Adoption()
+    in_flight: tuple[InFlight, ...] = ()
 
 
 class Status:
     """Answers Status for one job or all of them."""
 
     def __init__(self, store, plans, logs, restorer, layouts, replicator=None,
-                 replicas: int = 0):
+                 replicas: int = 0, progress: Progress | None = None):
         self._store = store
+        self._progress = progress or Progress()
         self._layouts = layouts
         self._plans = plans
         self._logs = logs
@@ -60,7 +63,8 @@ class Status:
         """NotFound when ``job`` is named and not registered here."""
         return DaemonStatus([self._job(view) for view in self._store.jobs(job)],
                             self._store.memory(), self._logs.bytes_held(),
-                            self._logs.options.max_total_bytes, self._store.adoption)
+                            self._logs.options.max_total_bytes, self._store.adoption,
+                            tuple(self._progress.in_flight(job)))
 
     def wait_committed(self, job: str, step: int, timeout: float) -> tuple[bool, int]:
         """Waits up to ``timeout`` (capped) for ``step`` to be committed for the job;

@@ -57,11 +57,13 @@ def context():
     return ts_utils.get_ts_context(use_ocdbt=True)
 
 
-def write_parts(step_dir: str, rank: int, parts: list[ArrayPart]) -> dict[str, tuple]:
+def write_parts(step_dir: str, rank: int, parts: list[ArrayPart],
+                written=None) -> dict[str, tuple]:
     """Writes ``parts`` into ``rank``'s database of the step; returns each array's
     chunks once every region is durable. FailedPrecondition, before anything is
     written, if a region is not whole chunks (another daemon could write into
-    the same chunk)."""
+    the same chunk). ``written(nbytes)`` hears each region as TensorStore took its
+    bytes (from TensorStore's threads)."""
     import tensorstore as ts
 
     specs, chunks = {}, {}
@@ -74,7 +76,7 @@ def write_parts(step_dir: str, rank: int, parts: list[ArrayPart]) -> dict[str, t
                     f"region {box} of {part.param!r} is not whole chunks of "
                     f"{chunks[part.param]}; not written")
         specs[part.param] = spec
-    batch = _Batch(ts, context())
+    batch = _Batch(ts, context(), written)
     for part in parts:
         array = batch.open(specs[part.param].json)
         for box, data in part.regions:
@@ -88,8 +90,8 @@ class _Batch:
     commit (a few files) per batch instead of one per region, and TensorStore's
     copy of what a batch holds bounded by ``_WRITE_BYTES_IN_FLIGHT``."""
 
-    def __init__(self, ts, ctx):
-        self._ts, self._ctx = ts, ctx
+    def __init__(self, ts, ctx, written=None):
+        self._ts, self._ctx, self._written = ts, ctx, written
         self._txn, self._bytes, self._writes = ts.Transaction(), 0, []
 
     def open(self, spec: dict):
@@ -103,6 +105,8 @@ class _Batch:
         if array.transaction is not self._txn:  # opened in a batch committed since
             array = array.with_transaction(self._txn)
         self._writes.append(array[tuple(slice(a, b) for a, b in box)].write(data))
+        if self._written is not None:
+            self._writes[-1].add_done_callback(lambda _, n=data.nbytes: self._written(n))
         self._bytes += data.nbytes
         if self._bytes >= _WRITE_BYTES_IN_FLIGHT:
             self.commit()

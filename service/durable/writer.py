@@ -25,6 +25,7 @@ from bubblesnap.service.durable.reader import DurableReader
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
 from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition
 from bubblesnap.service.peers import group_view
+from bubblesnap.service.progress import Progress
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -48,8 +49,9 @@ class DurableWriter:
     """
 
     def __init__(self, options: policy.DurableOptions, store, reader: DurableReader,
-                 job_layouts=None):
+                 job_layouts=None, progress: Progress | None = None):
         self.options = options
+        self._progress = progress or Progress()
         self._store = store
         self._reader = reader
         self._job_layouts = job_layouts or self._registered_layouts
@@ -145,7 +147,9 @@ class DurableWriter:
             fmt.unfinalize(step_dir)
         fmt.remove_rank(step_dir, pinned.rank)  # an unfinished write, or another run's
         try:
-            chunks = checkpoint.write_parts(step_dir, pinned.rank, parts)
+            with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
+                                      pinned.layout.nbytes) as written:
+                chunks = checkpoint.write_parts(step_dir, pinned.rank, parts, written)
             _verify(pinned)  # the bytes did not change while TensorStore copied them
         except BaseException:
             fmt.remove_rank(step_dir, pinned.rank)

@@ -299,7 +299,10 @@ def daemon_status(status) -> pb.StatusResponse:
                                shm_free_bytes=memory.shm_free_bytes,
                                log_bytes=status.log_bytes,
                                log_budget_bytes=status.log_budget_bytes),
-        adoption=_adoption(status.adoption))
+        adoption=_adoption(status.adoption),
+        in_flight=[pb.InFlight(kind=w.kind, job=w.job, rank=w.rank, step=w.step,
+                               done_bytes=w.done_bytes, total_bytes=w.total_bytes,
+                               seconds=w.seconds) for w in status.in_flight])
 
 
 def _adoption(found) -> pb.Adoption:
