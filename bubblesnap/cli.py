@@ -14,8 +14,8 @@ from bubblesnap.trainer_api import TOKEN_ENV
 
 
 def _daemon_parser(sub):
-    from bubblesnap.service import DaemonOptions
-    d = DaemonOptions()
+    from bubblesnap.service import DaemonOptions, DiscoveryOptions
+    d, found = DaemonOptions(), DiscoveryOptions()
     s, planner, peer, durable_d = d.store, d.bubbles.planner, d.peers, d.durable
     p = sub.add_parser(
         "daemon", help="run the per-host snapshot daemon",
@@ -93,8 +93,24 @@ def _daemon_parser(sub):
                        help="peer addresses of all daemons in ring order, this one's included")
     peers.add_argument("--peers-file", default="", metavar="FILE",
                        help="the same, one address per line ('#' starts a comment)")
-    peers.add_argument("--index", type=int, default=peer.index, metavar="N",
+    # None: not given, which --peers-from-dns needs to know (it derives the index).
+    peers.add_argument("--index", type=int, default=None, metavar="N",
                        help=f"this daemon's position in the peer list (default {peer.index})")
+    peers.add_argument("--peers-from-dns", default=found.service, metavar="NAME:PORT",
+                       help="instead of --peers and --index: the daemons are the addresses "
+                            "DNS lists for NAME (a Kubernetes headless Service), all on the "
+                            "peer port PORT, in ring order by IP address; this daemon's index "
+                            "is its --own-address's place among them")
+    peers.add_argument("--own-address", default=found.own_address, metavar="IP",
+                       help="with --peers-from-dns: this daemon's IP as DNS lists it (in "
+                            "Kubernetes the pod's status.podIP)")
+    peers.add_argument("--peers-expected", type=int, default=found.expected, metavar="N",
+                       help="with --peers-from-dns: the number of daemons; the daemon waits "
+                            "until DNS lists exactly N, itself among them, unchanged for "
+                            f"{found.settle_seconds:g} s, so that all decide on one ring")
+    peers.add_argument("--discovery-timeout", type=float, default=found.timeout_seconds,
+                       metavar="T", help="with --peers-from-dns: seconds to wait for that "
+                       f"before giving up (default {found.timeout_seconds:g})")
     peers.add_argument("--replicas", type=int, default=peer.replicas, metavar="K",
                        help="copies pushed to the next K daemons; a step is committed when "
                             f"every rank has 1+K copies (default {peer.replicas})")
@@ -131,14 +147,32 @@ def _daemon_parser(sub):
     p.set_defaults(func=_run_daemon)
 
 
-def _peer_options(args):
-    from bubblesnap.service import PeerOptions, PeerSecurity
+def _ring(args) -> tuple[tuple[str, ...], int]:
+    """The peer addresses and this daemon's index: given, or found from DNS."""
+    from bubblesnap.service import DiscoveryError, DiscoveryOptions, PeerOptions, discover
     if args.peers and args.peers_file:
         raise SystemExit("give --peers or --peers-file, not both")
+    if args.peers_from_dns:
+        if args.peers or args.peers_file or args.index is not None:
+            raise SystemExit("--peers-from-dns finds the peers and this daemon's index: give "
+                             "no --peers, --peers-file or --index with it")
+        options = DiscoveryOptions(service=args.peers_from_dns, own_address=args.own_address,
+                                   expected=args.peers_expected,
+                                   timeout_seconds=args.discovery_timeout)
+        try:
+            return discover(options)
+        except DiscoveryError as err:
+            raise SystemExit(f"--peers-from-dns {args.peers_from_dns}: {err}") from None
     addresses = [a.strip() for a in args.peers.split(",") if a.strip()]
     if args.peers_file:
         lines = _read_text(args.peers_file, "--peers-file").splitlines()
         addresses = [a for a in (line.split("#", 1)[0].strip() for line in lines) if a]
+    return tuple(addresses), PeerOptions().index if args.index is None else args.index
+
+
+def _peer_options(args):
+    from bubblesnap.service import PeerOptions, PeerSecurity
+    addresses, index = _ring(args)
     token = os.environ.get("BUBBLESNAP_PEER_TOKEN", "")
     if args.peer_token_file:
         token = _read_text(args.peer_token_file, "--peer-token-file").strip()
@@ -151,7 +185,7 @@ def _peer_options(args):
     security = PeerSecurity(token=token, tls_cert=args.peer_tls_cert, tls_key=args.peer_tls_key,
                             tls_ca=args.peer_tls_ca,
                             require_client_cert=args.peer_tls_client_auth)
-    return PeerOptions(peers=tuple(addresses), index=args.index, listen=args.peer_listen,
+    return PeerOptions(peers=addresses, index=index, listen=args.peer_listen,
                        data_listen=args.data_listen, replicas=args.replicas, security=security)
 
 

@@ -3,7 +3,9 @@
 Public names: :class:`Daemon`, :func:`run`, :class:`DaemonStartError` and
 the option dataclasses :class:`DaemonOptions`, :class:`StoreOptions`,
 :class:`BubbleOptions`, :class:`PlannerOptions`, :class:`PeerOptions`,
-:class:`PeerSecurity`, :class:`DurableOptions`, :class:`LogOptions`.
+:class:`PeerSecurity`, :class:`DiscoveryOptions`, :class:`DurableOptions`,
+:class:`LogOptions`; :func:`discover` (peers from a headless Service's DNS) and
+:class:`DiscoveryError`.
 Everything else is internal to the daemon; ARCHITECTURE.md maps it.
 """
 
@@ -11,9 +13,12 @@ from bubblesnap.service.bubbles import BubbleOptions, PlannerOptions
 from bubblesnap.service.daemon import Daemon, DaemonOptions, DaemonStartError, run
 from bubblesnap.service.durable import DurableOptions
 from bubblesnap.service.logs import LogOptions
+from bubblesnap.service.peers.discovery import DiscoveryOptions
+from bubblesnap.service.peers.dns_discovery import DiscoveryError, discover
 from bubblesnap.service.peers.group import PeerOptions
 from bubblesnap.service.peers.security import PeerSecurity
 from bubblesnap.service.store import StoreOptions
 
-__all__ = ["BubbleOptions", "Daemon", "DaemonOptions", "DaemonStartError", "DurableOptions",
-           "LogOptions", "PeerOptions", "PeerSecurity", "PlannerOptions", "StoreOptions", "run"]
+__all__ = ["BubbleOptions", "Daemon", "DaemonOptions", "DaemonStartError", "DiscoveryError",
+           "DiscoveryOptions", "DurableOptions", "LogOptions", "PeerOptions", "PeerSecurity",
+           "PlannerOptions", "StoreOptions", "discover", "run"]

@@ -201,6 +201,8 @@ class Daemon:
         status = Status(self.store, self.plans, self.logs, self.restorer, self.layouts,
                         self.replicator, options.peers.replicas if self.group else 0,
                         self.progress)
+        self.metrics.watch(status.copies, self.group,
+                           options.peers.copies_wanted if self.group else 1)
         self._server.add_service(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
             trainer.DaemonServicer(self.store, self.layouts, self.plans, self.restorer,
@@ -223,19 +225,20 @@ class Daemon:
                 f"{self.group.address(self.group.index).rsplit(':', 1)[0]}:0"
             self.data = DataServer(data_listen, options.peers.security.server_ssl_context())
             self.transfers = Transfers(self.store, self.group, self.data)
-            self.replicator = Replicator(self.store, self.group, self.transfers, self.layouts)
+            self.replicator = Replicator(self.store, self.group, self.transfers, self.layouts,
+                                         self.metrics)
             self.store.listen(on_local=self.replicator.committed)
         reader = self.durable = None
         if options.durable.enabled:
             reader = DurableReader(options.durable.directory)
             try:
-                self.durable = DurableWriter(options.durable, self.store, reader,
+                self.durable = DurableWriter(options.durable, self.store, reader, self.metrics,
                                              progress=self.progress)
             except ImportError as err:
                 raise DaemonStartError(str(err)) from err
             self.store.listen(on_local=self.durable.committed)
         self.restorer = Restorer(self.store, self.group, self.replicator, self.transfers,
-                                 reader, self.durable)
+                                 reader, self.durable, on_corrupt=self.metrics.corrupt)
         if self.group is not None:
             self._peer_server.add_generic_rpc_handlers((generic_handler(
                 PEER_SERVICE, PeerServicer(self.store, self.logs, self.group, self.transfers,

@@ -61,8 +61,9 @@ class Restorer:
     """Finds the step to restore and serves it from the fastest tier that holds it intact."""
 
     def __init__(self, store, group=None, replicator=None, transfers=None,
-                 durable_reader=None, durable_writer=None):
+                 durable_reader=None, durable_writer=None, *, on_corrupt):
         self._store = store
+        self._on_corrupt = on_corrupt  # counts a corrupt copy by its source (metrics)
         self._group = group
         self._replicator = replicator
         self._transfers = transfers
@@ -309,6 +310,7 @@ class Restorer:
                     job, source, detail)
         with self._lock:
             self._corrupt.append(CorruptCopy(job, rank, step, source, detail, time.time()))
+        self._on_corrupt(source)
 
 
 def _chosen(job: str, world: int, holdings, steps: list[int], asked: int | None) -> int:

@@ -9,6 +9,7 @@ from bubblesnap import cli
 from bubblesnap.service import (
     BubbleOptions,
     DaemonOptions,
+    DiscoveryOptions,
     DurableOptions,
     LogOptions,
     PeerOptions,
@@ -17,8 +18,8 @@ from bubblesnap.service import (
     StoreOptions,
 )
 
-ALL = [BubbleOptions, DaemonOptions, DurableOptions, LogOptions, PeerOptions, PeerSecurity,
-       PlannerOptions, StoreOptions]
+ALL = [BubbleOptions, DaemonOptions, DiscoveryOptions, DurableOptions, LogOptions, PeerOptions,
+       PeerSecurity, PlannerOptions, StoreOptions]
 
 
 @pytest.mark.parametrize("options", ALL)

@@ -48,11 +48,12 @@ class DurableWriter:
     need all of them (the group's).
     """
 
-    def __init__(self, options: policy.DurableOptions, store, reader: DurableReader,
+    def __init__(self, options: policy.DurableOptions, store, reader: DurableReader, metrics,
                  job_layouts=None, progress: Progress | None = None):
         self.options = options
         self._progress = progress or Progress()
         self._store = store
+        self._metrics = metrics  # times each rank's write
         self._reader = reader
         self._job_layouts = job_layouts or self._registered_layouts
         self._last_write: dict[tuple[str, int], float] = {}
@@ -111,7 +112,8 @@ class DurableWriter:
             if self._worker.stopping.is_set():
                 continue
             try:
-                self._write(chosen)
+                with self._metrics.timed("persist"):
+                    self._write(chosen)
             except Exception as err:
                 log.error("durable write of step %d of rank %d of %s failed: %s", step, rank,
                           job, err, exc_info=not isinstance(err, DaemonError))

@@ -32,8 +32,9 @@ log = logging.getLogger("bubblesnap.daemon")
 class Replicator:
     """The background thread that replicates and tracks the group's copies."""
 
-    def __init__(self, store, group, transfers, layouts):
+    def __init__(self, store, group, transfers, layouts, metrics):
         self._store = store
+        self._metrics = metrics  # times each push
         self._layouts = layouts  # the group's layouts: a step is committed only when whole
         self._group = group
         self._transfers = transfers
@@ -157,8 +158,9 @@ class Replicator:
             data_address=self._transfers.data_address, ticket=ticket,
             replica_group=pinned.group)
         try:
-            self._group.call(target, "Replicate", request,
-                             timeout=self._group.options.transfer_timeout_seconds)
+            with self._metrics.timed("replicate"):
+                self._group.call(target, "Replicate", request,
+                                 timeout=self._group.options.transfer_timeout_seconds)
         except grpc.RpcError as err:
             self._transfers.cancel(ticket)  # never redeemed, or broken off: unpin now
             log.warning("peer %d did not take step %d of rank %d of %s: %s: %s", target, step,

@@ -47,16 +47,21 @@ class DaemonServicer:
     @unary
     def BeginStep(self, request, context):
         job, rank, step = messages.job_rank_step(request)
-        staging = self._store.begin_step(job, rank, step)
+        with self.metrics.timed("stage"):
+            staging = self._store.begin_step(job, rank, step)
         _release_if_late(context, lambda: self._store.abort_step(job, rank, step))
+        self.metrics.staged(job, rank, step)
         return messages.staging(staging)
 
     @unary(run_late=True)
     def CommitStep(self, request, context):
         job, rank, step, checksums, usage, next_step = messages.commit(request)
-        commit = self._store.commit_step(job, rank, step, checksums, usage, next_step)
+        self.metrics.committed(job, rank, step, usage)
+        with self.metrics.timed("commit"):
+            commit = self._store.commit_step(job, rank, step, checksums, usage, next_step)
         if commit.next:  # the commit stands; only the next step's staging goes
             _release_if_late(context, lambda: self._store.abort_step(job, rank, next_step))
+            self.metrics.staged(job, rank, next_step)
         return pb.CommitStepResponse(
             job_committed=commit.job_committed, latest_committed_step=commit.latest_committed_step,
             next=messages.staging(commit.next) if commit.next else None)
@@ -71,7 +76,8 @@ class DaemonServicer:
         if not request.alone:
             self._token.check(context, "Restore (not alone: it drops every later step of the "
                               "job, on every daemon of the ring)")
-        restored = self._restorer.restore(*messages.restore(request))
+        with self.metrics.timed("restore"):
+            restored = self._restorer.restore(*messages.restore(request))
         self.metrics.restores.labels(restored.source).inc()
         return messages.restored(restored)
 

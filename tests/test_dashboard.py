@@ -1,0 +1,101 @@
+"""The Grafana dashboard (deploy/grafana/bubblesnap.json): Grafana's structure, and every
+metric it queries exported by running daemons."""
+
+import json
+import pathlib
+import re
+import urllib.request
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from bubblesnap.clients import ClientOptions, NumpyClient
+from bubblesnap.service.metrics import PHASES
+from bubblesnap.testing import wait_for
+
+DASHBOARD = pathlib.Path(__file__).parent.parent / "deploy" / "grafana" / "bubblesnap.json"
+
+
+def _dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _queried_panels(dashboard: dict) -> list[dict]:
+    return [p for p in dashboard["panels"] if p["type"] != "row"]
+
+
+def _expressions(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in _queried_panels(dashboard) for t in p["targets"]]
+
+
+def _scrape(daemon) -> dict[str, dict[tuple, float]]:
+    """sample name -> {labels: value} of what the daemon's --metrics endpoint serves."""
+    text = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics",
+                                  timeout=10).read().decode()
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+def test_the_dashboard_has_grafana_dashboard_structure():
+    dashboard = _dashboard()
+    for key, kind in (("title", str), ("uid", str), ("schemaVersion", int), ("panels", list),
+                      ("templating", dict), ("time", dict)):
+        assert isinstance(dashboard.get(key), kind), key
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "instance"} <= variables
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert {"h", "w", "x", "y"} <= set(grid) and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert panel["type"] in ("row", "timeseries", "stat"), panel["title"]
+    for panel in _queried_panels(dashboard):
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"], panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+            assert 'instance=~"$instance"' in target["expr"], target["expr"]
+
+
+def test_the_dashboard_charts_what_the_issue_asks_for():
+    exprs = " ".join(_expressions(_dashboard()))
+    for name in ("bubblesnap_phase_seconds_count", "bubblesnap_phase_seconds_bucket",
+                 "bubblesnap_memory_used_bytes", "bubblesnap_memory_budget_bytes",
+                 "bubblesnap_newest_step_copies", "bubblesnap_bubble_seconds_total",
+                 "bubblesnap_corrupt_copies_total", "bubblesnap_peers_alive"):
+        assert name in exprs, name
+
+
+def test_every_metric_the_dashboard_queries_is_exported(start_ring):
+    ring = start_ring(2, "--replicas", "1")
+    client = NumpyClient("dash", options=ClientOptions(daemon=ring.daemons[0].address))
+    state = {"w": np.arange(4096, dtype=np.float32)}
+    for step in (1, 2):
+        assert client.snapshot(step, state, wait="job").committed
+    assert client.restore()[0] == 2
+    client.close()
+
+    def copies_known():
+        samples = _scrape(ring.daemons[0])
+        return samples if samples["bubblesnap_newest_step_copies"] else None
+    samples = wait_for(copies_known, "the group's copies in the metrics", timeout=30)
+
+    used = {name for expr in _expressions(_dashboard())
+            for name in re.findall(r"\bbubblesnap_[a-z_]+\b", expr)}
+    assert used - set(samples) == set(), "queried by the dashboard, not exported"
+    phases = samples["bubblesnap_phase_seconds_count"]
+    assert {dict(labels)["phase"] for labels in phases} == set(PHASES)
+    counts = {dict(labels)["phase"]: n for labels, n in phases.items()}
+    # Two steps staged, fetched, committed and pushed to the peer; one restore.
+    assert counts["stage"] >= 2 and counts["fetch"] >= 2 and counts["commit"] >= 2
+    assert counts["replicate"] >= 2 and counts["restore"] == 1 and counts["persist"] == 0
+    assert samples["bubblesnap_newest_step_copies"] == {(("job", "dash"),): 2.0}
+    assert samples["bubblesnap_copies_wanted"] == {(): 2.0}
+    assert samples["bubblesnap_peers"] == {(): 2.0}
+    assert samples["bubblesnap_peers_alive"] == {(): 2.0}
+    assert samples["bubblesnap_restores_total"] == {(("source", "memory"),): 1.0}
