@@ -169,6 +169,18 @@ def bandwidths(seconds: dict[str, list[float]], nbytes) -> tuple[dict, dict[str,
     return modes, medians
 
 
+def phase_medians(recorded: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per mode, the median ms of each phase its rounds reported (a restore's
+    ``phases``), in the order the phases first ran; a phase missing from a round
+    counts as 0 there."""
+    out = {}
+    for mode, rounds in recorded.items():
+        names = list(dict.fromkeys(name for r in rounds for name in r))
+        out[mode] = {name: round(statistics.median(r.get(name, 0.0) for r in rounds) * 1e3, 2)
+                     for name in names}
+    return out
+
+
 def print_table(report: dict, title: str, matches: dict[str, bool] | None = None) -> None:
     """The bandwidth table of ``report["modes"]`` (with a matches column when given), then
     its ratios and whether it meets its targets."""

@@ -76,7 +76,10 @@ Orbax's checkpoint and DIR are on /dev/shm (tmpfs) like the daemons'
 segments, so no mode reads a disk. The machines are shared and noisy: modes
 run interleaved, round after round (the first mode rotates each round),
 after one untimed warm-up round; medians with min-max are reported, and
-ratios of medians of the same run. Before each mode the process hands its
+ratios of medians of the same run; per restoring mode, the median ms of each
+phase a restore reports (the client's call, map and place, the daemon's own
+as daemon.<name>: holdings, segment, open, receive, verify, land, ...; and
+"ready", until jax.block_until_ready returns). Before each mode the process hands its
 free heap back to the OS (glibc malloc_trim), as datapath.py does. Every
 restore (and every pulled segment, every TCP transfer) is compared bit for
 bit with the original, outside the timed region.
@@ -320,6 +323,8 @@ class Bench:
         self.state_bytes = sum(s.nbytes for s in self.shards.values())
         self.matches = {mode: True for mode in MODES}
         self.sources: dict[str, list[str]] = {mode: [] for mode in EXPECTED_SOURCE}
+        #: per restoring mode, each round's phases (Restored.phases, and "ready")
+        self.phases: dict[str, list[dict[str, float]]] = {mode: [] for mode in EXPECTED_SOURCE}
         self.problems: list[str] = []
         self._closers = []
         try:
@@ -568,8 +573,10 @@ class Bench:
             (self.target, self.state)
         started = time.perf_counter()
         restored = client.restore(target)
+        returned = time.perf_counter()
         jax.block_until_ready(restored.state)
         elapsed = time.perf_counter() - started
+        self.phases[mode].append({**restored.phases, "ready": elapsed - (returned - started)})
         self._check(mode, restored, expected, world_size)
         return elapsed
 
@@ -599,6 +606,8 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
                                                                med["raw_tcp_parallel"]),
         "restore_peer_vs_orbax": med["restore_peer"] / med["orbax_restore"],
         "restore_peer_vs_peer_transfer": med["restore_peer"] / med["peer_transfer"],
+        # issue 13's goal: a peer restore end to end at the wire's speed
+        "restore_peer_vs_raw_tcp_parallel": med["restore_peer"] / med["raw_tcp_parallel"],
         "restore_local_vs_orbax": med["restore_local"] / med["orbax_restore"],
         "restore_durable_vs_orbax": med["restore_durable"] / med["orbax_restore"],
         # another partition spec and another process count, against the same topology
@@ -627,7 +636,14 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
             "resharded_peer_ge_50pct_same": ratios["resharded_vs_same_peer"] >= 0.5,
             "2to1_local_ge_50pct_same": ratios["2to1_vs_same_local"] >= 0.5,
             "2to1_peer_ge_50pct_same": ratios["2to1_vs_same_peer"] >= 0.5,
+            # issue 13's goals (reported, never failed on)
+            "restore_peer_ge_80pct_raw_tcp_parallel":
+                ratios["restore_peer_vs_raw_tcp_parallel"] >= 0.8,
+            "restore_durable_ge_orbax": ratios["restore_durable_vs_orbax"] >= 1.0,
+            "restore_local_ge_20x_orbax": ratios["restore_local_vs_orbax"] >= 20,
         },
+        # the timed rounds' (the first is the warm-up's)
+        "phases": common.phase_medians({m: r[1:] or r for m, r in bench.phases.items()}),
         "matches": bench.matches,
         "sources": bench.sources,
         "storage": "tmpfs (/dev/shm): daemon segments, raw TCP file, Orbax checkpoint, "
@@ -643,6 +659,9 @@ def print_restore_table(report: dict) -> None:
                                f"{report['rounds']} interleaved rounds", report["matches"])
     for mode, sources in report["sources"].items():
         print(f"{mode} sources: {', '.join(sorted(set(sources)))}")
+    for mode, spent in report["phases"].items():
+        print(f"{mode} phases (median ms): "
+              + ", ".join(f"{name} {ms:.1f}" for name, ms in spent.items()))
     for problem in report["problems"]:
         print(f"problem: {problem}")
     for name, lines in report["daemon_log"].items():

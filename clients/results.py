@@ -54,6 +54,10 @@ class RawStep:
         daemon's segment.
       source: where the daemon found it: ``memory``, ``peer`` or ``durable``.
       world_size: the world size the step was taken with (0: not said).
+      phases: where the time went, name -> seconds: ``call`` (the Restore
+        call, the daemon's work included), ``map`` (mapping the segment),
+        ``verify`` (with ``verify_restore``), and the daemon's own phases as
+        ``daemon.<name>`` (e.g. ``daemon.receive``: a peer's bytes arriving).
     """
 
     step: int
@@ -61,6 +65,7 @@ class RawStep:
     shards: dict
     source: str = "memory"
     world_size: int = 0
+    phases: dict = dataclasses.field(default_factory=dict)
 
 
 class LogError(RuntimeError):

@@ -273,16 +273,21 @@ class Session:
                                     world_size=self.world_size, tensors=tensors)
         if step is not None:
             request.step = step
+        started = time.perf_counter()
         try:
             found = self._stub.Restore(request, timeout=self.options.restore_timeout_seconds)
         except grpc.RpcError as err:
             raise RestoreError(f"daemon {self.options.daemon}: {err.code().name}: "
                                f"{err.details()}") from None
+        mapped = time.perf_counter()
         try:
             segment = map_restored(found.segment_path)
         except FileNotFoundError:
             raise RestoreError(f"step {found.step} was deleted while it was being restored; "
                                "restore again") from None
+        phases = {"call": mapped - started, "map": time.perf_counter() - mapped,
+                  **{f"daemon.{p.name}": p.seconds for p in found.phases}}
+        verified = time.perf_counter()
         shards = {}
         for slot, expected in zip(found.slots, found.checksums, strict=True):
             data = segment[slot.offset:slot.offset + slot.nbytes]
@@ -291,8 +296,10 @@ class Session:
                     f"step {found.step}: {found.tensors[slot.tensor].name!r} shard {slot.shard} "
                     "does not match its checksum in this process; restore again")
             shards[(slot.tensor, slot.shard)] = data
+        if self.options.verify_restore:
+            phases["verify"] = time.perf_counter() - verified
         raw = RawStep(found.step, tuple(found.tensors), shards, found.source or "memory",
-                      found.world_size)
+                      found.world_size, phases)
         return in_request_order(tensors, raw) if tensors else raw
 
     def bubble_stream(self) -> BubbleStream:

@@ -487,7 +487,7 @@ class Region(_message.Message):
     def __init__(self, index: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail", "world_size")
+    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail", "world_size", "phases")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +496,7 @@ class RestoreResponse(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     step: int
     segment_path: str
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -504,7 +505,16 @@ class RestoreResponse(_message.Message):
     source: str
     source_detail: str
     world_size: int
-    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+    phases: _containers.RepeatedCompositeFieldContainer[Phase]
+    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ..., world_size: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ...) -> None: ...
+
+class Phase(_message.Message):
+    __slots__ = ("name", "seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seconds: float
+    def __init__(self, name: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class WaitCommittedRequest(_message.Message):
     __slots__ = ("job", "step", "timeout_seconds")

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum
+from bubblesnap.service import phases
 from bubblesnap.service.durable import checkpoint, orbax_layout
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
@@ -138,11 +139,13 @@ class DurableReader:
             piece = self._assemble(step_dir, opened[tensor.key], sources,
                                    layout.tensors[t_index].shards[s_index].index)
             pieces.append((offset, nbytes, piece.reshape(-1).view(np.uint8)))
-            checksums.append(checksum(pieces[-1][2]))
+            with phases.timed("verify"):
+                checksums.append(checksum(pieces[-1][2]))
 
         def fill(view, slots):
-            for offset, nbytes, piece in pieces:
-                view[offset:offset + nbytes] = piece
+            with phases.timed("copy"):
+                for offset, nbytes, piece in pieces:
+                    view[offset:offset + nbytes] = piece
             return tuple(checksums)  # of the regions just verified and copied
 
         return fill, tuple(checksums)
@@ -173,11 +176,14 @@ class DurableReader:
 
     def _verified(self, step_dir: str, array, tensor: WrittenTensor, index: int) -> np.ndarray:
         try:
-            data = checkpoint.read_box(array, tensor.regions[index])
+            with phases.timed("read"):
+                data = checkpoint.read_box(array, tensor.regions[index])
         except Exception as err:  # TensorStore raises many types for damaged files
             raise DataLoss(f"{step_dir}: region {index} of {tensor.name!r} cannot be read: "
                            f"{err}") from err
-        if checksum(data.reshape(-1).view(np.uint8)) != tensor.checksums[index]:
+        with phases.timed("verify"):
+            computed = checksum(data.reshape(-1).view(np.uint8))
+        if computed != tensor.checksums[index]:
             raise DataLoss(f"{step_dir}: region "
                            f"{regions.describe(tensor.name, tensor.regions[index])} does not "
                            "match its checksum")
@@ -186,8 +192,9 @@ class DurableReader:
     def _open(self, step_dir: str, tensor: WrittenTensor):
         try:
             # A context per read: a rewritten step must not be read from a stale cache.
-            return checkpoint.open_array(step_dir, orbax_layout.param_name(tensor.key),
-                                         checkpoint.context())
+            with phases.timed("open"):
+                return checkpoint.open_array(step_dir, orbax_layout.param_name(tensor.key),
+                                             checkpoint.context())
         except Exception as err:
             raise DataLoss(f"{step_dir}: array {tensor.name!r} cannot be opened: {err}") from err
 

@@ -261,7 +261,8 @@ def restored(answer) -> pb.RestoreResponse:
     return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
                               slots=slots(found.slots), checksums=found.checksums,
                               tensors=tensor_specs(found.layout), source=answer.source,
-                              source_detail=answer.detail, world_size=found.world_size)
+                              source_detail=answer.detail, world_size=found.world_size,
+                              phases=[pb.Phase(name=n, seconds=t) for n, t in answer.phases])
 
 
 def open_read(copy, ticket: bytes, data_address: str) -> ppb.OpenReadResponse:
