@@ -22,7 +22,9 @@ class _StoreCollector:
                 ("bubblesnap_memory_budget_bytes", memory.budget_bytes, "Memory budget."),
                 ("bubblesnap_memory_used_bytes", memory.used_bytes, "Bytes held by snapshots."),
                 ("bubblesnap_memory_pooled_bytes", memory.pooled_bytes,
-                 "Freed segments kept for reuse."),
+                 "Freed segments kept for reuse, and warm ones."),
+                ("bubblesnap_memory_warm_bytes", memory.warm_bytes,
+                 "Pre-faulted segments kept ready for copies that arrive (--warm-pool-bytes)."),
                 ("bubblesnap_shm_free_bytes", memory.shm_free_bytes,
                  "Free bytes in the shared-memory filesystem.")):
             yield GaugeMetricFamily(name, doc, value=value)

@@ -117,6 +117,9 @@ def check_restore(report: dict) -> None:
     # a peer restore pulls a copy; one from the durable tier reads regions
     assert {"daemon.open", "daemon.receive", "daemon.land"} <= set(report["phases"]["restore_peer"])
     assert "daemon.read" in report["phases"]["restore_durable"]
+    # C pulls a copy into a warm segment every round (the warm-up's too)
+    assert report["warm_pool"]["bytes"] > 0
+    assert report["warm_pool"]["segments_taken"]["C"] >= 2
     # warm-up and timed rounds, each from the tier the mode is named after
     assert report["sources"] == {
         **{f"restore_local{kind}": ["memory"] * 2 for kind in ("", "_resharded", "_2to1")},

@@ -299,7 +299,10 @@ def daemon_status(status) -> pb.StatusResponse:
                                pooled_bytes=memory.pooled_bytes, shm_dir=memory.shm_dir,
                                shm_free_bytes=memory.shm_free_bytes,
                                log_bytes=status.log_bytes,
-                               log_budget_bytes=status.log_budget_bytes),
+                               log_budget_bytes=status.log_budget_bytes,
+                               warm_bytes=memory.warm_bytes,
+                               warm_pool_bytes=memory.warm_pool_bytes,
+                               warm_segments_taken=memory.warm_taken),
         adoption=_adoption(status.adoption))
 
 

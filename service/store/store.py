@@ -46,6 +46,7 @@ from bubblesnap.service.store.views import (
     held_copies,
     job_view,
 )
+from bubblesnap.service.store.warm_pool import WarmPool
 
 
 class SnapshotStore:
@@ -65,6 +66,8 @@ class SnapshotStore:
         with self._lock:
             #: What this store took over from a killed daemon's shm dir when it started.
             self.adoption: Adoption = adoption.adopt(self._state)
+        # after adoption: what was taken over counts in the budget before warm segments do
+        self._warm = WarmPool(self._lock, self._state.memory, options.warm_pool_bytes)
 
     def listen(self, on_local=None, on_job_deleted=None, on_retained=None) -> None:
         """Adds listeners (see the module docstring)."""
@@ -297,10 +300,12 @@ class SnapshotStore:
         with self._lock:
             memory = self._state.memory
             used, pooled = memory.used_bytes, memory.pool.pooled_bytes
+            warm, taken = memory.pool.warm_bytes, memory.pool.warm_taken
         return MemoryView(memory.budget_bytes, used, pooled, memory.pool.directory,
-                          shm_free_bytes(self.shm_dir))
+                          shm_free_bytes(self.shm_dir), warm, self._warm.target_bytes, taken)
 
     def close(self) -> None:
+        self._warm.close()
         with self._lock:
             for job in list(self._state.jobs):
                 self._state.release_served(job)
