@@ -9,6 +9,7 @@ can force its CPU device count first.
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -136,15 +137,19 @@ def measure(bench, modes, rounds: int) -> dict[str, list[float]]:
     ``bench.<mode>()`` runs the mode once and returns the seconds it timed.
     Rounds run one after another so a noisy machine hits every mode alike;
     the first mode rotates every round, after one untimed warm-up round in
-    ``modes`` order. Before each mode the process hands its free heap back to
-    the OS (glibc malloc_trim), so one mode's garbage does not make the next
-    one's memory warm.
+    ``modes`` order. Before each mode the process collects its garbage (a
+    restore's arrays may sit in a reference cycle: freed by the collector at
+    any later allocation, their mapping's pages with them, inside another
+    mode's clock) and hands its free heap back to the OS (glibc malloc_trim),
+    so one mode's garbage neither costs the next one time nor makes its
+    memory warm.
     """
     seconds = {mode: [] for mode in modes}
     for round_ in range(rounds + 1):
         order = modes[round_ % len(modes):] + modes[:round_ % len(modes)]
         timings = {}
         for mode in order:
+            gc.collect()
             if _MALLOC_TRIM is not None:
                 _MALLOC_TRIM(0)
             timings[mode] = getattr(bench, mode)()

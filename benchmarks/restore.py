@@ -44,7 +44,8 @@ mode reports bytes/s (GB/s, 1e9 bytes/s):
                    it reads both from peers and assembles the quarters.
   restore_durable  SnapshotClient.restore on D, a lone daemon that sees only the
                    durable tier: D reads the regions asked from A's Orbax
-                   checkpoint of the step, verifies them, assembles a segment.
+                   checkpoint of the step (all at once, straight into the
+                   segment it serves) and verifies them there.
   orbax_restore    StandardCheckpointer().restore of the same state, saved once
                    by Orbax, into the same target shardings.
   orbax_restore_resharded
@@ -79,10 +80,12 @@ after one untimed warm-up round; medians with min-max are reported, and
 ratios of medians of the same run; per restoring mode, the median ms of each
 phase a restore reports (the client's call, map and place, the daemon's own
 as daemon.<name>: holdings, segment, open, receive, verify, land, ...; and
-"ready", until jax.block_until_ready returns). Before each mode the process hands its
-free heap back to the OS (glibc malloc_trim), as datapath.py does. Every
-restore (and every pulled segment, every TCP transfer) is compared bit for
-bit with the original, outside the timed region.
+"ready", until jax.block_until_ready returns). Before each mode the process
+collects its garbage (a restore's arrays freed inside the next mode's clock
+would free their pages there) and hands its free heap back to the OS (glibc
+malloc_trim), as datapath.py does. Every restore (and every pulled segment,
+every TCP transfer) is compared bit for bit with the original, outside the
+timed region.
 
 Targets: peer_transfer >= 0.5 x raw TCP (the faster of raw_tcp and
 raw_tcp_parallel); restore_peer >= 5 x orbax_restore; restores into another

@@ -142,6 +142,10 @@ class Restorer:
                                       sources[exact].group)
             found = assembly.exact_answer(self._store.serve_copy(job, exact, step), plan, asked)
             return Restored(found, "memory" if "memory" in places else "peer", "")
+        if "durable" in places:  # one written copy holds it all: read into what is served
+            found = self._assembler.read_durable(job, step, world, copier, plan, asked, exact,
+                                                 sources[exact])
+            return Restored(found, "durable", "")
         found, used = self._assembler.assemble(job, step, world, copier, plan, asked, sources)
         return Restored(found, used, "")
 

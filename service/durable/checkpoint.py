@@ -124,16 +124,31 @@ def _write_spec(step_dir: str, rank: int, part: ArrayPart):
 
 def open_array(step_dir: str, param: str, ctx):
     """The array ``param`` of a finalized step, opened for reading as Orbax opens it."""
+    return start_open(step_dir, param, ctx).result()
+
+
+def start_open(step_dir: str, param: str, ctx):
+    """Starts opening ``param`` as :func:`open_array` does; the future of the array (opens
+    started together overlap, as Orbax's do)."""
     import tensorstore as ts
 
     ts_utils, _ = _orbax_modules()
     spec = ts_utils.ArrayReadSpec(step_dir, param, use_zarr3=False, use_ocdbt=True)
-    return ts.open(ts.Spec(spec.json), open=True, context=ctx).result()
+    return ts.open(ts.Spec(spec.json), open=True, context=ctx)
 
 
 def read_box(array, box: orbax_layout.Box) -> np.ndarray:
     """The C-ordered elements of ``box`` of an opened array (a region read)."""
     return np.ascontiguousarray(array[tuple(slice(a, b) for a, b in box)].read().result())
+
+
+def read_box_into(array, box: orbax_layout.Box, out: np.ndarray):
+    """Starts reading ``box`` of an opened array straight into ``out`` (C order, the box's
+    shape and the array's dtype: a slot of a segment); the future of the read."""
+    import tensorstore as ts
+
+    target = ts.array(out, copy=False, write=True)
+    return target.write(array[tuple(slice(a, b) for a, b in box)])
 
 
 def finalize(step_dir: str, written: dict[int, WrittenRank], finalizer: int) -> None:

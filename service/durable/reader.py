@@ -75,6 +75,51 @@ class DurableReader:
         array = self._open(step_dir, tensor)
         return self._verified(step_dir, array, tensor, shard_index).reshape(-1).view(np.uint8)
 
+    def read_into(self, job: str, step: int, rank: int, targets) -> tuple[int, ...]:
+        """Reads regions ``rank`` wrote straight into ``targets`` ((tensor index, region
+        index, uint8 view of exactly its bytes): slots of the segment to be served), all
+        at once (TensorStore overlaps the reads), then verifies each where it landed;
+        their checksums. DataLoss when one cannot be read or does not match."""
+        step_dir = self._finalized(job, step)
+        written = self._sidecar(job, step, rank)
+        tensors = [self._tensor(written, t) for t, _, _ in targets]
+        for tensor, (_, index, _) in zip(tensors, targets, strict=True):
+            if not 0 <= index < len(tensor.regions):
+                raise NotFound(f"rank {rank} wrote {len(tensor.regions)} regions of "
+                               f"{tensor.name!r} in step {step}; there is no region {index}")
+        with phases.timed("open"):
+            # each array opened once for all its regions, every open at once; a context
+            # per read: a rewritten step must not be read from a stale cache
+            context = checkpoint.context()
+            try:
+                started = {key: checkpoint.start_open(
+                    step_dir, orbax_layout.param_name(key), context)
+                    for key in dict.fromkeys(t.key for t in tensors)}
+                arrays = {key: future.result() for key, future in started.items()}
+            except Exception as err:
+                raise DataLoss(f"{step_dir}: an array of rank {rank} cannot be opened: "
+                               f"{err}") from err
+        with phases.timed("read"):
+            try:
+                reads = [checkpoint.read_box_into(
+                    arrays[tensor.key], tensor.regions[index],
+                    out.view(fmt.numpy_dtype(tensor.dtype)).reshape(
+                        [b - a for a, b in tensor.regions[index]]))
+                    for tensor, (_, index, out) in zip(tensors, targets, strict=True)]
+                for read in reads:
+                    read.result()
+            except Exception as err:  # TensorStore raises many types for damaged files
+                raise DataLoss(f"{step_dir}: a region of rank {rank} cannot be read: "
+                               f"{err}") from err
+        with phases.timed("verify"):
+            for tensor, (_, index, out) in zip(tensors, targets, strict=True):
+                if checksum(out) != tensor.checksums[index]:
+                    raise DataLoss(f"{step_dir}: region "
+                                   f"{regions.describe(tensor.name, tensor.regions[index])} "
+                                   "does not match its checksum")
+        return tuple(tensor.checksums[index] for tensor, (_, index, _) in
+                     zip(tensors, targets, strict=True))
+
     def sidecars(self, job: str, step: int) -> dict[int, WrittenRank]:
         """The finished writes of ``step`` (finalized or not), by rank; an unreadable
         sidecar counts as not written."""
