@@ -24,6 +24,9 @@ class Memory:
         self._in_use = 0  # bytes of segments handed to copies, lingering ones included
         self._lingering: list[RankStep] = []  # freed, but a pinned reader still has it
         self.filling_bytes = 0  # warm segments being made outside the lock
+        self.arriving = 0  # copies being filled outside the lock (the warm pool waits)
+        #: Whether a thread (the warm pool's) destroys freed segments; else done at once.
+        self.reaped = False
         #: Set when a segment is taken or freed: the warm pool may have work.
         self.pool_changed = threading.Event()
 
@@ -75,8 +78,7 @@ class Memory:
     def drop(self, segment: Segment) -> None:
         """Frees a handed-over segment (a trainer's mapping of it stays valid)."""
         self._in_use -= segment.nbytes
-        self.pool_changed.set()
-        segment.destroy()
+        self._destroy(segment)
 
     def free(self, held: Rank, step: int) -> None:
         """Drops ``held``'s copy of ``step``, its record first (a restart must not bring it
@@ -109,6 +111,13 @@ class Memory:
         # A segment someone may still write into (an unfinished copy) or read from
         # (a restore) is never handed to another step: it is unlinked instead.
         if segment.handed_out or rank_step.state is CopyState.STAGING:
-            segment.destroy()
+            self._destroy(segment)
         else:
             self.pool.release(segment)
+
+    def _destroy(self, segment: Segment) -> None:
+        if self.reaped:
+            self.pool.doom(segment)
+        else:
+            segment.destroy()
+        self.pool_changed.set()

@@ -137,14 +137,15 @@ class SegmentPool:
         self._free: list[Segment] = []  # recycled: a freed copy's, exactly its size
         self._warm: list[Segment] = []  # made ahead of need, pre-faulted, never used
         self._sizes: list[int] = []     # the last distinct sizes asked, newest first
+        self._doomed: list[Segment] = []  # freed, to be destroyed off the request path
         self.warm_taken = 0             # segments taken from the warm ones so far
         self._lock = threading.Lock()
 
     @property
     def pooled_bytes(self) -> int:
-        """Recycled and warm segments' bytes: held, counted in the budget, unused."""
+        """Recycled, warm and doomed segments' bytes: held, counted in the budget, unused."""
         with self._lock:
-            return sum(s.nbytes for s in self._free + self._warm)
+            return sum(s.nbytes for s in self._free + self._warm + self._doomed)
 
     @property
     def warm_bytes(self) -> int:
@@ -191,17 +192,31 @@ class SegmentPool:
         with self._lock:
             self._free.append(segment)
 
+    def doom(self, segment: Segment) -> None:
+        """Leaves a freed segment to :meth:`reap` (unmapping and unlinking a large one
+        takes tens of ms: not on a request's path, nor under the store's lock)."""
+        with self._lock:
+            self._doomed.append(segment)
+
+    def reap(self) -> int:
+        """Destroys the doomed segments; how many."""
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+        for segment in doomed:
+            segment.destroy()
+        return len(doomed)
+
     def add_warm(self, segment: Segment) -> None:
         """Keeps a pre-faulted segment (warm_pool.py) for the next acquire it fits."""
         with self._lock:
             self._warm.append(segment)
 
     def trim(self, nbytes: int) -> int:
-        """Destroys pooled segments, recycled ones first, until ``nbytes`` are freed (or
-        the pool is empty)."""
+        """Destroys pooled segments, doomed and recycled ones first, until ``nbytes`` are
+        freed (or the pool is empty)."""
         freed = 0
         with self._lock:
-            for pooled in (self._free, self._warm):
+            for pooled in (self._doomed, self._free, self._warm):
                 while pooled and freed < nbytes:
                     seg = pooled.pop(0)
                     freed += seg.nbytes

@@ -171,6 +171,7 @@ class SnapshotStore:
         with phases.timed("segment"), self._lock:
             arrival = arrivals.reserve(self._state, job, world_size, rank, step, layout,
                                        checksums, tuple(group) or (rank,))
+            self._state.memory.arriving += arrival is not None
         if arrival is None:
             return 0
         slots = layout.slots()
@@ -182,9 +183,11 @@ class SnapshotStore:
                 computed = computed or self._state.hash(arrival.rank_step.segment, slots)
         except BaseException:
             with self._lock:
+                self._state.memory.arriving -= 1
                 arrivals.abandon(self._state, arrival)
             raise
         with phases.timed("land"), self._lock:
+            self._state.memory.arriving -= 1
             return arrivals.land(self._state, arrival, computed, for_restore)
 
     def rollback(self, job: str, step: int) -> int:

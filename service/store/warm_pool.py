@@ -17,11 +17,21 @@ everything held, and its bytes count as held while it is made
 (``Memory.filling_bytes``), so the budget holds at every moment. A copy
 that needs room trims warm segments like recycled ones; the pool makes them
 again once there is room.
+
+The same thread destroys the segments the store frees that cannot be
+reused (a restore's, handed to a trainer): unmapping and unlinking one takes
+tens of ms, which no request should wait for, and their bytes count in the
+budget until then (an acquire short of room destroys them at once).
+
+When: after a segment is taken, and only while no copy is landing (the
+refill's page zeroing would take the cores the arriving bytes need), at the
+lowest priority.
 """
 
 import logging
 import os
 import threading
+import time
 
 from bubblesnap.service.errors import DaemonError
 
@@ -32,6 +42,9 @@ log = logging.getLogger("bubblesnap.daemon")
 _POLL_SECONDS = 0.5
 #: The filling thread's niceness (the lowest priority).
 _NICE = 19
+#: How often the pool looks whether the copies landing (which it never competes with:
+#: a refill under a peer's transfer slowed it by half on the 2-core dev VM) are done.
+_ARRIVING_POLL_SECONDS = 0.02
 
 
 class WarmPool:
@@ -45,6 +58,7 @@ class WarmPool:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="warm-pool", daemon=True)
         if target_bytes:
+            memory.reaped = True
             self._thread.start()
 
     def close(self) -> None:
@@ -56,12 +70,16 @@ class WarmPool:
             self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        # A refill starts as a segment is taken, that is while bytes land in it: on a
-        # busy host the copy, not the refill, must get the core. Linux nices threads
+        # Work here may still overlap a trainer's copy into a segment or a restore's
+        # cut: on a busy host those, not this, must get the core. Linux nices threads
         # one by one; the lowest priority still runs, so the GIL and the store's lock,
         # held briefly here, are never kept from the others for long.
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
         while not self._closed:
+            if self._memory.arriving:  # a copy is landing: its bytes need the cores first
+                time.sleep(_ARRIVING_POLL_SECONDS)
+                continue
+            self._memory.pool.reap()
             if not self._fill_one():
                 self._memory.pool_changed.wait(_POLL_SECONDS)
                 self._memory.pool_changed.clear()
