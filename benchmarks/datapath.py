@@ -10,6 +10,9 @@ and each mode reports bytes/s (GB/s, 1e9 bytes/s) of that state:
                  faults included: the limit for a restore, which must produce new arrays.
   stage_stall    client.snapshot(step, state, wait=False): what training is held for.
   stage_commit   snapshot + client.wait(): until the daemon checksummed and committed.
+                 Both report their phases: begin (the segment reserved), copy (the
+                 bytes fetched and copied in), and commit (sent until answered: the
+                 daemon's hash and record).
   restore_local  client.restore(target) + block_until_ready (target has the shardings).
   orbax_save     StandardCheckpointer save into a fresh /dev/shm (tmpfs) directory,
                  until wait_until_finished() returns.
@@ -81,8 +84,10 @@ class Bench:
         self.orbax_dir = orbax_dir
         self.orbax_path = None
         self.step = 0
-        #: each round's phases of a restore (Restored.phases, and "ready")
-        self.phases: dict[str, list[dict[str, float]]] = {"restore_local": []}
+        #: each round's phases of a snapshot (SnapshotResult.phases) and of a restore
+        #: (Restored.phases, and "ready")
+        self.phases: dict[str, list[dict[str, float]]] = {
+            "stage_stall": [], "stage_commit": [], "restore_local": []}
         # The stage job rotates through keep + 1 = 3 pooled segments: touch all before timing.
         for _ in range(3):
             self.stage_commit()
@@ -114,6 +119,7 @@ class Bench:
         elapsed = time.perf_counter() - started
         check_snapshot(result, f"snapshot of step {self.step}")
         check_snapshot(self.stager.wait(), f"commit of step {self.step}")
+        self.phases["stage_stall"].append(result.phases)
         return elapsed
 
     def stage_commit(self) -> float:
@@ -123,6 +129,7 @@ class Bench:
         result = self.stager.wait()
         elapsed = time.perf_counter() - started
         check_snapshot(result, f"commit of step {self.step}")
+        self.phases["stage_commit"].append(result.phases)
         return elapsed
 
     def restore_local(self) -> float:

@@ -31,6 +31,11 @@ class SnapshotResult:
         copier (lowest rank): the rank whose snapshot holds this state.
         Nothing was copied (``taken`` is False); None otherwise.
       waited_for: ``""``, ``"rank"`` or ``"job"``: what ``committed`` reports.
+      phases: where the time went, name -> seconds (what is known: a
+        snapshot staged at once has ``begin``, the segment reserved, and
+        ``copy``, the bytes fetched and copied into it; a collected commit
+        adds ``commit``, from sending it to the daemon's answer, its checks
+        and record included). Empty when nothing was staged.
     """
 
     step: int
@@ -40,6 +45,7 @@ class SnapshotResult:
     stall_seconds: float = 0.0
     copied_by: int | None = None
     waited_for: str = ""
+    phases: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,9 @@ def check_datapath(report: dict) -> None:
     assert_finite(report["ratios"], "ratios")
     assert all(isinstance(met, bool) for met in report["meets_targets"].values())
     assert report["restore_matches"] is True
-    assert list(report["phases"]) == ["restore_local"]
+    assert list(report["phases"]) == ["stage_stall", "stage_commit", "restore_local"]
+    assert list(report["phases"]["stage_stall"]) == ["begin", "copy"]
+    assert list(report["phases"]["stage_commit"]) == ["begin", "copy", "commit"]
     assert {"call", "map", "place", "ready", "daemon.holdings"} <= set(
         report["phases"]["restore_local"])
 
