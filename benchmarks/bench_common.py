@@ -9,6 +9,7 @@ can force its CPU device count first.
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -136,15 +137,19 @@ def measure(bench, modes, rounds: int) -> dict[str, list[float]]:
     ``bench.<mode>()`` runs the mode once and returns the seconds it timed.
     Rounds run one after another so a noisy machine hits every mode alike;
     the first mode rotates every round, after one untimed warm-up round in
-    ``modes`` order. Before each mode the process hands its free heap back to
-    the OS (glibc malloc_trim), so one mode's garbage does not make the next
-    one's memory warm.
+    ``modes`` order. Before each mode the process collects its garbage (a
+    restore's arrays may sit in a reference cycle: freed by the collector at
+    any later allocation, their mapping's pages with them, inside another
+    mode's clock) and hands its free heap back to the OS (glibc malloc_trim),
+    so one mode's garbage neither costs the next one time nor makes its
+    memory warm.
     """
     seconds = {mode: [] for mode in modes}
     for round_ in range(rounds + 1):
         order = modes[round_ % len(modes):] + modes[:round_ % len(modes)]
         timings = {}
         for mode in order:
+            gc.collect()
             if _MALLOC_TRIM is not None:
                 _MALLOC_TRIM(0)
             timings[mode] = getattr(bench, mode)()
@@ -167,6 +172,18 @@ def bandwidths(seconds: dict[str, list[float]], nbytes) -> tuple[dict, dict[str,
                        "max_gbps": round(gbps[-1], 3),
                        "median_ms": round(statistics.median(times) * 1e3, 1)}
     return modes, medians
+
+
+def phase_medians(recorded: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per mode, the median ms of each phase its rounds reported (a restore's
+    ``phases``), in the order the phases first ran; a phase missing from a round
+    counts as 0 there."""
+    out = {}
+    for mode, rounds in recorded.items():
+        names = list(dict.fromkeys(name for r in rounds for name in r))
+        out[mode] = {name: round(statistics.median(r.get(name, 0.0) for r in rounds) * 1e3, 2)
+                     for name in names}
+    return out
 
 
 def print_table(report: dict, title: str, matches: dict[str, bool] | None = None) -> None:

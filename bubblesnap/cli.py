@@ -45,6 +45,11 @@ def _daemon_parser(sub):
                    metavar="SIZE", help="shared memory the daemon may hold, e.g. 16GiB; new "
                    "snapshots beyond it are refused with RESOURCE_EXHAUSTED (default "
                    f"{human_bytes(s.memory_budget_bytes)}; capped to the free space of --shm-dir)")
+    p.add_argument("--warm-pool-bytes", type=parse_bytes, default=s.warm_pool_bytes,
+                   metavar="SIZE", help="pre-faulted shared memory kept ready for copies that "
+                   "arrive (a peer's, a restore's), inside --memory-budget; size it to one "
+                   "rank's state for restores at the wire's speed (default "
+                   f"{human_bytes(s.warm_pool_bytes)}: none)")
     p.add_argument("--shm-dir", default=d.shm_dir, metavar="DIR",
                    help=f"tmpfs directory for snapshot memory (default {d.shm_dir})")
     p.add_argument("--keep", type=int, default=s.keep_steps, metavar="N",
@@ -222,7 +227,8 @@ def daemon_options(args):
         max_streams=args.max_streams,
         store=StoreOptions(memory_budget_bytes=args.memory_budget, keep_steps=args.keep,
                            checksum_threads=args.checksum_threads,
-                           verify_on_commit=args.verify_on_commit),
+                           verify_on_commit=args.verify_on_commit,
+                           warm_pool_bytes=args.warm_pool_bytes),
         bubbles=BubbleOptions(planner=PlannerOptions(max_interval=args.max_interval)),
         max_message_bytes=args.max_message,
         logs=LogOptions(max_rank_bytes=args.training_log_budget,
@@ -306,7 +312,10 @@ def format_status(status) -> str:
     """A readable table of a StatusResponse."""
     from bubblesnap.protos import daemon_pb2
     mem = status.memory
-    lines = [f"memory: {human_bytes(mem.used_bytes)} used, {human_bytes(mem.pooled_bytes)} pooled, "
+    warm = f" ({human_bytes(mem.warm_bytes)} warm of {human_bytes(mem.warm_pool_bytes)})" \
+        if mem.warm_pool_bytes else ""
+    lines = [f"memory: {human_bytes(mem.used_bytes)} used, "
+             f"{human_bytes(mem.pooled_bytes)} pooled{warm}, "
              f"budget {human_bytes(mem.budget_bytes)}; {mem.shm_dir} has "
              f"{human_bytes(mem.shm_free_bytes)} free; logs hold {human_bytes(mem.log_bytes)}"
              + (f" of {human_bytes(mem.log_budget_bytes)}" if mem.log_budget_bytes else "")]

@@ -53,4 +53,4 @@ def in_request_order(requests, raw: RawStep) -> RawStep:
             name=held.name, dtype=held.dtype, global_shape=held.global_shape,
             job_wide=held.job_wide,
             shards=[pb.ShardSpec(index=region.index) for region in request.regions]))
-    return RawStep(raw.step, tuple(tensors), shards, raw.source, raw.world_size)
+    return RawStep(raw.step, tuple(tensors), shards, raw.source, raw.world_size, raw.phases)

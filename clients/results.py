@@ -31,6 +31,11 @@ class SnapshotResult:
         copier (lowest rank): the rank whose snapshot holds this state.
         Nothing was copied (``taken`` is False); None otherwise.
       waited_for: ``""``, ``"rank"`` or ``"job"``: what ``committed`` reports.
+      phases: where the time went, name -> seconds (what is known: a
+        snapshot staged at once has ``begin``, the segment reserved, and
+        ``copy``, the bytes fetched and copied into it; a collected commit
+        adds ``commit``, from sending it to the daemon's answer, its checks
+        and record included). Empty when nothing was staged.
     """
 
     step: int
@@ -40,6 +45,7 @@ class SnapshotResult:
     stall_seconds: float = 0.0
     copied_by: int | None = None
     waited_for: str = ""
+    phases: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,10 @@ class RawStep:
         daemon's segment.
       source: where the daemon found it: ``memory``, ``peer`` or ``durable``.
       world_size: the world size the step was taken with (0: not said).
+      phases: where the time went, name -> seconds: ``call`` (the Restore
+        call, the daemon's work included), ``map`` (mapping the segment),
+        ``verify`` (with ``verify_restore``), and the daemon's own phases as
+        ``daemon.<name>`` (e.g. ``daemon.receive``: a peer's bytes arriving).
     """
 
     step: int
@@ -61,6 +71,7 @@ class RawStep:
     shards: dict
     source: str = "memory"
     world_size: int = 0
+    phases: dict = dataclasses.field(default_factory=dict)
 
 
 class LogError(RuntimeError):

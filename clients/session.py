@@ -72,7 +72,8 @@ class Session:
         self._tensors: tuple = ()
         self._registered = False
         self._quiet_until = 0.0
-        self._in_flight: list = []  # (step, future, started) of commits not yet collected
+        #: (step, future, started, phases, sent) of commits not yet collected
+        self._in_flight: list = []
         self._logs = LogCalls(job, rank, self._stub, options)
 
     # -- calls with deadlines -------------------------------------------------
@@ -118,14 +119,18 @@ class Session:
                 return held
             return self._job_outcome(held, started)
         try:
+            begun = time.perf_counter()
             staging = self.begin(step, tensors)
+            copying = time.perf_counter()
             for (offset, nbytes), array in zip(staging.slots, fetch(), strict=True):
                 np.copyto(staging.segment[offset:offset + nbytes], array)
-            self.commit(step, started)
+            phases = {"begin": copying - begun, "copy": time.perf_counter() - copying}
+            self.commit(step, started, phases=phases)
         except (grpc.RpcError, OSError, ValueError) as err:
             return self.failed(step, started, err)
         if not mode:
-            return SnapshotResult(step, True, None, "", time.perf_counter() - started)
+            return SnapshotResult(step, True, None, "", time.perf_counter() - started,
+                                  phases=phases)
         outcome = self.wait()
         if mode == "rank" or not outcome.taken:
             return outcome
@@ -203,16 +208,18 @@ class Session:
             timeout=self.options.rpc_timeout_seconds)
         return PendingStaging(step, future, self)
 
-    def commit(self, step: int, started: float, checksums=(), usage=None, next_step=None):
+    def commit(self, step: int, started: float, checksums=(), usage=None, next_step=None,
+               phases=None):
         """Sends the commit without waiting and returns its future; :meth:`wait` collects it.
 
         With ``next_step`` the daemon also begins that step; :meth:`staging_of`
-        turns the answer into its :class:`Staging`.
+        turns the answer into its :class:`Staging`. ``phases``: the snapshot's so
+        far, which its outcome reports with ``commit`` added.
         """
         request = pb.CommitStepRequest(job=self.job, rank=self.rank, step=step,
                                        checksums=checksums, usage=usage, next_step=next_step)
         future = self._stub.CommitStep.future(request, timeout=self.options.rpc_timeout_seconds)
-        self._in_flight.append((step, future, started))
+        self._in_flight.append((step, future, started, phases or {}, time.perf_counter()))
         return future
 
     def wait(self) -> SnapshotResult | None:
@@ -221,14 +228,16 @@ class Session:
 
     def _collect(self, block: bool) -> SnapshotResult | None:
         outcome, still = None, []
-        for step, future, started in self._in_flight:
+        for step, future, started, phases, sent in self._in_flight:
             if not block and not future.done():
-                still.append((step, future, started))
+                still.append((step, future, started, phases, sent))
                 continue
             try:
                 response = future.result()
+                now = time.perf_counter()
                 outcome = SnapshotResult(step, True, response.job_committed, "",
-                                         time.perf_counter() - started, waited_for="rank")
+                                         now - started, waited_for="rank",
+                                         phases={**phases, "commit": now - sent})
             except grpc.RpcError as err:
                 outcome = self.failed(step, started, err)
         self._in_flight = still
@@ -273,16 +282,21 @@ class Session:
                                     world_size=self.world_size, tensors=tensors)
         if step is not None:
             request.step = step
+        started = time.perf_counter()
         try:
             found = self._stub.Restore(request, timeout=self.options.restore_timeout_seconds)
         except grpc.RpcError as err:
             raise RestoreError(f"daemon {self.options.daemon}: {err.code().name}: "
                                f"{err.details()}") from None
+        mapped = time.perf_counter()
         try:
             segment = map_restored(found.segment_path)
         except FileNotFoundError:
             raise RestoreError(f"step {found.step} was deleted while it was being restored; "
                                "restore again") from None
+        phases = {"call": mapped - started, "map": time.perf_counter() - mapped,
+                  **{f"daemon.{p.name}": p.seconds for p in found.phases}}
+        verified = time.perf_counter()
         shards = {}
         for slot, expected in zip(found.slots, found.checksums, strict=True):
             data = segment[slot.offset:slot.offset + slot.nbytes]
@@ -291,8 +305,10 @@ class Session:
                     f"step {found.step}: {found.tensors[slot.tensor].name!r} shard {slot.shard} "
                     "does not match its checksum in this process; restore again")
             shards[(slot.tensor, slot.shard)] = data
+        if self.options.verify_restore:
+            phases["verify"] = time.perf_counter() - verified
         raw = RawStep(found.step, tuple(found.tensors), shards, found.source or "memory",
-                      found.world_size)
+                      found.world_size, phases)
         return in_request_order(tensors, raw) if tensors else raw
 
     def bubble_stream(self) -> BubbleStream:

@@ -381,7 +381,7 @@ class Coverage(_message.Message):
     def __init__(self, whole: _Optional[bool] = ..., known: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemoryStatus(_message.Message):
-    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes", "log_bytes", "log_budget_bytes")
+    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes", "log_bytes", "log_budget_bytes", "warm_bytes", "warm_pool_bytes", "warm_segments_taken")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +389,9 @@ class MemoryStatus(_message.Message):
     SHM_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOG_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WARM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WARM_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WARM_SEGMENTS_TAKEN_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     used_bytes: int
     pooled_bytes: int
@@ -396,7 +399,10 @@ class MemoryStatus(_message.Message):
     shm_free_bytes: int
     log_bytes: int
     log_budget_bytes: int
-    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ...) -> None: ...
+    warm_bytes: int
+    warm_pool_bytes: int
+    warm_segments_taken: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., warm_pool_bytes: _Optional[int] = ..., warm_segments_taken: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("jobs", "memory", "adoption", "in_flight")
@@ -507,7 +513,7 @@ class Region(_message.Message):
     def __init__(self, index: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail", "world_size")
+    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail", "world_size", "phases")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -516,6 +522,7 @@ class RestoreResponse(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     step: int
     segment_path: str
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -524,7 +531,16 @@ class RestoreResponse(_message.Message):
     source: str
     source_detail: str
     world_size: int
-    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+    phases: _containers.RepeatedCompositeFieldContainer[Phase]
+    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ..., world_size: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ...) -> None: ...
+
+class Phase(_message.Message):
+    __slots__ = ("name", "seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seconds: float
+    def __init__(self, name: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class WaitCommittedRequest(_message.Message):
     __slots__ = ("job", "step", "timeout_seconds")

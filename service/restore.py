@@ -23,7 +23,7 @@ import time
 import grpc
 
 from bubblesnap.protos import peer_pb2 as ppb
-from bubblesnap.service import assembly, region_plan
+from bubblesnap.service import assembly, phases, region_plan
 from bubblesnap.service.errors import (
     DaemonError,
     DataLoss,
@@ -45,6 +45,7 @@ class Restored:
     found: Restorable
     source: str    # "memory", "peer" or "durable"
     detail: str
+    phases: tuple[tuple[str, float], ...] = ()  # (name, seconds): where the daemon's time went
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,15 @@ class Restorer:
         replacement host's trainer restores first, naming its
         ``replica_group``, and registers after.
         """
-        holdings = self.holdings(job, answered=True)
+        with phases.record() as spent:
+            restored = self._restore(job, rank, step, replica_group, alone, world_size, asked)
+        return dataclasses.replace(restored, phases=tuple(spent.items()))
+
+    def _restore(self, job: str, rank: int, step: int | None, replica_group, alone: bool,
+                 world_size: int, asked) -> Restored:
+        with phases.timed("holdings"):
+            holdings = self.holdings(job, answered=True)
+            durable = self.durable_steps(job)
         world = world_size or self._world_size(job, holdings)
         layout_lib.check_rank(rank, world)
         group_asked = layout_lib.check_replica_group(rank, world, replica_group) \
@@ -101,14 +110,14 @@ class Restorer:
         if copier != rank:  # the copier's word, not the caller's, says whom its copies hold
             for declared in {h.group for h in holdings if h.rank == copier and h.group}:
                 layout_lib.check_held_for(job, rank, copier, declared)
-        durable = self.durable_steps(job)
         step = _chosen(job, world, holdings, group_view.restorable_steps(world, holdings,
                                                                           durable), step)
         step_world = self._step_world(job, step, holdings, durable, world)
         if asked:
-            sources = self._sources(job, step, holdings, durable)
-            plan = region_plan.plan(list(asked), {r: s.layout for r, s in sources.items()},
-                                    step_world, copier, world_size)
+            with phases.timed("plan"):
+                sources = self._sources(job, step, holdings, durable)
+                plan = region_plan.plan(list(asked), {r: s.layout for r, s in sources.items()},
+                                        step_world, copier, world_size)
         elif world_size and world_size != step_world:
             raise FailedPrecondition(
                 f"step {step} of job {job!r} was taken by {step_world} ranks; rank {rank}'s own "
@@ -118,7 +127,8 @@ class Restorer:
         if not alone:  # its ranks may register under the caller's world size (a new epoch)
             self._store.resume(job, world_size or step_world, step)
         if self.resumes_job and not alone:
-            self._roll_back(job, step, holdings, durable, world_size or step_world)
+            with phases.timed("rollback"):
+                self._roll_back(job, step, holdings, durable, world_size or step_world)
         if not asked:
             return self._fetch(job, world, rank, copier, step, group, holdings, durable)
         return self._fetch_regions(job, step, step_world, copier, list(asked), plan, sources)
@@ -133,6 +143,10 @@ class Restorer:
                                       sources[exact].group)
             found = assembly.exact_answer(self._store.serve_copy(job, exact, step), plan, asked)
             return Restored(found, "memory" if "memory" in places else "peer", "")
+        if "durable" in places:  # one written copy holds it all: read into what is served
+            found = self._assembler.read_durable(job, step, world, copier, plan, asked, exact,
+                                                 sources[exact])
+            return Restored(found, "durable", "")
         found, used = self._assembler.assemble(job, step, world, copier, plan, asked, sources)
         return Restored(found, used, "")
 

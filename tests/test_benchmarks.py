@@ -81,6 +81,11 @@ def check_datapath(report: dict) -> None:
     assert_finite(report["ratios"], "ratios")
     assert all(isinstance(met, bool) for met in report["meets_targets"].values())
     assert report["restore_matches"] is True
+    assert list(report["phases"]) == ["stage_stall", "stage_commit", "restore_local"]
+    assert list(report["phases"]["stage_stall"]) == ["begin", "copy"]
+    assert list(report["phases"]["stage_commit"]) == ["begin", "copy", "commit"]
+    assert {"call", "map", "place", "ready", "daemon.holdings"} <= set(
+        report["phases"]["restore_local"])
 
 
 def check_restore(report: dict) -> None:
@@ -92,6 +97,7 @@ def check_restore(report: dict) -> None:
     assert_bandwidth_modes(report, modes)
     assert set(report["ratios"]) == {
         "peer_transfer_vs_raw_tcp", "restore_peer_vs_orbax", "restore_peer_vs_peer_transfer",
+        "restore_peer_vs_raw_tcp_parallel",
         "restore_local_vs_orbax", "restore_durable_vs_orbax", "resharded_vs_same_local",
         "resharded_vs_same_peer", "2to1_vs_same_local", "2to1_vs_same_peer",
         "restore_local_resharded_vs_orbax", "restore_peer_resharded_vs_orbax",
@@ -100,9 +106,22 @@ def check_restore(report: dict) -> None:
     assert set(report["meets_targets"]) == {
         "peer_transfer_ge_50pct_raw_tcp", "restore_peer_ge_5x_orbax_restore",
         "resharded_local_ge_50pct_same", "resharded_peer_ge_50pct_same",
-        "2to1_local_ge_50pct_same", "2to1_peer_ge_50pct_same"}
+        "2to1_local_ge_50pct_same", "2to1_peer_ge_50pct_same",
+        "restore_peer_ge_80pct_raw_tcp_parallel", "restore_durable_ge_orbax",
+        "restore_local_ge_20x_orbax"}
     assert all(isinstance(met, bool) for met in report["meets_targets"].values())
     assert report["matches"] == dict.fromkeys(modes, True)
+    restoring = [m for m in modes if m.startswith("restore_")]
+    assert list(report["phases"]) == restoring
+    for mode in restoring:  # the client's phases, and the daemon's under its own names
+        assert {"call", "map", "place", "ready", "daemon.holdings"} <= set(report["phases"][mode])
+        assert_finite(report["phases"][mode], mode)
+    # a peer restore pulls a copy; one from the durable tier reads regions
+    assert {"daemon.open", "daemon.receive", "daemon.land"} <= set(report["phases"]["restore_peer"])
+    assert "daemon.read" in report["phases"]["restore_durable"]
+    # C pulls a copy into a warm segment every round (the warm-up's too)
+    assert report["warm_pool"]["bytes"] > 0
+    assert report["warm_pool"]["segments_taken"]["C"] >= 2
     # warm-up and timed rounds, each from the tier the mode is named after
     assert report["sources"] == {
         **{f"restore_local{kind}": ["memory"] * 2 for kind in ("", "_resharded", "_2to1")},

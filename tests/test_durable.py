@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bubblesnap.clients import RestoreError
 from bubblesnap.clients.jax import ClientOptions, SnapshotClient
 from bubblesnap.protos import daemon_pb2 as pb
 from tests.programs.trainer import state_at
@@ -96,3 +97,12 @@ def test_damaged_durable_checkpoint_is_reported_not_served(start_daemon, tmp_pat
         fresh.stub.Restore(pb.RestoreRequest(job="bad", rank=0), timeout=60)
     assert info.value.code() == grpc.StatusCode.DATA_LOSS
     assert "durable" in info.value.details()
+    # by regions, into the layout it was taken with: read straight into the segment
+    # served, and verified there before anything is answered
+    saved = state_at(0, ROWS)
+    same = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+            for k, v in saved.items()}
+    with pytest.raises(RestoreError, match=r"DATA_LOSS.*durable"):
+        SnapshotClient("bad", options=ClientOptions(daemon=fresh.address)).restore(same)
+    fresh.stop()
+    assert "corrupt copy skipped" in fresh.proc.stderr.read()  # recorded, not only refused

@@ -16,13 +16,16 @@ from bubblesnap.clients.results import RestoreError, SnapshotResult
 class Restored:
     """A restored state: the step it was taken at, the pytree, how long it took, where
     the daemon found it (``memory``, ``peer`` or ``durable``), and the world size
-    the step was taken with (0: the daemon did not say)."""
+    the step was taken with (0: the daemon did not say), and where the time went
+    (``phases``, name -> seconds: ``RawStep.phases`` and ``place``, the arrays
+    made from the segment's bytes)."""
 
     step: int
     state: object
     seconds: float
     source: str = "memory"
     world_size: int = 0
+    phases: dict = dataclasses.field(default_factory=dict)
 
 
 class SnapshotClient(DaemonClient):
@@ -128,6 +131,7 @@ class SnapshotClient(DaemonClient):
         raw = self._session.restore(step, alone, tensors=[
             _layout.tensor_request(name, leaf, regions)
             for name, leaf, (_, regions) in zip(names, leaves, needs, strict=True)])
+        placing = time.perf_counter()
         arrays = []
         for t, (name, leaf, sharding, (per_device, regions)) in enumerate(
                 zip(names, leaves, shardings, needs, strict=True)):
@@ -142,5 +146,6 @@ class SnapshotClient(DaemonClient):
             except ValueError as err:  # a region's bytes do not fit its shape
                 raise RestoreError(f"step {raw.step}: {name!r}: {err}") from None
         state = jax.tree_util.tree_unflatten(treedef, arrays)
-        return Restored(raw.step, state, time.perf_counter() - started, raw.source,
-                        raw.world_size)
+        done = time.perf_counter()
+        return Restored(raw.step, state, done - started, raw.source, raw.world_size,
+                        {**raw.phases, "place": done - placing})

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum
+from bubblesnap.service import phases
 from bubblesnap.service.durable import checkpoint, orbax_layout
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
@@ -69,18 +70,35 @@ class DurableReader:
         array opened once, every read in flight together on TensorStore's threads)
         and each verified against its checksum (DataLoss if not)."""
         step_dir = self._finalized(job, step)
-        written = self._sidecar(job, step, rank)
+        wanted = self._wanted(self._sidecar(job, step, rank), shards)
+        arrays = self._open_all(step_dir, [t for t, _ in wanted])
+        return [data.reshape(-1).view(np.uint8)
+                for data in self._read_all(step_dir, arrays, wanted)]
+
+    def read_into(self, job: str, step: int, rank: int, targets) -> tuple[int, ...]:
+        """Reads regions ``rank`` wrote straight into ``targets`` ((tensor index, region
+        index, uint8 view of exactly its bytes): slots of the segment to be served), all
+        at once, then verifies each where it landed; their checksums. DataLoss when one
+        cannot be read or does not match."""
+        step_dir = self._finalized(job, step)
+        wanted = self._wanted(self._sidecar(job, step, rank), [t[:2] for t in targets])
+        arrays = self._open_all(step_dir, [t for t, _ in wanted])
+        self._read_all(step_dir, arrays, wanted, into=[out for _, _, out in targets])
+        return tuple(tensor.checksums[index] for tensor, index in wanted)
+
+    def _wanted(self, written: WrittenRank,
+                shards) -> list[tuple[WrittenTensor, int]]:
+        """(tensor, region index) of each (tensor index, region index) ``written`` has;
+        NotFound naming one it does not."""
         wanted = []
         for tensor_index, shard_index in shards:
             tensor = self._tensor(written, tensor_index)
             if not 0 <= shard_index < len(tensor.regions):
-                raise NotFound(f"rank {rank} wrote {len(tensor.regions)} regions of "
-                               f"{tensor.name!r} in step {step}; there is no region "
+                raise NotFound(f"rank {written.rank} wrote {len(tensor.regions)} regions of "
+                               f"{tensor.name!r} in step {written.step}; there is no region "
                                f"{shard_index}")
             wanted.append((tensor, shard_index))
-        arrays = self._open_all(step_dir, [t for t, _ in wanted])
-        return [data.reshape(-1).view(np.uint8)
-                for data in self._read_all(step_dir, arrays, wanted)]
+        return wanted
 
     def sidecars(self, job: str, step: int) -> dict[int, WrittenRank]:
         """The finished writes of ``step`` (finalized or not), by rank; an unreadable
@@ -164,8 +182,9 @@ class DurableReader:
         def fill(view, slots):
             self._read_all(step_dir, arrays, [(t, i) for _, _, t, i in direct],
                            into=[view[o:o + n] for o, n, _, _ in direct])
-            for offset, nbytes, piece in pieces:
-                view[offset:offset + nbytes] = piece
+            with phases.timed("copy"):
+                for offset, nbytes, piece in pieces:
+                    view[offset:offset + nbytes] = piece
             return tuple(checksums)  # every slot's bytes verified, read in or copied
 
         return fill, tuple(checksums)
@@ -220,12 +239,15 @@ class DurableReader:
         out = []
         for (tensor, index), future, target in zip(wanted, futures, targets, strict=True):
             try:
-                data = future.result()
+                with phases.timed("read"):
+                    data = future.result()
             except Exception as err:  # TensorStore raises many types for damaged files
                 raise DataLoss(f"{step_dir}: region {index} of {tensor.name!r} cannot be "
                                f"read: {err}") from err
             data = target if target is not None else data
-            if checksum(data.reshape(-1).view(np.uint8)) != tensor.checksums[index]:
+            with phases.timed("verify"):
+                computed = checksum(data.reshape(-1).view(np.uint8))
+            if computed != tensor.checksums[index]:
                 raise DataLoss(f"{step_dir}: region "
                                f"{regions.describe(tensor.name, tensor.regions[index])} does "
                                "not match its checksum")
@@ -241,7 +263,8 @@ class DurableReader:
         opened = {}
         for key, (tensor, future) in futures.items():
             try:
-                opened[key] = future.result()
+                with phases.timed("open"):
+                    opened[key] = future.result()
             except Exception as err:
                 raise DataLoss(f"{step_dir}: array {tensor.name!r} cannot be opened: "
                                f"{err}") from err

@@ -9,6 +9,7 @@ land, and the store keeps the copy only if every checksum matches.
 import dataclasses
 
 from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service import phases
 from bubblesnap.service.errors import DataLoss, InvalidArgument
 from bubblesnap.service.peers import data_channel
 from bubblesnap.service.peers.data_server import DataServer
@@ -73,8 +74,9 @@ class Transfers:
 
     def describe(self, index: int, job: str, rank: int, step: int) -> PeerCopy:
         """The layout and checksums of peer ``index``'s copy of ``step`` of ``rank``."""
-        answer = self._group.call(index, "Describe",
-                                  ppb.DescribeRequest(job=job, rank=rank, step=step))
+        with phases.timed("describe"):
+            answer = self._group.call(index, "Describe",
+                                      ppb.DescribeRequest(job=job, rank=rank, step=step))
         return PeerCopy(layout_lib.build_layout(answer.tensors), tuple(answer.checksums),
                         answer.world_size)
 
@@ -83,19 +85,21 @@ class Transfers:
         """The bytes of ``slots`` of peer ``index``'s copy, each verified against the
         checksum ``expected`` (what Describe said) before it is returned; DataLoss
         for a slot that does not match, Aborted when the transfer breaks off."""
-        answer = self._group.call(index, "OpenRead", ppb.OpenReadRequest(
-            job=job, rank=rank, step=step, slots=slots))
+        with phases.timed("open"):
+            answer = self._group.call(index, "OpenRead", ppb.OpenReadRequest(
+                job=job, rank=rank, step=step, slots=slots))
         if tuple(answer.checksums) != expected.checksums:
             # Not read: the peer unpins it when the ticket expires.
             raise DataLoss(f"peer {index}'s copy of step {step} of rank {rank} changed between "
                            "Describe and OpenRead")
         where = {i: (s.offset, s.offset + s.nbytes) for i, s in enumerate(answer.slots)}
         options = self._group.options
-        got = data_channel.read_ranges(answer.data_address, answer.ticket,
-                                       [where[s] for s in slots],
-                                       options.security.client_ssl_context(),
-                                       options.transfer_timeout_seconds,
-                                       f"step {step} of rank {rank}")
+        with phases.timed("receive"):
+            got = data_channel.read_ranges(answer.data_address, answer.ticket,
+                                           [where[s] for s in slots],
+                                           options.security.client_ssl_context(),
+                                           options.transfer_timeout_seconds,
+                                           f"step {step} of rank {rank}")
         pieces = {}
         for slot, (data, digest) in zip(slots, got, strict=True):
             if digest != expected.checksums[slot]:
@@ -107,8 +111,9 @@ class Transfers:
     def fetch(self, index: int, job: str, world_size: int, rank: int, step: int,
               group: tuple[int, ...]) -> None:
         """Pulls peer ``index``'s copy of ``step`` of ``rank`` to serve a restore here."""
-        answer = self._group.call(index, "OpenRead",
-                                  ppb.OpenReadRequest(job=job, rank=rank, step=step))
+        with phases.timed("open"):
+            answer = self._group.call(index, "OpenRead",
+                                      ppb.OpenReadRequest(job=job, rank=rank, step=step))
         layout = layout_lib.build_layout(answer.tensors)
         if layout.segment_bytes != answer.segment_bytes:
             raise DataLoss(f"peer {index} offered {answer.segment_bytes} bytes for a "

@@ -261,7 +261,8 @@ def restored(answer) -> pb.RestoreResponse:
     return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
                               slots=slots(found.slots), checksums=found.checksums,
                               tensors=tensor_specs(found.layout), source=answer.source,
-                              source_detail=answer.detail, world_size=found.world_size)
+                              source_detail=answer.detail, world_size=found.world_size,
+                              phases=[pb.Phase(name=n, seconds=t) for n, t in answer.phases])
 
 
 def open_read(copy, ticket: bytes, data_address: str) -> ppb.OpenReadResponse:
@@ -298,7 +299,10 @@ def daemon_status(status) -> pb.StatusResponse:
                                pooled_bytes=memory.pooled_bytes, shm_dir=memory.shm_dir,
                                shm_free_bytes=memory.shm_free_bytes,
                                log_bytes=status.log_bytes,
-                               log_budget_bytes=status.log_budget_bytes),
+                               log_budget_bytes=status.log_budget_bytes,
+                               warm_bytes=memory.warm_bytes,
+                               warm_pool_bytes=memory.warm_pool_bytes,
+                               warm_segments_taken=memory.warm_taken),
         adoption=_adoption(status.adoption),
         in_flight=[pb.InFlight(kind=w.kind, job=w.job, rank=w.rank, step=w.step,
                                done_bytes=w.done_bytes, total_bytes=w.total_bytes,

@@ -1,10 +1,13 @@
 """The store's shared memory: segments taken from a pool within a budget, pins, release.
 
 Every byte the store holds is a segment: a step's copy, a copy freed while a
-reader outside the lock still pins it (lingering), or a freed segment kept
-warm in the pool. All three count against the budget. Called with the
-store's lock held.
+reader outside the lock still pins it (lingering), a freed segment kept for
+reuse in the pool, or a warm one made ahead of need (warm_pool.py; counted
+while it is being made, too). All of them count against the budget. Called
+with the store's lock held.
 """
+
+import threading
 
 from bubblesnap.service.errors import ResourceExhausted
 from bubblesnap.service.store import persistence
@@ -20,18 +23,39 @@ class Memory:
         self.pool = SegmentPool(shm_dir)
         self._in_use = 0  # bytes of segments handed to copies, lingering ones included
         self._lingering: list[RankStep] = []  # freed, but a pinned reader still has it
+        self.filling_bytes = 0  # warm segments being made outside the lock
+        self.arriving = 0  # copies being filled outside the lock (the warm pool waits)
+        #: Whether a thread (the warm pool's) destroys freed segments; else done at once.
+        self.reaped = False
+        #: Set when a segment is taken or freed: the warm pool may have work.
+        self.pool_changed = threading.Event()
 
     @property
     def used_bytes(self) -> int:
         return self._in_use
 
+    def _held(self) -> int:
+        return self._in_use + self.pool.pooled_bytes + self.filling_bytes
+
+    def room_bytes(self) -> int:
+        """What the budget has room for beside everything held."""
+        return self.budget_bytes - self._held()
+
+    def reserve_filling(self, nbytes: int) -> bool:
+        """Counts a warm segment about to be made, if the budget has room for it."""
+        if self._held() + nbytes > self.budget_bytes:
+            return False
+        self.filling_bytes += nbytes
+        return True
+
     def acquire(self, nbytes: int, what: str) -> Segment:
         """A segment of ``nbytes`` for ``what`` (a step of a rank, for messages);
         ResourceExhausted, with everything held kept, when the budget has no room."""
-        over = self._in_use + self.pool.pooled_bytes + nbytes - self.budget_bytes
+        self.pool_changed.set()
+        over = self._held() + nbytes - self.budget_bytes
         if over > 0 and not self.pool.has(nbytes):
             self.pool.trim(over)
-            if self._in_use + self.pool.pooled_bytes + nbytes > self.budget_bytes:
+            if self._held() + nbytes > self.budget_bytes:
                 raise ResourceExhausted(
                     f"no room for {what}: it needs {nbytes} bytes and the daemon holds "
                     f"{self._in_use} of its {self.budget_bytes}-byte memory budget. "
@@ -54,7 +78,7 @@ class Memory:
     def drop(self, segment: Segment) -> None:
         """Frees a handed-over segment (a trainer's mapping of it stays valid)."""
         self._in_use -= segment.nbytes
-        segment.destroy()
+        self._destroy(segment)
 
     def free(self, held: Rank, step: int) -> None:
         """Drops ``held``'s copy of ``step``, its record first (a restart must not bring it
@@ -83,9 +107,17 @@ class Memory:
     def _dispose(self, rank_step: RankStep) -> None:
         segment = rank_step.segment
         self._in_use -= segment.nbytes
+        self.pool_changed.set()
         # A segment someone may still write into (an unfinished copy) or read from
         # (a restore) is never handed to another step: it is unlinked instead.
         if segment.handed_out or rank_step.state is CopyState.STAGING:
-            segment.destroy()
+            self._destroy(segment)
         else:
             self.pool.release(segment)
+
+    def _destroy(self, segment: Segment) -> None:
+        if self.reaped:
+            self.pool.doom(segment)
+        else:
+            segment.destroy()
+        self.pool_changed.set()

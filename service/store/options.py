@@ -28,6 +28,15 @@ class StoreOptions:
         the bytes it wrote into shared memory inside its bubbles, where the
         core is idle anyway, and every copy is verified again before it is
         served.
+      warm_pool_bytes: pre-faulted segments kept ready for bytes that arrive
+        (``--warm-pool-bytes``, warm_pool.py): a peer's copy, an assembled or
+        durable restore, a first snapshot lands in one at memcpy speed
+        instead of paying page faults under the copy. Counted in the memory
+        budget, and made only where it leaves room. Size it to the largest
+        copy this daemon restores (one rank's state: a replacement host
+        restores from a peer before anything else). Default 0: none, since
+        these are real pages taken from the host at start, which a daemon
+        that never restores would hold for nothing.
     """
 
     memory_budget_bytes: int = 4 << 30
@@ -35,6 +44,7 @@ class StoreOptions:
     checksum_threads: int = 2
     uncommitted_grace_seconds: float = 3.0
     verify_on_commit: bool = False
+    warm_pool_bytes: int = 0
 
     def __post_init__(self):
         require(self, "memory_budget_bytes", self.memory_budget_bytes >= 1, "positive",
@@ -43,3 +53,4 @@ class StoreOptions:
         require(self, "checksum_threads", self.checksum_threads >= 1, "at least 1",
                 "--checksum-threads")
         require(self, "uncommitted_grace_seconds", self.uncommitted_grace_seconds >= 0, ">= 0")
+        require(self, "warm_pool_bytes", self.warm_pool_bytes >= 0, ">= 0", "--warm-pool-bytes")

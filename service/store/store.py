@@ -23,6 +23,7 @@ under the lock (it must not call the store).
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from bubblesnap.service import phases
 from bubblesnap.service.errors import NotFound
 from bubblesnap.service.store import adoption, arrivals, reads, registration, staging
 from bubblesnap.service.store.adoption import Adoption
@@ -45,6 +46,7 @@ from bubblesnap.service.store.views import (
     held_copies,
     job_view,
 )
+from bubblesnap.service.store.warm_pool import WarmPool
 
 
 class SnapshotStore:
@@ -64,6 +66,8 @@ class SnapshotStore:
         with self._lock:
             #: What this store took over from a killed daemon's shm dir when it started.
             self.adoption: Adoption = adoption.adopt(self._state)
+        # after adoption: what was taken over counts in the budget before warm segments do
+        self._warm = WarmPool(self._lock, self._state.memory, options.warm_pool_bytes)
 
     def listen(self, on_local=None, on_job_deleted=None, on_retained=None) -> None:
         """Adds listeners (see the module docstring)."""
@@ -103,19 +107,19 @@ class SnapshotStore:
 
     def serve(self, job: str, rank: int, step: int, asked_group=()) -> Restorable:
         """Verifies this daemon's copy of ``step`` and hands it to a trainer (reads.serve)."""
-        with self._lock:
+        with phases.timed("verify"), self._lock:
             return reads.serve(self._state, job, rank, step, asked_group)
 
     def serve_copy(self, job: str, rank: int, step: int) -> Restorable:
         """Verifies this daemon's copy of ``step`` of ``rank`` and hands it over as it is."""
-        with self._lock:
+        with phases.timed("verify"), self._lock:
             return reads.serve_copy(self._state, job, rank, step)
 
     def assembled(self, job: str, rank: int, nbytes: int) -> Segment:
         """A fresh segment for a restore of ``rank`` assembled from several copies,
         counted in the budget; freed at the rank's next restore or commit, or with the
         job. ResourceExhausted when the budget has no room."""
-        with self._lock:
+        with phases.timed("segment"), self._lock:
             self._state.release_served(job, rank)
             segment = self._state.memory.hand_over(nbytes, f"a restore of rank {rank} of "
                                                            f"job {job!r}")
@@ -164,20 +168,26 @@ class SnapshotStore:
         nothing kept, when they do not match ``checksums``.
         """
         checksums = tuple(checksums)
-        with self._lock:
+        with phases.timed("segment"), self._lock:
             arrival = arrivals.reserve(self._state, job, world_size, rank, step, layout,
                                        checksums, tuple(group) or (rank,))
+            self._state.memory.arriving += arrival is not None
         if arrival is None:
             return 0
         slots = layout.slots()
         try:
-            computed = fill(arrival.rank_step.segment.view, [(o, n) for _, _, o, n in slots]) \
-                or self._state.hash(arrival.rank_step.segment, slots)
+            with phases.timed("receive"):
+                computed = fill(arrival.rank_step.segment.view,
+                                [(o, n) for _, _, o, n in slots])
+            with phases.timed("verify"):
+                computed = computed or self._state.hash(arrival.rank_step.segment, slots)
         except BaseException:
             with self._lock:
+                self._state.memory.arriving -= 1
                 arrivals.abandon(self._state, arrival)
             raise
-        with self._lock:
+        with phases.timed("land"), self._lock:
+            self._state.memory.arriving -= 1
             return arrivals.land(self._state, arrival, computed, for_restore)
 
     def rollback(self, job: str, step: int) -> int:
@@ -293,10 +303,12 @@ class SnapshotStore:
         with self._lock:
             memory = self._state.memory
             used, pooled = memory.used_bytes, memory.pool.pooled_bytes
+            warm, taken = memory.pool.warm_bytes, memory.pool.warm_taken
         return MemoryView(memory.budget_bytes, used, pooled, memory.pool.directory,
-                          shm_free_bytes(self.shm_dir))
+                          shm_free_bytes(self.shm_dir), warm, self._warm.target_bytes, taken)
 
     def close(self) -> None:
+        self._warm.close()
         with self._lock:
             for job in list(self._state.jobs):
                 self._state.release_served(job)

@@ -124,6 +124,9 @@ class MemoryView:
     pooled_bytes: int
     shm_dir: str
     shm_free_bytes: int
+    warm_bytes: int = 0       # of pooled_bytes: pre-faulted segments ready (warm_pool.py)
+    warm_pool_bytes: int = 0  # what the warm pool keeps ready (--warm-pool-bytes)
+    warm_taken: int = 0       # segments taken from the warm pool so far
 
 
 def staging_of(rank_step: RankStep) -> Staging:

@@ -1,0 +1,120 @@
+"""Warm segments made ahead of need: one background thread keeps ``warm_pool_bytes`` of
+pre-faulted segments in the pool (segments.py), counted in the memory budget.
+
+A segment made when bytes arrive fills at a fraction of memcpy speed: its
+pages are reserved, then faulted in one by one under the copy (tmpfs has no
+huge pages). A replacement host's daemon restoring from a peer has nothing
+to recycle, so without warm segments every byte of its restore pays that.
+
+Sizes: at start the daemon knows nothing of what it will be asked for, so
+the first fill is one segment of the whole size (the first acquire cuts it
+to size, giving the tail back). After that the pool refills in the sizes
+asked lately (the same layouts restore or arrive again), newest first, as
+many of each as fit.
+
+Room: a segment is made only while the budget has room for it beside
+everything held, and its bytes count as held while it is made
+(``Memory.filling_bytes``), so the budget holds at every moment. A copy
+that needs room trims warm segments like recycled ones; the pool makes them
+again once there is room.
+
+The same thread destroys the segments the store frees that cannot be
+reused (a restore's, handed to a trainer): unmapping and unlinking one takes
+tens of ms, which no request should wait for, and their bytes count in the
+budget until then (an acquire short of room destroys them at once).
+
+When: after a segment is taken, and only while no copy is landing (the
+refill's page zeroing would take the cores the arriving bytes need), at the
+lowest priority.
+"""
+
+import logging
+import os
+import threading
+import time
+
+from bubblesnap.service.errors import DaemonError
+
+log = logging.getLogger("bubblesnap.daemon")
+
+#: How often the pool looks for room freed meanwhile (a copy dropped), besides being
+#: woken when a segment is taken.
+_POLL_SECONDS = 0.5
+#: The filling thread's niceness (the lowest priority).
+_NICE = 19
+#: How often the pool looks whether the copies landing (which it never competes with:
+#: a refill under a peer's transfer slowed it by half on the 2-core dev VM) are done.
+_ARRIVING_POLL_SECONDS = 0.02
+
+
+class WarmPool:
+    """The thread that keeps ``target_bytes`` of warm segments in ``memory``'s pool;
+    ``lock`` is the store's (Memory is used under it)."""
+
+    def __init__(self, lock: threading.Lock, memory, target_bytes: int):
+        self.target_bytes = target_bytes
+        self._lock = lock
+        self._memory = memory
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="warm-pool", daemon=True)
+        if target_bytes:
+            memory.reaped = True
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stops the thread (a segment being made is destroyed); then the pool may close."""
+        with self._lock:
+            self._closed = True
+        self._memory.pool_changed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        # Work here may still overlap a trainer's copy into a segment or a restore's
+        # cut: on a busy host those, not this, must get the core. Linux nices threads
+        # one by one; the lowest priority still runs, so the GIL and the store's lock,
+        # held briefly here, are never kept from the others for long.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+        while not self._closed:
+            if self._memory.arriving:  # a copy is landing: its bytes need the cores first
+                time.sleep(_ARRIVING_POLL_SECONDS)
+                continue
+            self._memory.pool.reap()
+            if not self._fill_one():
+                self._memory.pool_changed.wait(_POLL_SECONDS)
+                self._memory.pool_changed.clear()
+
+    def _fill_one(self) -> bool:
+        """Makes one warm segment if one is wanted and fits; whether it did."""
+        memory = self._memory
+        with self._lock:
+            size = 0 if self._closed else self._next_size()
+            if not size or not memory.reserve_filling(size):
+                return False
+        segment = None
+        try:
+            segment = memory.pool.new_segment(size)
+            segment.prefault()
+        except (DaemonError, OSError) as err:  # a full shm dir: try again when woken
+            log.warning("could not make a warm segment of %d bytes: %s", size, err)
+            if segment is not None:
+                segment.destroy()
+            segment = None
+        with self._lock:
+            memory.filling_bytes -= size
+            if segment is not None and self._closed:
+                segment.destroy()
+            elif segment is not None:
+                memory.pool.add_warm(segment)
+        return segment is not None
+
+    def _next_size(self) -> int:
+        """The size of the next warm segment to make (0: none is wanted)."""
+        held, asked = self._memory.pool.warm_sizes()
+        room = min(self.target_bytes - sum(held) - self._memory.filling_bytes,
+                   self._memory.room_bytes())
+        if room <= 0:
+            return 0
+        if not asked:  # nothing asked yet: one segment of it all, cut to size when taken
+            return room if not held and not self._memory.filling_bytes else 0
+        return next((size for size in asked if size <= room), 0)
