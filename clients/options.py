@@ -32,6 +32,10 @@ class ClientOptions:
       verify_restore: recompute checksums of restored bytes in the client too
         (the daemon checks them right before it hands a step over, and never
         writes that memory again). Default False.
+      show_progress: a progress bar on stderr (bytes, rate, time left) for a
+        restore that takes more than half a second, as the daemon reads the
+        copy from a peer or the durable tier. Default False (many processes of
+        one job would each draw one).
       restore_timeout_seconds: deadline of a restore, which may pull the
         state from a peer or the durable tier first, > 0. Default 300 s.
       commit_timeout_seconds: how long ``snapshot(..., wait="job")`` waits for
@@ -45,6 +49,7 @@ class ClientOptions:
     rpc_timeout_seconds: float = 5.0
     backoff_seconds: float = 10.0
     verify_restore: bool = False
+    show_progress: bool = False
     restore_timeout_seconds: float = 300.0
     commit_timeout_seconds: float = 60.0
 
@@ -58,5 +63,6 @@ class ClientOptions:
             require(self, name, is_number(value) and value > 0, "> 0")
         require(self, "backoff_seconds",
                      is_number(self.backoff_seconds) and self.backoff_seconds >= 0, ">= 0")
+        require(self, "show_progress", isinstance(self.show_progress, bool), "True or False")
         require(self, "verify_restore", isinstance(self.verify_restore, bool),
                      "True or False")

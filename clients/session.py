@@ -21,6 +21,7 @@ import numpy as np
 from bubblesnap.clients._bubble_stream import BubbleStream
 from bubblesnap.clients._log_calls import LogCalls
 from bubblesnap.clients._regions import in_request_order
+from bubblesnap.clients._restore_progress import restore_progress
 from bubblesnap.clients._shared_memory import SegmentMaps, map_restored
 from bubblesnap.clients.options import ClientOptions
 from bubblesnap.clients.results import LogError, RawStep, RestoreError, SnapshotResult
@@ -284,7 +285,9 @@ class Session:
             request.step = step
         started = time.perf_counter()
         try:
-            found = self._stub.Restore(request, timeout=self.options.restore_timeout_seconds)
+            with restore_progress(self._stub, self.job, self.rank, self.options.show_progress):
+                found = self._stub.Restore(request,
+                                           timeout=self.options.restore_timeout_seconds)
         except grpc.RpcError as err:
             raise RestoreError(f"daemon {self.options.daemon}: {err.code().name}: "
                                f"{err.details()}") from None

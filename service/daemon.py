@@ -238,7 +238,8 @@ class Daemon:
                 raise DaemonStartError(str(err)) from err
             self.store.listen(on_local=self.durable.committed)
         self.restorer = Restorer(self.store, self.group, self.replicator, self.transfers,
-                                 reader, self.durable, on_corrupt=self.metrics.corrupt)
+                                 reader, self.durable, on_corrupt=self.metrics.corrupt,
+                                 progress=self.progress)
         if self.group is not None:
             self._peer_server.add_generic_rpc_handlers((generic_handler(
                 PEER_SERVICE, PeerServicer(self.store, self.logs, self.group, self.transfers,

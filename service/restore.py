@@ -32,6 +32,7 @@ from bubblesnap.service.errors import (
     Unavailable,
 )
 from bubblesnap.service.peers import group_view
+from bubblesnap.service.progress import Progress
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.views import Restorable
 
@@ -62,8 +63,10 @@ class Restorer:
     """Finds the step to restore and serves it from the fastest tier that holds it intact."""
 
     def __init__(self, store, group=None, replicator=None, transfers=None,
-                 durable_reader=None, durable_writer=None, *, on_corrupt):
+                 durable_reader=None, durable_writer=None, *, on_corrupt,
+                 progress: Progress | None = None):
         self._store = store
+        self._progress = progress or Progress()  # a restore's bytes, as they land
         self._on_corrupt = on_corrupt  # counts a corrupt copy by its source (metrics)
         self._group = group
         self._replicator = replicator
@@ -129,9 +132,11 @@ class Restorer:
         if self.resumes_job and not alone:
             with phases.timed("rollback"):
                 self._roll_back(job, step, holdings, durable, world_size or step_world)
-        if not asked:
-            return self._fetch(job, world, rank, copier, step, group, holdings, durable)
-        return self._fetch_regions(job, step, step_world, copier, list(asked), plan, sources)
+        with self._progress.track("restore", job, rank, step):
+            if not asked:
+                return self._fetch(job, world, rank, copier, step, group, holdings, durable)
+            return self._fetch_regions(job, step, step_world, copier, list(asked), plan,
+                                       sources)
 
     def _fetch_regions(self, job: str, step: int, world: int, copier: int, asked, plan,
                        sources) -> Restored:

@@ -63,3 +63,47 @@ def test_status_watch_redraws_until_interrupted(start_daemon):
     out, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
     assert out.count("memory: ") >= 3 and "Traceback" not in err
+
+
+def test_a_restore_from_the_durable_tier_shows_its_progress(start_daemon, tmp_path, capfd):
+    durable = str(tmp_path / "durable")
+    flags = ("--durable-dir", durable, "--durable-every-steps", "1", "--memory-budget", "3GiB")
+    writer = start_daemon(*flags)
+    state = {f"w{i}": np.full(1 << 25, i, np.float32) for i in range(4)}  # 512 MiB
+    client = NumpyClient("far", options=ClientOptions(daemon=writer.address))
+    assert client.snapshot(1, state, wait=True).taken
+    client.close()
+    deadline = time.monotonic() + 120
+    while 1 not in writer.stub.Status(pb.StatusRequest(job="far"), timeout=10).jobs[0] \
+            .durable_steps:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    writer.kill()
+
+    fresh = start_daemon(*flags)  # empty memory: the step comes from disk
+    seen = []
+    for _ in range(3):  # a restore faster than the polling shows nothing: try again
+        restorer = NumpyClient("far", options=ClientOptions(daemon=fresh.address,
+                                                             show_progress=True))
+        result, started = {}, time.monotonic()
+        thread = threading.Thread(target=lambda: result.update(got=restorer.restore()))
+        thread.start()
+        while thread.is_alive():
+            status = fresh.stub.Status(pb.StatusRequest(), timeout=10)
+            seen += [w for w in status.in_flight if w.kind == "restore"]
+            time.sleep(0.01)
+        thread.join()
+        elapsed = time.monotonic() - started
+        step, got = result["got"]
+        assert step == 1 and all(got[k].tobytes() == v.tobytes() for k, v in state.items())
+        restorer.close()
+        fresh.stub.DeleteSnapshots(pb.DeleteSnapshotsRequest(job="far"), timeout=10)
+        if seen:
+            break
+    assert seen, "no restore was ever reported in flight"
+    assert all(w.job == "far" and w.step == 1 and 0 <= w.done_bytes <= w.total_bytes
+               <= 1 << 29 for w in seen), seen[:3]
+    # the total grows to the step's bytes as the reads start (0 before the plan is made)
+    assert any(w.total_bytes == 1 << 29 for w in seen), seen[:3]
+    if elapsed > 1.5:  # long enough for the bar (it appears after half a second)
+        assert "restore step 1" in capfd.readouterr().err

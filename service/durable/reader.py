@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.service import phases
+from bubblesnap.service import phases, progress
 from bubblesnap.service.durable import checkpoint, orbax_layout
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
@@ -234,13 +234,19 @@ class DurableReader:
         at once, then each verified against its checksum; with ``into``, each read
         straight into its uint8 view there (returned)."""
         targets = into or [None] * len(wanted)
+        sizes = [regions.volume(t.regions[i]) * fmt.numpy_dtype(t.dtype).itemsize
+                 for t, i in wanted]
+        progress.expect(sum(sizes))
+        done = progress.reporter()
         futures = [checkpoint.read_box(arrays[t.key], t.regions[i], target)
                    for (t, i), target in zip(wanted, targets, strict=True)]
         out = []
-        for (tensor, index), future, target in zip(wanted, futures, targets, strict=True):
+        for (tensor, index), future, target, nbytes in zip(wanted, futures, targets, sizes,
+                                                           strict=True):
             try:
                 with phases.timed("read"):
                     data = future.result()
+                done(nbytes)
             except Exception as err:  # TensorStore raises many types for damaged files
                 raise DataLoss(f"{step_dir}: region {index} of {tensor.name!r} cannot be "
                                f"read: {err}") from err

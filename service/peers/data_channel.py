@@ -19,6 +19,7 @@ import struct
 import threading
 
 from bubblesnap.protos.checksum import SlotHasher, new_hasher
+from bubblesnap.service import progress
 from bubblesnap.service.errors import Aborted
 from bubblesnap.service.peers.addresses import check_address
 from bubblesnap.sockets import recv_exact_into
@@ -138,13 +139,16 @@ def puller(address: str, ticket: bytes, ssl_context, timeout: float, what: str,
 
     def fill(view, slots):
         check_address(address, "data address")
+        progress.expect(len(view))
+        done = progress.reporter()  # the pulls run on threads of their own
         groups = split(slots, len(view), streams)
         bounds = [g[0][0] for g in groups[1:]]
         ranges = list(zip([0, *bounds], [*bounds, len(view)], strict=True))
         hashers = [SlotHasher(g) for g in groups]
         try:
             pull(address, ticket, view, ranges, ssl_context, timeout,
-                 received=lambda i, start, stop: hashers[i].feed(view, start, stop))
+                 received=lambda i, start, stop: (hashers[i].feed(view, start, stop),
+                                                  done(stop - start)))
         except OSError as err:
             raise Aborted(f"pulling {what} from {address} failed: {err}") from err
         return tuple(d for h in hashers for d in h.digests())
