@@ -86,7 +86,7 @@ def test_a_restore_from_the_durable_tier_shows_its_progress(start_daemon, tmp_pa
         restorer = NumpyClient("far", options=ClientOptions(daemon=fresh.address,
                                                              show_progress=True))
         result, started = {}, time.monotonic()
-        thread = threading.Thread(target=lambda: result.update(got=restorer.restore()))
+        thread = threading.Thread(target=lambda r=result, c=restorer: r.update(got=c.restore()))
         thread.start()
         while thread.is_alive():
             status = fresh.stub.Status(pb.StatusRequest(), timeout=10)
