@@ -97,7 +97,8 @@ def train(args) -> int:
     from bubblesnap.clients.jax import ClientOptions, RestoreError, SnapshotClient
 
     init, batch, train_step = build_training()
-    client = SnapshotClient(args.job, options=ClientOptions(daemon=args.daemon))
+    client = SnapshotClient(args.job, options=ClientOptions(daemon=args.daemon,
+                                                          show_progress=True))
     state, start = init(), 0
     if args.resume:
         abstract = jax.tree.map(
