@@ -204,6 +204,11 @@ class Restorer:
         return [group_view.Holding(0, h.rank, h.step, h.replica, h.world_size, h.group)
                 for h in self._store.holdings(job)]
 
+    @property
+    def durable_directory(self) -> str:
+        """The durable tier's directory; empty without one."""
+        return self._durable.directory if self._durable is not None else ""
+
     def durable_steps(self, job: str) -> list[int]:
         """The steps the durable tier holds whole, of every epoch of the job."""
         return self._durable.steps(job) if self._durable is not None else []

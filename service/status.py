@@ -43,6 +43,7 @@ class DaemonStatus:
     log_budget_bytes: int
     adoption: Adoption = Adoption()
     in_flight: tuple[InFlight, ...] = ()
+    durable_directory: str = ""
 
 
 class Status:
@@ -64,7 +65,8 @@ class Status:
         return DaemonStatus([self._job(view) for view in self._store.jobs(job)],
                             self._store.memory(), self._logs.bytes_held(),
                             self._logs.options.max_total_bytes, self._store.adoption,
-                            tuple(self._progress.in_flight(job)))
+                            tuple(self._progress.in_flight(job)),
+                            self._restorer.durable_directory)
 
     def wait_committed(self, job: str, step: int, timeout: float) -> tuple[bool, int]:
         """Waits up to ``timeout`` (capped) for ``step`` to be committed for the job;

@@ -51,3 +51,17 @@ def test_an_orbax_loop_runs_unchanged_with_the_import_swapped(processes, tmp_pat
         assert any(name.startswith("step_") for name in os.listdir(durable / "run1"))
     finally:
         daemon.stop()
+
+
+def test_a_directory_the_daemon_does_not_write_to_is_warned_of(start_daemon, tmp_path, caplog):
+    from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions, ClientOptions
+    durable = tmp_path / "durable"
+    daemon = start_daemon("--durable-dir", str(durable), "--durable-every-steps", "1")
+    options = CheckpointManagerOptions(client=ClientOptions(daemon=daemon.address))
+    with caplog.at_level("WARNING", logger="bubblesnap.client"):
+        CheckpointManager(durable / "run1", options=options).close()
+        assert not caplog.records  # the daemon's own --durable-dir: as it should be
+        CheckpointManager(tmp_path / "elsewhere" / "run1", options=options).close()
+    assert "not to" in caplog.text and str(durable) in caplog.text
+    with pytest.raises(ValueError, match="save_interval_steps"):
+        CheckpointManagerOptions(save_interval_steps=0)

@@ -27,6 +27,7 @@ multi-host job makes one, as with Orbax.
 """
 
 import dataclasses
+import logging
 import os
 
 import grpc
@@ -37,6 +38,8 @@ from bubblesnap.clients.options import ClientOptions
 from bubblesnap.clients.results import RestoreError
 from bubblesnap.options import require
 from bubblesnap.protos import daemon_pb2 as pb
+
+log = logging.getLogger("bubblesnap.client")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,6 +94,7 @@ class CheckpointManager:
             options=self._options.client)
         self._saved: list[int] = []   # steps this process snapshotted, oldest first
         self._errors: list[str] = []  # why snapshots failed, since check_for_errors
+        self._check_directory()
 
     @property
     def directory(self) -> str:
@@ -212,6 +216,24 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _check_directory(self) -> None:
+        """Warns when the daemon's durable tier is not where ``directory`` says: the
+        steps would be written, and plain Orbax would find them, elsewhere. A
+        warning, not an error: a container may mount the same folder elsewhere."""
+        try:
+            durable = self._client.session.call("Status", pb.StatusRequest()).durable_directory
+        except grpc.RpcError:
+            return  # no daemon yet: saves say so, each in its SnapshotResult
+        parent = os.path.dirname(self._directory)
+        if not durable:
+            log.warning("the daemon at %s has no durable tier (--durable-dir): steps live "
+                        "only in memory, nothing is written to %s", self._options.client.daemon,
+                        self._directory)
+        elif os.path.realpath(durable) != os.path.realpath(parent):
+            log.warning("the daemon writes durable steps to %s/%s, not to %s (its "
+                        "--durable-dir is not %s)", durable, self._client.job,
+                        self._directory, parent)
 
     def _collect(self, result) -> None:
         if result is not None and not result.taken and result.copied_by is None:
