@@ -226,6 +226,14 @@ def test_systemd_analyze_finds_nothing_wrong_with_the_units(tmp_path):
     assert (done.returncode, done.stderr) == (0, "")
 
 
+def test_the_readme_shows_every_deploy_file_in_its_cluster_section():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Run it on a cluster", 1)[1].split("\n## ", 1)[0]
+    for path in DEPLOY.rglob("*"):
+        if path.is_file():
+            assert path.name in section, path
+
+
 def _health(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "bubblesnap", "health", "--timeout", "5",
                            *flags], capture_output=True, text=True, timeout=60)
