@@ -30,6 +30,12 @@ def _expressions(dashboard: dict) -> list[str]:
     return [t["expr"] for p in _queried_panels(dashboard) for t in p["targets"]]
 
 
+def _queries(dashboard: dict) -> list[str]:
+    """Every PromQL the dashboard runs: its panels' and its variables'."""
+    return _expressions(dashboard) + [v["definition"] for v in dashboard["templating"]["list"]
+                                      if v["type"] == "query"]
+
+
 def _scrape(daemon) -> dict[str, dict[tuple, float]]:
     """sample name -> {labels: value} of what the daemon's --metrics endpoint serves."""
     text = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics",
@@ -97,7 +103,7 @@ def test_every_metric_the_dashboard_queries_is_exported(start_ring):
         return samples if len(copies) == 2 and all(n == 2 for n in copies.values()) else None
     samples = wait_for(copies_known, "both jobs' copies, 2 each, in the metrics", timeout=30)
 
-    used = {name for expr in _expressions(_dashboard())
+    used = {name for expr in _queries(_dashboard())
             for name in re.findall(r"\bbubblesnap_[a-z_]+\b", expr)}
     assert used - set(samples) == set(), "queried by the dashboard, not exported"
     phases = samples["bubblesnap_phase_seconds_count"]
