@@ -90,12 +90,21 @@ def test_every_metric_the_dashboard_queries_is_exported(start_ring):
     # A pipeline stage's commit reports its bubbles; the same commit again counts once.
     stub = ring.daemons[0].stub
     register(stub, job="bubbles", tensors=[tensor_spec("a", (256,))])
-    stub.BeginStep(pb.BeginStepRequest(job="bubbles", rank=0, step=1), timeout=10)
+    staging = stub.BeginStep(pb.BeginStepRequest(job="bubbles", rank=0, step=1), timeout=10)
     usage = pb.BubbleUsage(offered_seconds=0.5, used_seconds=0.25, spilled_seconds=0.125,
                            bubbles=4, iterations=1)
     for _ in range(2):
         stub.CommitStep(pb.CommitStepRequest(job="bubbles", rank=0, step=1, usage=usage),
                         timeout=10)
+    assert stub.WaitCommitted(pb.WaitCommittedRequest(job="bubbles", step=1,
+                                                      timeout_seconds=20), timeout=30).committed
+    # A bit flips in daemon 0's copy: the restore skips it, counted, and takes the peer's.
+    with open(staging.segment_path, "r+b") as segment:
+        segment.seek(staging.slots[0].offset + 17)
+        byte = segment.read(1)
+        segment.seek(-1, 1)
+        segment.write(bytes([byte[0] ^ 0x10]))
+    assert stub.Restore(pb.RestoreRequest(job="bubbles", rank=0), timeout=30).source == "peer"
 
     def copies_known():
         samples = _scrape(ring.daemons[0])
@@ -109,13 +118,16 @@ def test_every_metric_the_dashboard_queries_is_exported(start_ring):
     phases = samples["bubblesnap_phase_seconds_count"]
     assert {dict(labels)["phase"] for labels in phases} == set(PHASES)
     counts = {dict(labels)["phase"]: n for labels, n in phases.items()}
-    # Three steps staged, fetched, committed (one twice) and pushed to the peer; one restore.
+    # Three steps staged, fetched, committed (one twice) and pushed to the peer; two restores.
     assert counts["stage"] >= 3 and counts["fetch"] >= 3 and counts["commit"] >= 4
-    assert counts["replicate"] >= 3 and counts["restore"] == 1 and counts["persist"] == 0
+    assert counts["replicate"] >= 3 and counts["restore"] == 2 and counts["persist"] == 0
     assert samples["bubblesnap_bubble_seconds_total"] == {
         (("kind", "offered"),): 0.5, (("kind", "used"),): 0.25, (("kind", "spilled"),): 0.125}
     assert samples["bubblesnap_newest_step_copies"][(("job", "dash"),)] == 2.0
     assert samples["bubblesnap_copies_wanted"] == {(): 2.0}
     assert samples["bubblesnap_peers"] == {(): 2.0}
     assert samples["bubblesnap_peers_alive"] == {(): 2.0}
-    assert samples["bubblesnap_restores_total"] == {(("source", "memory"),): 1.0}
+    assert samples["bubblesnap_restores_total"] == {(("source", "memory"),): 1.0,
+                                                    (("source", "peer"),): 1.0}
+    assert samples["bubblesnap_corrupt_copies_total"] == {
+        (("source", "memory"),): 1.0, (("source", "peer"),): 0.0, (("source", "durable"),): 0.0}
