@@ -1,5 +1,6 @@
 """The ``bubblesnap`` command: ``daemon`` runs one, ``status`` asks one what it holds,
-``inspect`` lists (and verifies) a durable tier, ``plan`` prints a bubble plan."""
+``health`` whether it serves, ``inspect`` lists (and verifies) a durable tier, ``plan``
+prints a bubble plan."""
 
 import argparse
 import json
@@ -268,6 +269,40 @@ def _status_parser(sub):
     p.set_defaults(func=_run_status)
 
 
+def _health_parser(sub):
+    from bubblesnap.clients import ClientOptions
+    from bubblesnap.service.daemon import SERVICE_NAME
+    c = ClientOptions()
+    p = sub.add_parser(
+        "health", help="exit 0 if a daemon serves, 1 if not (for probes)",
+        description="Ask a daemon's gRPC health service whether it serves (the check a "
+                    "Kubernetes or systemd probe runs over the daemon's Unix socket, which a "
+                    "gRPC probe of the kubelet cannot dial). Prints the status.")
+    p.add_argument("--daemon", default=c.daemon, metavar="unix:PATH|HOST:PORT",
+                   help=f"daemon address (default {c.daemon}: this user's daemon)")
+    p.add_argument("--service", default=SERVICE_NAME,
+                   help=f"the service asked about (default {SERVICE_NAME}; '' the server)")
+    p.add_argument("--timeout", type=float, default=c.rpc_timeout_seconds,
+                   help=f"seconds to wait (default {c.rpc_timeout_seconds:g})")
+    p.set_defaults(func=_run_health)
+
+
+def _run_health(args) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(args.daemon) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"bubblesnap health: {args.daemon}: {err.code().name}: {err.details()}",
+                  file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    print(status)
+    return 0 if answer.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _run_status(args) -> int:
     import grpc
 
@@ -392,7 +427,8 @@ def _adoption_lines(adoption) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The ``bubblesnap`` command line: ``daemon``, ``status``, ``inspect`` and ``plan``."""
+    """The ``bubblesnap`` command line: ``daemon``, ``status``, ``health``, ``inspect`` and
+    ``plan``."""
     top = argparse.ArgumentParser(
         prog="bubblesnap",
         description="Snapshots of JAX training state in pipeline bubbles, held in host memory.")
@@ -401,6 +437,7 @@ def parser() -> argparse.ArgumentParser:
     _status_parser(sub)
     cli_inspect.add_parser(sub)
     cli_plan.add_parser(sub)
+    _health_parser(sub)
     return top
 
 

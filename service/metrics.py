@@ -130,12 +130,15 @@ class DaemonMetrics:
             while len(self._staged) > _OPEN_STAGINGS:
                 self._staged.popitem(last=False)
 
-    def committed(self, job: str, rank: int, step: int, usage) -> None:
-        """A CommitStep arrived: the fetch ended; ``usage`` is the bubble time reported."""
+    def fetched(self, job: str, rank: int, step: int) -> None:
+        """A CommitStep arrived: the trainer's fetch into the segment ended."""
         with self._lock:
             started = self._staged.pop((job, rank, step), None)
         if started is not None:
             self._phases.labels("fetch").observe(time.perf_counter() - started)
+
+    def bubbles(self, usage) -> None:
+        """A commit kept a copy; ``usage`` is the bubble time its trainer reported."""
         self._bubbles.labels("offered").inc(usage.offered_seconds)
         self._bubbles.labels("used").inc(usage.used_seconds)
         self._bubbles.labels("spilled").inc(usage.spilled_seconds)

@@ -56,9 +56,11 @@ class DaemonServicer:
     @unary(run_late=True)
     def CommitStep(self, request, context):
         job, rank, step, checksums, usage, next_step = messages.commit(request)
-        self.metrics.committed(job, rank, step, usage)
+        self.metrics.fetched(job, rank, step)
         with self.metrics.timed("commit"):
             commit = self._store.commit_step(job, rank, step, checksums, usage, next_step)
+        if commit.newly_local:  # a repeated commit reported its bubbles already
+            self.metrics.bubbles(usage)
         if commit.next:  # the commit stands; only the next step's staging goes
             _release_if_late(context, lambda: self._store.abort_step(job, rank, next_step))
             self.metrics.staged(job, rank, next_step)
