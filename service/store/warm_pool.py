@@ -40,6 +40,9 @@ log = logging.getLogger("bubblesnap.daemon")
 #: How often the pool looks for room freed meanwhile (a copy dropped), besides being
 #: woken when a segment is taken.
 _POLL_SECONDS = 0.5
+#: How long the pool waits after a segment could not be made (a full shm dir) before it
+#: tries again: not a warning every poll.
+_RETRY_SECONDS = 30.0
 #: The filling thread's niceness (the lowest priority).
 _NICE = 19
 #: How often the pool looks whether the copies landing (which it never competes with:
@@ -56,6 +59,7 @@ class WarmPool:
         self._lock = lock
         self._memory = memory
         self._closed = False
+        self._retry_at = 0.0  # monotonic time before which no segment is made
         self._thread = threading.Thread(target=self._run, name="warm-pool", daemon=True)
         if target_bytes:
             memory.reaped = True
@@ -87,6 +91,8 @@ class WarmPool:
     def _fill_one(self) -> bool:
         """Makes one warm segment if one is wanted and fits; whether it did."""
         memory = self._memory
+        if time.monotonic() < self._retry_at:
+            return False
         with self._lock:
             size = 0 if self._closed else self._next_size()
             if not size or not memory.reserve_filling(size):
@@ -96,7 +102,9 @@ class WarmPool:
             segment = memory.pool.new_segment(size)
             segment.prefault()
         except (DaemonError, OSError) as err:  # a full shm dir: try again when woken
-            log.warning("could not make a warm segment of %d bytes: %s", size, err)
+            log.warning("could not make a warm segment of %d bytes: %s; trying again in "
+                        "%.0f s", size, err, _RETRY_SECONDS)
+            self._retry_at = time.monotonic() + _RETRY_SECONDS
             if segment is not None:
                 segment.destroy()
             segment = None
