@@ -14,8 +14,10 @@ RUNS = int(os.environ.get("BUBBLESNAP_FAILOVER_RUNS", "2"))
 
 @pytest.mark.parametrize("run", range(RUNS))
 @pytest.mark.parametrize("flags, killed, sources", [
-    # memory: the survivors re-replicated stage 1's copies to the replacement first
-    ((), [1], ("peer", "memory")),
+    # memory: the survivors re-replicated stage 1's copies to the replacement first;
+    # durable: the durable tier held a newer whole step than memory did (each daemon
+    # writes its LOCAL copies while their replication to peers may still lag)
+    ((), [1], ("peer", "memory", "durable")),
     # both copies of stage 1 died with its hosts
     (("--kill-adjacent", "2", "--replicas", "1"), [1, 2], ("durable",)),
 ])
