@@ -19,6 +19,7 @@ from tqdm import tqdm
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.reader import DurableReader
 from bubblesnap.service.errors import DaemonError
+from bubblesnap.service.store import regions
 from bubblesnap.sizes import human_bytes
 
 
@@ -52,7 +53,8 @@ def survey(directory: str, jobs: list[str] | None = None) -> list[dict]:
                               "group": list(written.group), "tensors": [
                                   {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                                    "job_wide": t.job_wide, "regions": len(t.regions),
-                                   "bytes": sum(_nbytes(t, box) for box in t.regions),
+                                   "bytes": sum(regions.volume(box) for box in t.regions)
+                                   * fmt.numpy_dtype(t.dtype).itemsize,
                                    "checksums": [f"{c:016x}" for c in t.checksums]}
                                   for t in written.tensors]})
             steps.append({"step": step,
@@ -127,10 +129,3 @@ def format_survey(directory: str, jobs: list[dict]) -> str:
                 lines.append(f"    rank {rank['rank']}/{rank['world_size']}: {tensors}"
                              + (f" (+{more} more)" if more > 0 else ""))
     return "\n".join(lines)
-
-
-def _nbytes(tensor, box) -> int:
-    count = 1
-    for start, stop in box:
-        count *= stop - start
-    return count * fmt.numpy_dtype(tensor.dtype).itemsize

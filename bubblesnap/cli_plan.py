@@ -85,8 +85,9 @@ def profile_plan(args) -> dict:
 
 def daemon_plan(address: str, job: str) -> dict:
     """The plan ``address`` holds for ``job`` (its Status)."""
-    stub = daemon_pb2_grpc.DaemonStub(grpc.insecure_channel(address))
-    [status] = stub.Status(pb.StatusRequest(job=job), timeout=10).jobs
+    with grpc.insecure_channel(address) as channel:
+        [status] = daemon_pb2_grpc.DaemonStub(channel).Status(
+            pb.StatusRequest(job=job), timeout=10).jobs
     plan = status.plan
     return {"source": f"daemon {address}", "job": job, "interval": plan.interval,
             "version": plan.version, "predicted_overhead": plan.predicted_overhead,

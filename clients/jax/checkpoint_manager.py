@@ -50,7 +50,8 @@ class CheckpointManagerOptions:
       save_interval_steps: ``save`` snapshots every this many steps (Orbax's
         meaning; default 1, every step: a snapshot into memory is cheap).
       max_to_keep: the newest committed steps kept in the daemons' memory
-        for this job; older ones are deleted as new ones commit. None (the
+        for this job; older ones are deleted as newer ones commit, a batch of
+        max_to_keep at a time (one Status call per batch). None (the
         default): the daemon's ``--keep`` alone decides. The durable tier
         keeps what the daemon's durable retention says.
       enable_async_checkpointing: True (default, as Orbax): ``save`` returns
@@ -120,9 +121,7 @@ class CheckpointManager:
             return False
         state = _item(args, items, "save", "StandardSave(state)")
         wait = "job" if not self._options.enable_async_checkpointing else False
-        result = self._client.snapshot(step, state, wait=wait)
-        if not result.taken and result.copied_by is None:
-            self._errors.append(f"step {step}: {result.reason}")
+        if self._failed(self._client.snapshot(step, state, wait=wait)):
             return False
         self._saved.append(step)
         if self._options.max_to_keep is not None:
@@ -133,7 +132,7 @@ class CheckpointManager:
         """Waits until the last step saved is committed for the whole job (every rank's
         copy checked and replicated), at most ``ClientOptions.commit_timeout_seconds``;
         a failure is kept for :meth:`check_for_errors`."""
-        self._collect(self._client.wait())
+        self._failed(self._client.wait())
         if not self._saved:
             return
         step = self._saved[-1]
@@ -235,16 +234,20 @@ class CheckpointManager:
                         "--durable-dir is not %s)", durable, self._client.job,
                         self._directory, parent)
 
-    def _collect(self, result) -> None:
-        if result is not None and not result.taken and result.copied_by is None:
+    def _failed(self, result) -> bool:
+        """Whether ``result`` (None: nothing was pending) is a snapshot not taken; kept for
+        :meth:`check_for_errors` if so."""
+        failed = result is not None and not result.taken and result.copied_by is None
+        if failed:
             self._errors.append(f"step {result.step}: {result.reason}")
+        return failed
 
     def _retire(self) -> None:
         """Deletes this process's saved steps past the newest ``max_to_keep``, once a
         newer step is committed (a step is never dropped before one after it holds)."""
         keep = self._options.max_to_keep
         old = self._saved[:-keep]
-        if not old:
+        if len(old) < keep:  # a Status call per ``keep`` saves, not one per save
             return
         try:
             latest = self._client.status().latest_committed_step

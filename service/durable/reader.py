@@ -190,27 +190,20 @@ class DurableReader:
         return fill, tuple(checksums)
 
     def _regions_meeting(self, step_dir: str, arrays: dict, sources, boxes) -> dict:
-        """Every written region a box needs (the box itself where it was written so, as
-        is usual), read at once and verified: by (tensor key, region). Ranks that wrote
-        the same region of a job-wide array wrote the same bytes: it is read once."""
-        wanted = {}
-        for tensors, box in zip(sources, boxes, strict=True):
-            exact = [t for t in tensors if box in t.regions]
-            for tensor in exact[:1] or tensors:
-                for index in ([tensor.regions.index(box)] if exact else
-                              range(len(tensor.regions))):
-                    if exact or regions.intersect(tensor.regions[index], box) is not None:
-                        wanted[(tensor.key, tensor.regions[index])] = (tensor, index)
+        """Every written region that meets a box, read at once and verified: by (tensor
+        key, region). Ranks that wrote the same region of a job-wide array wrote the
+        same bytes: it is read once."""
+        wanted = {(t.key, region): (t, index)
+                  for tensors, box in zip(sources, boxes, strict=True) for t in tensors
+                  for index, region in enumerate(t.regions)
+                  if regions.intersect(region, box) is not None}
         got = self._read_all(step_dir, arrays, list(wanted.values()))
         return dict(zip(wanted, got, strict=True))
 
     def _assemble(self, step_dir: str, read: dict, sources: list[WrittenTensor],
                   box) -> np.ndarray:
-        """``box`` of an array from the verified regions that meet it (in ``read``)."""
+        """``box`` of an array, cut from the verified regions that meet it (in ``read``)."""
         tensor = sources[0]
-        for source in sources:  # the common case: the box is a region as written
-            if box in source.regions:
-                return read[(source.key, box)]
         out = np.empty(tuple(b - a for a, b in box), fmt.numpy_dtype(tensor.dtype))
         found = []
         for source in sources:

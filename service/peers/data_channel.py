@@ -145,10 +145,13 @@ def puller(address: str, ticket: bytes, ssl_context, timeout: float, what: str,
         bounds = [g[0][0] for g in groups[1:]]
         ranges = list(zip([0, *bounds], [*bounds, len(view)], strict=True))
         hashers = [SlotHasher(g) for g in groups]
+
+        def received(i: int, start: int, stop: int) -> None:
+            hashers[i].feed(view, start, stop)
+            done(stop - start)
+
         try:
-            pull(address, ticket, view, ranges, ssl_context, timeout,
-                 received=lambda i, start, stop: (hashers[i].feed(view, start, stop),
-                                                  done(stop - start)))
+            pull(address, ticket, view, ranges, ssl_context, timeout, received=received)
         except OSError as err:
             raise Aborted(f"pulling {what} from {address} failed: {err}") from err
         return tuple(d for h in hashers for d in h.digests())
