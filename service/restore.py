@@ -283,7 +283,7 @@ class Restorer:
             return []
         held = sorted(set(holders) - {self._group.index})
         live = [i for i in held if i in self._group.live()]
-        if len(live) < 2:
+        if len(live) < 2 or not self._group.options.spread_restores:
             return [[i] for i in held]
         return [live] + [[i] for i in held if i not in live]
 
