@@ -349,6 +349,7 @@ class Bench:
         #: per whole-copy peer restore, each round's MB sent by A's and B's data channels
         self.holder_mb: dict[str, list[list[float]]] = {"restore_peer": [],
                                                         "restore_peer_2holders": []}
+        self.settle_timeouts = 0  # rounds whose warm pool was not full again within 10 s
         self.problems: list[str] = []
         self._closers = []
         try:
@@ -597,7 +598,20 @@ class Bench:
             self.problems.append(f"{mode}: A and B sent {sent} bytes; expected bytes from "
                                  f"{' and '.join(senders)} only")
         self._delete_copy(daemon, mode)
+        self._settle(daemon)
         return elapsed
+
+    def _settle(self, daemon) -> None:
+        """Waits (up to 10 s) for ``daemon``'s warm pool to be full again: refilling it
+        pre-faults a state's worth of pages, which must not run inside the next
+        mode's clock (the modes keep their neighbours as the order rotates)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            memory = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory
+            if memory.warm_bytes >= memory.warm_pool_bytes:
+                return
+            time.sleep(0.02)
+        self.settle_timeouts += 1
 
     def restore_peer_resharded(self) -> float:
         return self._restore("restore_peer_resharded", self.peer_client, resharded=True)
@@ -701,6 +715,7 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
         "matches": bench.matches,
         "sources": bench.sources,
         "holder_mb": bench.holder_mb,
+        "warm_pool_not_refilled": bench.settle_timeouts,
         "storage": "tmpfs (/dev/shm): daemon segments, raw TCP file, Orbax checkpoint, "
                    "durable tier",
         "problems": bench.problems,
