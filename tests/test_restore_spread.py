@@ -3,8 +3,8 @@ a holder that breaks off or sends bad bytes hands its share to another.
 
 The ring tests run four daemons as processes on loopback ports with
 ``--replicas 2``: rank 0's copy lives on daemons 0, 1 and 2, and daemon 3,
-which lacks it, restores it. The bytes each holder's data channel sent come
-from its metrics. The ``SpreadPull`` tests feed it holders whose failures are
+which lacks it, restores it (over plain TCP and over mutual TLS). The bytes
+each holder's data channel sent come from its metrics. The ``SpreadPull`` tests feed it holders whose failures are
 exact.
 """
 
@@ -26,6 +26,7 @@ from bubblesnap.service.errors import Aborted
 from bubblesnap.service.peers import data_channel
 from bubblesnap.service.peers.spread import SpreadPull, groups
 from bubblesnap.testing import wait_for
+from tests.test_peer_tls import make_certificates
 
 JOB = "spread"
 WORLD = 4
@@ -71,8 +72,14 @@ def restore_rank_0(daemon, mib: int = 1) -> pb.RestoreResponse:
     return found
 
 
-def test_a_copy_three_peers_hold_comes_from_all_three(start_ring):
-    ring = start_ring(WORLD, "--replicas", "2")
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_copy_three_peers_hold_comes_from_all_three(start_ring, tmp_path, tls):
+    flags = []
+    if tls:  # peer calls and the data channel over mutual TLS, with a token
+        certs = make_certificates(tmp_path)
+        flags = ["--peer-tls-cert", certs["host.pem"], "--peer-tls-key", certs["host.key"],
+                 "--peer-tls-ca", certs["ca.pem"], "--peer-tls-client-auth"]
+    ring = start_ring(WORLD, "--replicas", "2", *flags, env={"BUBBLESNAP_PEER_TOKEN": "tok"})
     snapshot(ring)
     before = [sent(d) for d in ring.daemons]
     found = restore_rank_0(ring.daemons[3])
