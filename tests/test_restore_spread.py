@@ -4,8 +4,8 @@ a holder that breaks off or sends bad bytes hands its share to another.
 The ring tests run four daemons as processes on loopback ports with
 ``--replicas 2``: rank 0's copy lives on daemons 0, 1 and 2, and daemon 3,
 which lacks it, restores it (over plain TCP and over mutual TLS). The bytes
-each holder's data channel sent come from its metrics. The ``SpreadPull`` tests feed it holders whose failures are
-exact.
+each holder's data channel sent come from its metrics. The ``SpreadPull``
+tests feed it holders whose failures are exact.
 """
 
 import socket
