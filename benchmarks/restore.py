@@ -34,7 +34,13 @@ mode reports bytes/s (GB/s, 1e9 bytes/s):
                    device's quarter lies in one rank's half, A assembles them.
   restore_peer     SnapshotClient.restore on C, which does not hold the step:
                    C gathers the group's holdings, pulls the segment from A over
-                   the data channel, verifies every checksum, hands it over.
+                   the data channel, verifies every checksum, hands it over
+                   (C runs --no-spread-restores: one holder, A).
+  restore_peer_2holders
+                   the same on E, which pulls from both holders at once, A and
+                   B, each its share of the slots (--spread-restores, the
+                   default); the bytes A's and B's data channels sent each
+                   round (their metrics) are reported under "holder_mb".
   restore_peer_resharded
                    the columns target on C: C reads the row shards from a
                    peer's copy (Describe, OpenRead of those slots) and
@@ -57,13 +63,14 @@ Every restore ends in jax.block_until_ready, and the clock runs from the call
 to the arrays being ready (peer_transfer: from OpenRead to the last byte).
 
 Daemons (separate processes, default --nice, as a trainer's host would run
-them): a ring A, B, C (--peers, indices 0..2, --replicas 1); A also writes
+them): a ring A, B, C, E (--peers, indices 0..3, --replicas 1, so A and B
+hold every copy, C and E none); A also writes
 every step to the durable tier (--durable-dir DIR --durable-every-steps 1);
 D is alone with the same DIR. This process snapshots both jobs' step on A
 and waits until B holds every rank's replica (2 copies) and DIR holds the
-step of both jobs. After every same-topology restore on C, DeleteSnapshots
-drops the copy C pulled, so the next round pulls again (A and B keep 2
-copies, so nothing is pushed back to C); an assembled restore (on C or D)
+step of both jobs. After every same-topology restore on C or E,
+DeleteSnapshots drops the copy it pulled, so the next round pulls again (A
+and B keep 2 copies, so nothing is pushed back); an assembled restore (on C or D)
 keeps no copy, only the segment handed over, so every round reads again.
 The source every restore reports, and the step and world size it was taken
 with, are checked each round. C forgets the copy but not the job, so only
@@ -124,10 +131,12 @@ import tempfile
 import threading
 import time
 import traceback
+import urllib.request
 
 import bench_common as common
 import grpc
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
@@ -139,12 +148,14 @@ from bubblesnap.sockets import recv_exact
 from bubblesnap.testing import DaemonProcess, free_port, wait_for
 
 MODES = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local",
-         "restore_local_resharded", "restore_local_2to1", "restore_peer", "restore_peer_resharded",
-         "restore_peer_2to1", "restore_durable", "orbax_restore", "orbax_restore_resharded")
+         "restore_local_resharded", "restore_local_2to1", "restore_peer", "restore_peer_2holders",
+         "restore_peer_resharded", "restore_peer_2to1", "restore_durable", "orbax_restore",
+         "orbax_restore_resharded")
 #: The source a restore must report in each restoring mode.
 EXPECTED_SOURCE = {"restore_local": "memory", "restore_local_resharded": "memory",
                    "restore_local_2to1": "memory", "restore_peer": "peer",
-                   "restore_peer_resharded": "peer", "restore_peer_2to1": "peer",
+                   "restore_peer_2holders": "peer", "restore_peer_resharded": "peer",
+                   "restore_peer_2to1": "peer",
                    "restore_durable": "durable"}
 DEVICES = 4
 JOB = "bench-restore"
@@ -167,7 +178,7 @@ class Daemons:
 
     def start(self, name: str, *flags: str) -> DaemonProcess:
         daemon = DaemonProcess("--memory-budget", self.budget, "--warm-pool-bytes", self.warm,
-                               *flags, name=f"daemon {name}",
+                               *flags, name=f"daemon {name}", metrics="127.0.0.1:0",
                                stderr=os.path.join(self.log_dir, f"daemon-{name}.log"),
                                ready_timeout=_READY_SECONDS)
         self.started[name] = daemon
@@ -335,6 +346,10 @@ class Bench:
         self.sources: dict[str, list[str]] = {mode: [] for mode in EXPECTED_SOURCE}
         #: per restoring mode, each round's phases (Restored.phases, and "ready")
         self.phases: dict[str, list[dict[str, float]]] = {mode: [] for mode in EXPECTED_SOURCE}
+        #: per whole-copy peer restore, each round's MB sent by A's and B's data channels
+        self.holder_mb: dict[str, list[list[float]]] = {"restore_peer": [],
+                                                        "restore_peer_2holders": []}
+        self.settle_timeouts = 0  # rounds whose warm pool was not full again within 10 s
         self.problems: list[str] = []
         self._closers = []
         try:
@@ -349,14 +364,15 @@ class Bench:
         from bubblesnap.clients.jax import ClientOptions, SnapshotClient
         state = self.state
         durable_dir = os.path.join(shm_dir, "durable")
-        peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(3))
+        peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(4))
         ring = ("--peers", peers, "--replicas", "1")
-        common.log("starting daemons A, B, C (a ring, --replicas 1; A writes the durable tier) "
-                   "and D")
+        common.log("starting daemons A, B, C, E (a ring, --replicas 1; A writes the durable "
+                   "tier; C pulls from one holder) and D")
         self.a = daemons.start("A", *ring, "--index", "0", "--durable-dir", durable_dir,
                                "--durable-every-steps", "1")
         self.b = daemons.start("B", *ring, "--index", "1")
-        self.c = daemons.start("C", *ring, "--index", "2")
+        self.c = daemons.start("C", *ring, "--index", "2", "--no-spread-restores")
+        self.e = daemons.start("E", *ring, "--index", "3")
         self.d = daemons.start("D", "--durable-dir", durable_dir, "--durable-every-steps", "1")
 
         def client(daemon, job=JOB):
@@ -367,6 +383,7 @@ class Bench:
 
         self.trainer, self.peer_client, self.durable_client = client(self.a), client(self.c), \
             client(self.d)
+        self.spread_client = client(self.e)
         # This one process (rank 0 of 1) restores the 2-rank job's step.
         self.wide_local, self.wide_peer = client(self.a, JOB_2RANKS), client(self.c, JOB_2RANKS)
         common.log(f"snapshotting step {STEP} of rank 0 on A")
@@ -564,9 +581,37 @@ class Bench:
     # the same-topology restore on C, which installs the copy it pulls, needs it dropped
     # for the next round to pull again.
     def restore_peer(self) -> float:
-        elapsed = self._restore("restore_peer", self.peer_client)
-        self._delete_copy(self.c, "restore_peer")
+        return self._restore_whole_copy("restore_peer", self.peer_client, self.c, "A")
+
+    def restore_peer_2holders(self) -> float:
+        return self._restore_whole_copy("restore_peer_2holders", self.spread_client, self.e,
+                                        "AB")
+
+    def _restore_whole_copy(self, mode: str, client, daemon, senders: str) -> float:
+        """A restore that pulls the whole copy; ``senders``: which of A and B must have sent
+        bytes of it (outside the clock, from their metrics)."""
+        before = [_sent_bytes(d) for d in (self.a, self.b)]
+        elapsed = self._restore(mode, client)
+        sent = [_sent_bytes(d) - b for d, b in zip((self.a, self.b), before, strict=True)]
+        self.holder_mb[mode].append([round(n / 1e6, 1) for n in sent])
+        if "".join(name for name, n in zip("AB", sent, strict=True) if n > 0) != senders:
+            self.problems.append(f"{mode}: A and B sent {sent} bytes; expected bytes from "
+                                 f"{' and '.join(senders)} only")
+        self._delete_copy(daemon, mode)
+        self._settle(daemon)
         return elapsed
+
+    def _settle(self, daemon) -> None:
+        """Waits (up to 10 s) for ``daemon``'s warm pool to be full again: refilling it
+        pre-faults a state's worth of pages, which must not run inside the next
+        mode's clock (the modes keep their neighbours as the order rotates)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            memory = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory
+            if memory.warm_bytes >= memory.warm_pool_bytes:
+                return
+            time.sleep(0.02)
+        self.settle_timeouts += 1
 
     def restore_peer_resharded(self) -> float:
         return self._restore("restore_peer_resharded", self.peer_client, resharded=True)
@@ -606,6 +651,14 @@ class Bench:
         return elapsed
 
 
+def _sent_bytes(daemon) -> float:
+    """What ``daemon``'s data channel sent so far (bubblesnap_data_sent_bytes_total)."""
+    text = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics",
+                                  timeout=10).read().decode()
+    return next(s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name == "bubblesnap_data_sent_bytes_total")
+
+
 def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
               daemon_problems: dict) -> dict:
     modes, med = common.bandwidths(seconds, lambda mode: bench.segment_bytes if mode in (
@@ -618,6 +671,11 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
         "restore_peer_vs_peer_transfer": med["restore_peer"] / med["peer_transfer"],
         # issue 13's goal: a peer restore end to end at the wire's speed
         "restore_peer_vs_raw_tcp_parallel": med["restore_peer"] / med["raw_tcp_parallel"],
+        # the same from both holders at once
+        "restore_peer_2holders_vs_raw_tcp_parallel": med["restore_peer_2holders"]
+        / med["raw_tcp_parallel"],
+        "restore_peer_2holders_vs_restore_peer": med["restore_peer_2holders"]
+        / med["restore_peer"],
         "restore_local_vs_orbax": med["restore_local"] / med["orbax_restore"],
         "restore_durable_vs_orbax": med["restore_durable"] / med["orbax_restore"],
         # another partition spec and another process count, against the same topology
@@ -656,6 +714,8 @@ def summarize(seconds: dict[str, list[float]], bench: Bench, rounds: int,
         "phases": common.phase_medians({m: r[1:] or r for m, r in bench.phases.items()}),
         "matches": bench.matches,
         "sources": bench.sources,
+        "holder_mb": bench.holder_mb,
+        "warm_pool_not_refilled": bench.settle_timeouts,
         "storage": "tmpfs (/dev/shm): daemon segments, raw TCP file, Orbax checkpoint, "
                    "durable tier",
         "problems": bench.problems,
@@ -669,6 +729,8 @@ def print_restore_table(report: dict) -> None:
                                f"{report['rounds']} interleaved rounds", report["matches"])
     for mode, sources in report["sources"].items():
         print(f"{mode} sources: {', '.join(sorted(set(sources)))}")
+    for mode, rounds in report["holder_mb"].items():
+        print(f"{mode}: MB sent by A, B per round: {rounds}")
     for mode, spent in report["phases"].items():
         print(f"{mode} phases (median ms): "
               + ", ".join(f"{name} {ms:.1f}" for name, ms in spent.items()))

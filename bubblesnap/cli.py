@@ -141,6 +141,11 @@ def _daemon_parser(sub):
     peers.add_argument("--replicas", type=int, default=peer.replicas, metavar="K",
                        help="copies pushed to the next K daemons; a step is committed when "
                             f"every rank has 1+K copies (default {peer.replicas})")
+    peers.add_argument("--spread-restores", action=argparse.BooleanOptionalAction,
+                       default=peer.spread_restores,
+                       help="pull a copy that several live peers hold from all of them at "
+                            "once; --no-spread-restores: from one (default "
+                            f"{'on' if peer.spread_restores else 'off'})")
     peers.add_argument("--peer-listen", default=peer.listen, metavar="HOST:PORT",
                        help="bind the peer port here instead of at this daemon's --peers entry")
     peers.add_argument("--data-listen", default=peer.data_listen, metavar="HOST:PORT",
@@ -222,7 +227,8 @@ def _peer_options(args):
                                group_size=args.group_size, name=args.name)
     return PeerOptions(peers=addresses, index=index, listen=args.peer_listen,
                        data_listen=args.data_listen, replicas=args.replicas, security=security,
-                       coordination=etcd, dead_after_seconds=args.dead_after)
+                       coordination=etcd, dead_after_seconds=args.dead_after,
+                       spread_restores=args.spread_restores)
 
 
 def _trainer_token(args) -> str:

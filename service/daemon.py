@@ -203,7 +203,7 @@ class Daemon:
                         self.replicator, options.peers.replicas if self.group else 0,
                         self.progress)
         self.metrics.watch(status.copies, self.group,
-                           options.peers.copies_wanted if self.group else 1)
+                           options.peers.copies_wanted if self.group else 1, self.data)
         self._server.add_service(
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
             trainer.DaemonServicer(self.store, self.layouts, self.plans, self.restorer,

@@ -1,5 +1,6 @@
-"""Prometheus metrics: store, log, copy and peer gauges read at scrape time; RPC, phase,
-bubble and corrupt-copy counters. ``deploy/grafana/bubblesnap.json`` charts them."""
+"""Prometheus metrics: store, log, copy and peer gauges and the data channel's bytes sent,
+read at scrape time; RPC, phase, bubble and corrupt-copy counters.
+``deploy/grafana/bubblesnap.json`` charts them."""
 
 import collections
 import contextlib
@@ -7,7 +8,7 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 #: What a snapshot goes through, each timed by ``bubblesnap_phase_seconds``: the trainer's
 #: copy into the segment (BeginStep answered to CommitStep arrived), BeginStep, CommitStep,
@@ -32,6 +33,7 @@ class _StoreCollector:
         self._logs = logs
         self.copies = None    # job -> {(rank, step): copies}: Status.copies, once built
         self.group = None     # the PeerGroup, with peers
+        self.data = None      # the DataServer, with peers
         self.copies_wanted = 1
 
     def collect(self):
@@ -73,6 +75,11 @@ class _StoreCollector:
         yield latest
         yield held
         yield copies
+        if self.data is not None:
+            yield CounterMetricFamily(
+                "bubblesnap_data_sent_bytes", "Bytes this daemon's data channel sent to peers: "
+                "replicas pushed, copies and slots read for their restores.",
+                value=self.data.sent_bytes)
 
 
 class DaemonMetrics:
@@ -108,10 +115,11 @@ class DaemonMetrics:
         self._staged: collections.OrderedDict[tuple, float] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def watch(self, copies, group, copies_wanted: int) -> None:
-        """Where the scrape reads the group's copies of a job (``copies(job)``) and the
-        peers (``group``: a PeerGroup or None) from; they are built after the metrics."""
-        self._gauges.copies, self._gauges.group = copies, group
+    def watch(self, copies, group, copies_wanted: int, data=None) -> None:
+        """Where the scrape reads the group's copies of a job (``copies(job)``), the
+        peers (``group``: a PeerGroup or None) and the bytes the data channel sent
+        (``data``: a DataServer or None) from; they are built after the metrics."""
+        self._gauges.copies, self._gauges.group, self._gauges.data = copies, group, data
         self._gauges.copies_wanted = copies_wanted
 
     @contextlib.contextmanager

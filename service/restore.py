@@ -144,8 +144,11 @@ class Restorer:
         places = dict(sources[exact].places) if exact is not None else {}
         if "memory" in places or "peer" in places:  # one copy holds it all: no bytes move
             if "memory" not in places:
-                self._transfers.fetch(places["peer"], job, world, exact, step,
-                                      sources[exact].group)
+                peers = [i for kind, i in sources[exact].places if kind == "peer"]
+                self._transfers.fetch(self._peer_attempts(peers)[0], job, world, exact, step,
+                                      sources[exact].group, lambda i, detail: self._record(
+                                          job, exact, step, f"peer {self._group.address(i)}",
+                                          detail))
             found = assembly.exact_answer(self._store.serve_copy(job, exact, step), plan, asked)
             return Restored(found, "memory" if "memory" in places else "peer", "")
         if "durable" in places:  # one written copy holds it all: read into what is served
@@ -240,13 +243,17 @@ class Restorer:
             corrupt = True
         except NotFound:
             pass
-        for index in sorted(group_view.holders(holdings).get((copier, step), ())):
-            if self._group is None or index == self._group.index:
-                continue
-            address = self._group.address(index)
+
+        def spoiled(index: int, detail: str) -> None:  # a holder of a spread pull
+            nonlocal corrupt
+            self._record(job, copier, step, f"peer {self._group.address(index)}", detail)
+            corrupt = True
+
+        for indices in self._peer_attempts(group_view.holders(holdings).get((copier, step), ())):
+            address = ", ".join(self._group.address(i) for i in indices)
             try:
-                self._transfers.fetch(index, job, world, copier, step, group)
-                return Restored(served(), "peer", address)
+                used = self._transfers.fetch(indices, job, world, copier, step, group, spoiled)
+                return Restored(served(), "peer", ", ".join(self._group.address(i) for i in used))
             except DataLoss as err:
                 self._record(job, copier, step, f"peer {address}", str(err))
                 tried.append(f"peer {address}: {err}")
@@ -268,6 +275,17 @@ class Restorer:
             raise Unavailable(f"the copies of step {step} of rank {rank} of job {job!r} could "
                               f"not be fetched now; tried: {'; '.join(tried)}. Try again")
         raise NotFound(f"step {step} of rank {rank} of job {job!r} is held nowhere")
+
+    def _peer_attempts(self, holders) -> list[list[int]]:
+        """The peers to pull a copy ``holders`` (ring indices) hold from, in the order to
+        try: every live one at once when there are several, then each other on its own."""
+        if self._group is None:
+            return []
+        held = sorted(set(holders) - {self._group.index})
+        live = [i for i in held if i in self._group.live()]
+        if len(live) < 2 or not self._group.options.spread_restores:
+            return [[i] for i in held]
+        return [live] + [[i] for i in held if i not in live]
 
     def _roll_back(self, job: str, step: int, holdings, durable, world_size: int) -> None:
         """Restoring ``step`` resumes the job from it, under ``world_size`` ranks (a new

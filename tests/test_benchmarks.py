@@ -92,14 +92,15 @@ def check_datapath(report: dict) -> None:
 def check_restore(report: dict) -> None:
     modes = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local",
              "restore_local_resharded", "restore_local_2to1", "restore_peer",
-             "restore_peer_resharded", "restore_peer_2to1", "restore_durable", "orbax_restore",
-             "orbax_restore_resharded")
+             "restore_peer_2holders", "restore_peer_resharded", "restore_peer_2to1",
+             "restore_durable", "orbax_restore", "orbax_restore_resharded")
     assert "error" not in report, report
     assert_bandwidth_modes(report, modes)
     assert set(report["ratios"]) == {
         "peer_transfer_vs_raw_tcp", "restore_peer_vs_orbax", "restore_peer_vs_peer_transfer",
-        "restore_peer_vs_raw_tcp_parallel",
-        "restore_local_vs_orbax", "restore_durable_vs_orbax", "resharded_vs_same_local",
+        "restore_peer_vs_raw_tcp_parallel", "restore_peer_2holders_vs_raw_tcp_parallel",
+        "restore_peer_2holders_vs_restore_peer", "restore_local_vs_orbax",
+        "restore_durable_vs_orbax", "resharded_vs_same_local",
         "resharded_vs_same_peer", "2to1_vs_same_local", "2to1_vs_same_peer",
         "restore_local_resharded_vs_orbax", "restore_peer_resharded_vs_orbax",
         "restore_local_2to1_vs_orbax", "restore_peer_2to1_vs_orbax"}
@@ -118,7 +119,11 @@ def check_restore(report: dict) -> None:
         assert {"call", "map", "place", "ready", "daemon.holdings"} <= set(report["phases"][mode])
         assert_finite(report["phases"][mode], mode)
     # a peer restore pulls a copy; one from the durable tier reads regions
-    assert {"daemon.open", "daemon.receive", "daemon.land"} <= set(report["phases"]["restore_peer"])
+    for mode in ("restore_peer", "restore_peer_2holders"):
+        assert {"daemon.open", "daemon.receive", "daemon.land"} <= set(report["phases"][mode])
+    # C pulled from A alone, E from both holders (what their data channels sent, in MB)
+    assert all(a > 0 and b == 0 for a, b in report["holder_mb"]["restore_peer"])
+    assert all(a > 0 and b > 0 for a, b in report["holder_mb"]["restore_peer_2holders"])
     assert "daemon.read" in report["phases"]["restore_durable"]
     # C pulls a copy into a warm segment every round (the warm-up's too)
     assert report["warm_pool"]["bytes"] > 0
@@ -126,7 +131,8 @@ def check_restore(report: dict) -> None:
     # warm-up and timed rounds, each from the tier the mode is named after
     assert report["sources"] == {
         **{f"restore_local{kind}": ["memory"] * 2 for kind in ("", "_resharded", "_2to1")},
-        **{f"restore_peer{kind}": ["peer"] * 2 for kind in ("", "_resharded", "_2to1")},
+        **{f"restore_peer{kind}": ["peer"] * 2
+           for kind in ("", "_2holders", "_resharded", "_2to1")},
         "restore_durable": ["durable"] * 2}
     assert report["problems"] == []
     assert isinstance(report["daemon_log"], dict)

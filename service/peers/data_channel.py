@@ -46,8 +46,8 @@ def pull(address: str, ticket: bytes, view, ranges, ssl_context: ssl.SSLContext 
 
     def one(i: int, start: int, stop: int) -> None:
         try:
-            _pull_range(address, ticket, view, start, stop, ssl_context, timeout,
-                        None if received is None else functools.partial(received, i))
+            pull_range(address, ticket, view, start, stop, ssl_context, timeout,
+                       None if received is None else functools.partial(received, i))
         except BaseException as err:  # reported by the caller's thread
             errors.append(err)
 
@@ -62,7 +62,10 @@ def pull(address: str, ticket: bytes, view, ranges, ssl_context: ssl.SSLContext 
         raise errors[0]
 
 
-def _pull_range(address, ticket, view, start, stop, ssl_context, timeout, received) -> None:
+def pull_range(address, ticket, view, start, stop, ssl_context, timeout, received) -> None:
+    """Bytes [start, stop) of the offer into the same bytes of ``view``, over one
+    connection; ``received(a, b)`` (offsets in ``view``, or None) hears each piece as it
+    lands, in order. OSError when the connection fails or closes early."""
     _receive(address, ticket, start, stop, memoryview(view).cast("B")[start:stop], ssl_context,
              timeout, None if received is None else lambda a, b: received(start + a, start + b))
 

@@ -97,6 +97,7 @@ class DataServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._sock, selectors.EVENT_READ)
         self._closed = False
+        self._sent_bytes = 0
         threading.Thread(target=self._run, name="data-accept", daemon=True).start()
 
     def offer(self, path: str, nbytes: int, done, ranges=None) -> bytes:
@@ -111,6 +112,12 @@ class DataServer:
             self._offers[ticket] = _Offer(path, allowed, time.monotonic() + TICKET_SECONDS,
                                           done)
         return ticket
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes sent since the start, in ranges sent whole (the metrics' counter)."""
+        with self._lock:
+            return self._sent_bytes
 
     def cancel(self, ticket: bytes) -> None:
         """The reader will not come (its call failed): end the offer now."""
@@ -255,6 +262,8 @@ class DataServer:
                 return
             try:
                 _send_file(conn, offer.path, start, stop - start)
+                with self._lock:
+                    self._sent_bytes += stop - start
             finally:
                 self._sends.release()
         except OSError as err:

@@ -53,6 +53,10 @@ class PeerOptions:
         dead: its copies are made again elsewhere. Shorter would copy
         needlessly whenever a busy peer misses one call. Default 5 s.
       server_threads: threads answering peer calls. Default 16.
+      spread_restores: a copy a restore pulls that several live peers hold
+        comes from all of them at once, each its share of the slots
+        (``--spread-restores``); off, from one, which keeps a restore's traffic
+        on one peer's link. Default on.
     """
 
     peers: tuple[str, ...] = ()
@@ -67,6 +71,7 @@ class PeerOptions:
     refresh_seconds: float = 1.0
     dead_after_seconds: float = 5.0
     server_threads: int = 16
+    spread_restores: bool = True
 
     def __post_init__(self):
         require(self, "index", not self.peers or 0 <= self.index < len(self.peers),

@@ -3,15 +3,20 @@
 The sender pins its copy and hands out a ticket (in a ``Replicate`` call it
 makes, or in its answer to ``OpenRead``); the receiver pulls the bytes over
 the data channel straight into a segment of its own, hashing them as they
-land, and the store keeps the copy only if every checksum matches.
+land, and the store keeps the copy only if every checksum matches. A copy a
+restore needs that several live peers hold comes from all of them at once,
+each its share of the slots (``spread.py``).
 """
 
 import dataclasses
 
+import grpc
+
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service import phases
-from bubblesnap.service.errors import DataLoss, InvalidArgument
-from bubblesnap.service.peers import data_channel
+from bubblesnap.service.errors import Aborted, DataLoss, InvalidArgument
+from bubblesnap.service.peers import data_channel, spread
+from bubblesnap.service.peers.addresses import check_address
 from bubblesnap.service.peers.data_server import DataServer
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.views import PinnedCopy
@@ -50,8 +55,8 @@ class Transfers:
                 self._store.unpin(pinned)
                 raise InvalidArgument(f"the copy of step {step} of rank {rank} has "
                                       f"{len(pinned.slots)} slots; asked for {sorted(slots)[:8]}")
-            ranges = [(pinned.slots[s][2], pinned.slots[s][2] + pinned.slots[s][3])
-                      for s in sorted(set(slots))]
+            ranges = _touching_joined([(pinned.slots[s][2], pinned.slots[s][2] + pinned.slots[s][3])
+                                       for s in sorted(set(slots))])
         ticket = self._data.offer(pinned.segment.path, pinned.segment.nbytes,
                                   lambda: self._store.unpin(pinned), ranges)
         return pinned, ticket
@@ -110,9 +115,36 @@ class Transfers:
             pieces[slot] = data
         return pieces
 
-    def fetch(self, index: int, job: str, world_size: int, rank: int, step: int,
-              group: tuple[int, ...]) -> None:
-        """Pulls peer ``index``'s copy of ``step`` of ``rank`` to serve a restore here."""
+    def fetch(self, indices, job: str, world_size: int, rank: int, step: int,
+              group: tuple[int, ...], on_corrupt=None) -> list[int]:
+        """Pulls the copy of ``step`` of ``rank`` to serve a restore here, from peer
+        ``indices[0]`` alone or, given several holders, from each its share of the slots
+        at once (``spread.py``; ``on_corrupt(index, detail)`` hears of a holder whose
+        bytes failed their checksums, its share pulled from another). Returns the peers
+        that sent it."""
+        if len(indices) == 1:
+            self._fetch_one(indices[0], job, world_size, rank, step, group)
+            return list(indices)
+        expected = self._described(indices, job, rank, step)
+        options = self._group.options
+        ssl_context = options.security.client_ssl_context()
+        what = f"step {step} of rank {rank}"
+        slots = [(o, n) for _, _, o, n in expected.layout.slots()]
+        pull = spread.SpreadPull(
+            indices, lambda index, share: self._open_share(index, job, rank, step, share,
+                                                            expected, slots),
+            lambda address, ticket, view, start, stop, received: data_channel.pull_range(
+                address, ticket, view, start, stop, ssl_context,
+                options.transfer_timeout_seconds, received),
+            expected.checksums, what, on_corrupt or (lambda index, detail: None))
+        with phases.timed("open"):
+            pull.open(slots, expected.layout.segment_bytes)
+        self._store.install(job, world_size, rank, step, expected.layout, expected.checksums,
+                            pull.fill, for_restore=True, group=group)
+        return pull.served
+
+    def _fetch_one(self, index: int, job: str, world_size: int, rank: int, step: int,
+                   group: tuple[int, ...]) -> None:
         with phases.timed("open"):
             answer = self._group.call(index, "OpenRead",
                                       ppb.OpenReadRequest(job=job, rank=rank, step=step))
@@ -122,3 +154,38 @@ class Transfers:
                            f"{layout.segment_bytes}-byte layout")
         self.pull(answer.data_address, answer.ticket, job, world_size, rank, step, layout,
                   answer.checksums, group, for_restore=True)
+
+    def _described(self, indices, job: str, rank: int, step: int) -> PeerCopy:
+        """The copy as the first of ``indices`` that answers describes it."""
+        for index in indices[:-1]:
+            try:
+                return self.describe(index, job, rank, step)
+            except grpc.RpcError:
+                continue
+        return self.describe(indices[-1], job, rank, step)
+
+    def _open_share(self, index: int, job: str, rank: int, step: int, share: list[int],
+                    expected: PeerCopy, slots) -> tuple[str, bytes]:
+        """Peer ``index`` offers the ``share`` of slots of its copy, which must be the one
+        described (``slots``: where each lies): (data address, ticket)."""
+        answer = self._group.call(index, "OpenRead", ppb.OpenReadRequest(
+            job=job, rank=rank, step=step, slots=share))
+        if tuple(answer.checksums) != expected.checksums or \
+                [(s.offset, s.nbytes) for s in answer.slots] != slots:
+            # Not read: the peer unpins it when the ticket expires.
+            raise Aborted(f"peer {index} holds another copy of step {step} of rank {rank} "
+                          "than the one described")
+        check_address(answer.data_address, "data address")
+        return answer.data_address, answer.ticket
+
+
+def _touching_joined(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(start, stop) ranges in order, those that touch joined: a reader of many slots in a
+    row (a holder's share of a spread pull) needs a connection per run, not per slot."""
+    joined: list[tuple[int, int]] = []
+    for start, stop in ranges:
+        if joined and joined[-1][1] == start:
+            joined[-1] = (joined[-1][0], stop)
+        else:
+            joined.append((start, stop))
+    return joined
