@@ -168,8 +168,8 @@ class EtcdGroup:
     def _members_changed(self) -> None:
         addresses = [""] * self.options.group_size
         for key, value in self._slots.items().items():
-            index = self.keys.slot_index(key)
-            if 0 <= index < len(addresses):
+            index = keys_lib.parse_slot(self.keys, key)
+            if index is not None and index < len(addresses):
                 addresses[index] = value.decode()
         live = {i for i, a in enumerate(addresses) if a}
         if self.index >= 0:
@@ -241,7 +241,7 @@ class EtcdGroup:
         if not ranks:
             return []
         _, found = self._kv.ranges([self.keys.rank_holdings(job, r) for r in ranks])
-        return [keys_lib.parse_holding(k, v) for kvs in found for k, v in kvs.items()]
+        return keys_lib.parse_holdings(kv for kvs in found for kv in kvs.items())
 
     def all_holdings(self, job: str) -> list[group_view.Holding]:
         """Every copy of ``job`` in the group, read now (a restore decides on this)."""
@@ -250,7 +250,7 @@ class EtcdGroup:
         except EtcdUnavailable as err:
             raise Unavailable(f"the holdings of job {job!r} cannot be read from etcd "
                               f"({err}); the step to restore is not known. Try again") from None
-        return [keys_lib.parse_holding(k, v) for k, v in found.items()]
+        return keys_lib.parse_holdings(found.items())
 
     def listen(self, on_summary) -> None:
         """``on_summary(job)`` runs (on a watch thread) when a job's summary changed."""
@@ -296,8 +296,9 @@ class EtcdGroup:
         prefix = self.keys.holdings()
         by_job: dict[str, list] = {}
         for key, value in items.items():
-            by_job.setdefault(self.keys.job_of(key, prefix), []).append(
-                keys_lib.parse_holding(key, value))
+            by_job.setdefault(self.keys.job_of(key, prefix), []).extend(
+                keys_lib.parse_holdings([(key, value)]))
+        by_job = {job: holdings for job, holdings in by_job.items() if holdings}
         current = self._summaries.items()
         for job, holdings in by_job.items():
             world = max(h.world_size for h in holdings)

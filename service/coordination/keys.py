@@ -25,9 +25,14 @@ Numbers in keys are zero-padded so that etcd's byte order is numeric order.
 
 import dataclasses
 import json
+import logging
+
+from google.protobuf.message import DecodeError
 
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.peers.group_view import Holding
+
+log = logging.getLogger("bubblesnap.daemon")
 
 _WIDTH = 12  # digits of a padded number: steps up to 10**12
 
@@ -77,9 +82,6 @@ class Keys:
     def summary(self, job: str) -> str:
         return f"{self.summaries()}{job}"
 
-    def slot_index(self, key: str) -> int:
-        return int(key[len(self.slots()):])
-
     def job_of(self, key: str, prefix: str) -> str:
         """The job a key under ``prefix`` (holdings/, layouts/, summary/) belongs to."""
         return key[len(prefix):].split("/", 1)[0]
@@ -92,10 +94,26 @@ def holding_value(h) -> bytes:
 
 
 def parse_holding(key: str, value: bytes) -> Holding:
-    """The Holding a key and its value say (the holder's index is the key's last part)."""
-    copy = ppb.HeldCopy.FromString(value)
+    """The Holding a key and its value say (the holder's index is the key's last part);
+    ValueError for a key or value no daemon wrote."""
+    try:
+        copy = ppb.HeldCopy.FromString(value)
+    except DecodeError as err:
+        raise ValueError(f"{key}: not a HeldCopy") from err
     return Holding(int(key.rsplit("/", 1)[1]), copy.rank, copy.step, copy.role == ppb.REPLICA,
                    copy.world_size, tuple(copy.replica_group))
+
+
+def parse_holdings(items) -> list[Holding]:
+    """The Holdings of ``(key, value)`` pairs; a pair no daemon wrote (someone else's
+    key under the prefix) is left out and logged, so it cannot stop the group."""
+    found = []
+    for key, value in items:
+        try:
+            found.append(parse_holding(key, value))
+        except ValueError as err:
+            log.warning("ignoring etcd key %s", err)
+    return found
 
 
 def summary_value(committed, restorable) -> bytes:
@@ -103,7 +121,18 @@ def summary_value(committed, restorable) -> bytes:
                        "restorable": sorted(restorable)}).encode()
 
 
-def parse_summary(value: bytes) -> tuple[list[int], list[int]]:
-    """(committed steps, restorable steps) of a summary key's value."""
-    found = json.loads(value)
-    return [int(s) for s in found["committed"]], [int(s) for s in found["restorable"]]
+def parse_summary(value: bytes) -> tuple[list[int], list[int]] | None:
+    """(committed steps, restorable steps) of a summary key's value; None for a value
+    no aggregator wrote."""
+    try:
+        found = json.loads(value)
+        return [int(s) for s in found["committed"]], [int(s) for s in found["restorable"]]
+    except (ValueError, KeyError, TypeError):
+        log.warning("ignoring a malformed summary in etcd: %r", value[:80])
+        return None
+
+
+def parse_slot(keys: "Keys", key: str) -> int | None:
+    """The ring index of a slots/ key; None for one no daemon wrote."""
+    tail = key[len(keys.slots()):]
+    return int(tail) if tail.isdigit() else None
