@@ -9,7 +9,8 @@ the daemons and replicated to a peer). Snapshots are taken in the bubbles.
 Three runs, each a separate process:
   reference   trains --steps steps, no failure
   failing     the same, SIGKILLed at --fail-at in the --fail-point:
-                bubble        while a bubble is fetching a snapshot
+                bubble        while a bubble is fetching a snapshot (once the
+                              job has committed a step)
                 after-commit  at the end of the first step from --fail-at on
                               whose predecessor's snapshot commit was just
                               acknowledged, before the daemons can have
@@ -84,10 +85,17 @@ def train_main(args) -> int:
 
     class DiesMidFetch(DaemonSnapshots):
         """Stage 0 of a failing run with --fail-point bubble: SIGKILLed inside a bubble of
-        step --fail-at or later, while it fetches a snapshot."""
+        step --fail-at or later, while it fetches a snapshot, once the job has committed
+        a step (on a loaded machine the first commit can come after --fail-at, and a
+        failure before any commit has nothing to resume from), or in the last step."""
+
+        committed = False
 
         def bubble(self, position, receive, arrived=None):
-            if self.iteration >= args.fail_at:
+            if self.iteration >= args.fail_at and not self.committed:
+                self.committed = self.iteration >= args.steps - 1 or any(
+                    s.committed for s in self.client.status().steps)
+            if self.committed:
                 def arrived_then_die():  # polled between the fetch's 1 MiB blocks
                     die(f"SIGKILL inside a bubble of step {self.iteration}, mid-fetch")
                 arrived = arrived_then_die
