@@ -458,11 +458,11 @@ def in_flight_line(work) -> str:
 
 def _replication_line(pushes) -> str:
     """The latest pushes of a job's new copies in one line: in bubbles, waits, commit latency."""
-    pushing = sum(p.push_seconds for p in pushes)
-    idle = 100 * sum(p.idle_seconds for p in pushes) / pushing if pushing else 0.0
+    sent = sum(p.nbytes for p in pushes)
+    idle = 100 * sum(p.idle_bytes for p in pushes) / sent if sent else 0.0
     paced = "paced into bubbles" if pushes[-1].paced else "not paced"
-    return (f"  replication ({paced}), last {len(pushes)} pushes: {idle:.0f}% of push time in "
-            f"bubbles, waited {max(p.waited_seconds for p in pushes) * 1e3:.0f} ms at most, "
+    return (f"  replication ({paced}), last {len(pushes)} pushes: {idle:.0f}% of the bytes sent "
+            f"in bubbles, waited {max(p.waited_seconds for p in pushes) * 1e3:.0f} ms at most, "
             f"1 + k copies {max(p.copies_seconds for p in pushes) * 1e3:.0f} ms after the "
             "commit at most")
 

@@ -373,7 +373,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ..., replicas: _Optional[int] = ..., durable_steps: _Optional[_Iterable[int]] = ..., corrupt_copies: _Optional[_Iterable[_Union[CorruptCopy, _Mapping]]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ..., replication: _Optional[_Iterable[_Union[Replication, _Mapping]]] = ...) -> None: ...
 
 class Replication(_message.Message):
-    __slots__ = ("rank", "step", "nbytes", "paced", "peers", "waited_seconds", "push_seconds", "idle_seconds", "copies_seconds")
+    __slots__ = ("rank", "step", "nbytes", "paced", "peers", "waited_seconds", "push_seconds", "idle_bytes", "copies_seconds")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -381,7 +381,7 @@ class Replication(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     COPIES_SECONDS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
@@ -390,9 +390,9 @@ class Replication(_message.Message):
     peers: int
     waited_seconds: float
     push_seconds: float
-    idle_seconds: float
+    idle_bytes: int
     copies_seconds: float
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., nbytes: _Optional[int] = ..., paced: _Optional[bool] = ..., peers: _Optional[int] = ..., waited_seconds: _Optional[float] = ..., push_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., copies_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., nbytes: _Optional[int] = ..., paced: _Optional[bool] = ..., peers: _Optional[int] = ..., waited_seconds: _Optional[float] = ..., push_seconds: _Optional[float] = ..., idle_bytes: _Optional[int] = ..., copies_seconds: _Optional[float] = ...) -> None: ...
 
 class Coverage(_message.Message):
     __slots__ = ("whole", "known", "missing")

@@ -12,8 +12,9 @@ import pytest
 from bubblesnap.cli import format_status
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.service.peers import pacing
-from bubblesnap.service.peers.pacing import StageBubbles, idle_windows, overlap, push_at
+from bubblesnap.service.peers import data_channel, pacing
+from bubblesnap.service.peers.data_server import GATED_PIECE_BYTES, DataServer
+from bubblesnap.service.peers.pacing import StageBubbles, idle_now, idle_windows, push_at
 from bubblesnap.testing import wait_for
 
 # -- the decision ------------------------------------------------------------------------------
@@ -50,16 +51,34 @@ def test_the_host_is_idle_only_when_every_stage_is_in_a_bubble():
     assert push_at([a, b], now=10.6, deadline=12.0) == pytest.approx(11.3)
 
 
-def test_overlap_counts_the_seconds_inside_windows():
-    windows = [(1.0, 2.0), (1.5, 2.5), (4.0, 5.0)]
-    assert overlap(windows, 0.0, 10.0) == pytest.approx(2.5)
-    assert overlap(windows, 2.0, 4.5) == pytest.approx(1.0)
-    assert overlap([], 0.0, 1.0) == 0.0
+def test_idle_now_is_inside_a_window_seen_or_predicted():
+    stage = StageBubbles(((1.0, 1.5), (2.0, 2.5)), period=1.0)
+    assert idle_now([stage], 2.2) and idle_now([stage], 3.2)  # the next one is predicted
+    assert not idle_now([stage], 2.7)
+    assert not idle_now([], 2.2)
 
 
 def test_a_tiny_period_cannot_make_the_work_unbounded():
     stage = StageBubbles(((0.0, 1e-9),), period=1e-9)
     assert len(stage.windows(until=3600.0)) <= 300
+
+
+def test_a_gated_offer_asks_its_gate_before_every_piece(tmp_path):
+    """The data channel's end of pacing: a gated offer's bytes go in pieces, each after
+    its gate returned (a gate that waits holds the bytes back)."""
+    nbytes = 2 * GATED_PIECE_BYTES + 12345
+    path = tmp_path / "segment"
+    path.write_bytes(np.random.default_rng(0).bytes(nbytes))
+    asked = []
+    server = DataServer("127.0.0.1:0")
+    try:
+        ticket = server.offer(str(path), nbytes, lambda: None, gate=asked.append)
+        [(data, _)] = data_channel.read_ranges(server.address, ticket, [(0, nbytes)], None,
+                                               10.0, "a test copy", streams=1)
+    finally:
+        server.close()
+    assert bytes(data) == path.read_bytes()
+    assert asked == [GATED_PIECE_BYTES, GATED_PIECE_BYTES, 12345]
 
 
 def test_a_bound_out_of_range_is_refused():
@@ -143,15 +162,15 @@ def test_replication_goes_inside_the_bubbles_a_stage_reports(start_ring, paced):
     finally:
         stream.close()
     assert push.paced is paced and push.peers == 1 and push.nbytes >= STATE["w"].nbytes
-    assert push.push_seconds > 0
+    assert push.push_seconds > 0 and push.idle_bytes <= push.nbytes
     shown = format_status(ring.daemons[0].stub.Status(pb.StatusRequest(job=JOB), timeout=10))
     assert ("replication (paced into bubbles)" if paced else "replication (not paced)") in shown
     if paced:
         assert 0.4 < push.waited_seconds < 1.5, push
-        assert push.idle_seconds >= 0.9 * push.push_seconds, push
+        assert push.idle_bytes == push.nbytes, push
         assert push.copies_seconds >= push.waited_seconds + push.push_seconds * 0.99
     else:
-        assert push.waited_seconds == 0 and push.idle_seconds == 0, push
+        assert push.waited_seconds == 0 and push.idle_bytes == 0, push
 
 
 def test_the_wait_bound_is_honoured_when_no_bubbles_come(start_ring):
@@ -170,4 +189,40 @@ def test_the_wait_bound_is_honoured_when_no_bubbles_come(start_ring):
         stream.close()
     assert push.paced and push.peers == 1
     assert 0.8 < push.waited_seconds < 1.6, push
-    assert push.idle_seconds == 0, push
+    assert push.idle_bytes == 0, push
+
+
+def test_a_copy_larger_than_a_bubble_is_spread_over_several(start_ring):
+    """64 MiB against 10 ms bubbles every 0.15 s: the bytes wait for the windows piece by
+    piece (the push spans several iterations) and most go inside them (unpaced, about a
+    sixth would)."""
+    ring = start_ring(2, "--replicas", "1", "--pace-replication", "--pace-max-wait", "20")
+    big = {"w": np.arange(16 << 20, dtype=np.float32)}
+    client = NumpyClient(JOB, 0, 1, ClientOptions(daemon=ring.daemons[0].address))
+    try:
+        assert client.snapshot(1, big).taken
+        pushed(ring.daemons[0], 1)
+        stream, stop = Bubbles(ring.daemons[0]), threading.Event()
+
+        def iterate() -> None:
+            while not stop.is_set():
+                stream.send(pb.BubbleEvent.START, expected_seconds=0.01)
+                stop.wait(0.15)
+                stream.send(pb.BubbleEvent.REPORT, iteration_seconds=0.15, reports=[
+                    pb.BubbleReport(position=1, measured_seconds=0.01)])
+                stream.iteration += 1
+        beat = threading.Thread(target=iterate, daemon=True)
+        beat.start()
+        try:
+            time.sleep(1.2)  # the iteration length is profiled
+            assert client.snapshot(2, big).taken
+            push = pushed(ring.daemons[0], 2)
+        finally:
+            stop.set()
+            beat.join()
+            stream.close()
+    finally:
+        client.close()
+    assert push.nbytes >= big["w"].nbytes and push.peers == 1
+    assert push.idle_bytes >= 0.7 * push.nbytes, push
+    assert push.push_seconds > 0.15, push  # held back between windows

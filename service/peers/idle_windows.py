@@ -2,8 +2,10 @@
 
 The Bubbles stream tells :class:`IdleWindows` when each stage's bubble opens
 (START) and closes (END, or the length expected); the replicator's thread asks
-it to wait for the next idle window before a push, up to the bound, and hands
-back how each push went, which Status shows. The decisions are
+it to wait for the next idle window before a push, up to the bound, the
+data channel's sending threads ask a :class:`PushGate` before each piece of
+the push's bytes, and the replicator hands back how each push went, which
+Status shows. The decisions are
 :mod:`bubblesnap.service.peers.pacing`'s; this keeps the state under a lock.
 """
 
@@ -26,10 +28,11 @@ _POLL_SECONDS = 0.25
 class Replication:
     """How one new copy held here went to the peers.
 
-    ``waited_seconds``: held back for an idle window; ``push_seconds``: pushing
-    to the peers; ``idle_seconds``: the part of it inside windows when every
-    stage reporting bubbles here was in one; ``copies_seconds``: from its commit
-    here until the peers that took it acknowledged (1 + ``peers`` copies).
+    ``waited_seconds``: held back for an idle window before the push began;
+    ``push_seconds``: pushing to the peers (pieces held back included);
+    ``idle_bytes``: of ``nbytes``, those sent while every stage reporting
+    bubbles here was in one; ``copies_seconds``: from its commit here until
+    the peers that took it acknowledged (1 + ``peers`` copies).
     """
 
     rank: int
@@ -39,8 +42,24 @@ class Replication:
     peers: int
     waited_seconds: float
     push_seconds: float
-    idle_seconds: float
+    idle_bytes: int
     copies_seconds: float
+
+
+class PushGate:
+    """One push's pieces: each waits for an idle window (pacing on) until the copy's
+    deadline, and is counted as sent inside one or not. Called on sending threads."""
+
+    def __init__(self, windows: "IdleWindows", since: float, stopping: threading.Event):
+        self._windows, self._since, self._stopping = windows, since, stopping
+        self._lock = threading.Lock()
+        self.idle_bytes = 0
+
+    def __call__(self, nbytes: int) -> None:
+        self._windows.wait(self._since, self._stopping)
+        if self._windows.idle_now():
+            with self._lock:
+                self.idle_bytes += nbytes
 
 
 class IdleWindows:
@@ -88,10 +107,14 @@ class IdleWindows:
                 self._changed.wait(min(at - now, _POLL_SECONDS))
         return self._clock() - started
 
-    def idle_seconds(self, start: float, stop: float) -> float:
-        """Seconds of [start, stop] when every stage reporting bubbles was in one."""
+    def idle_now(self) -> bool:
+        """Whether every stage reporting bubbles is in one now (False: none reports)."""
         with self._changed:
-            return pacing.overlap(pacing.idle_windows(self._stages(), stop, stop), start, stop)
+            return pacing.idle_now(self._stages(), self._clock())
+
+    def gate(self, since: float, stopping: threading.Event) -> PushGate:
+        """The gate of the pieces of a push of a copy committed at ``since``."""
+        return PushGate(self, since, stopping)
 
     def record(self, job: str, push: Replication) -> None:
         """Keeps how a push of ``job`` went (the latest few) for Status."""

@@ -19,6 +19,9 @@ from bubblesnap.options import require
 #: A stage whose latest bubble is older than this many of its iterations stopped
 #: reporting (it ended, or it left the pipeline): it no longer decides.
 STALE_PERIODS = 3
+#: ... but never sooner than this: a daemon at low priority on busy cores reads the
+#: stream late, and short iterations would make a live stage look gone.
+STALE_FLOOR_SECONDS = 1.0
 #: The same, in seconds, for a stage whose iteration length is not known yet.
 STALE_SECONDS = 5.0
 #: Repeats of a bubble predicted at most: a broken period cannot make the work unbounded.
@@ -39,18 +42,21 @@ class PacingOptions:
         pipeline's activations (or the host's cores are few), and costs up to
         ``max_wait_seconds`` of commit latency. Jobs that report no bubbles are
         never held.
-      max_wait_seconds: the longest a committed copy waits for such a window;
-        then it is pushed anyway (``--pace-max-wait``). Default 2 s: longer
-        than the iterations pipelines usually run, so a window comes first,
-        and short next to the snapshot interval a restore loses.
+      max_wait_seconds: the longest a committed copy is held back, from its
+        commit: its push waits for a window, then each piece of its bytes (a
+        copy larger than a bubble spans several) waits for one, until this
+        much time passed; the rest goes at once (``--pace-max-wait``). At most
+        60 s, well inside the transfer deadline. Default 2 s: longer than the
+        iterations pipelines usually run, so windows come first, and short next
+        to the snapshot interval a restore loses.
     """
 
     in_bubbles: bool = False
     max_wait_seconds: float = 2.0
 
     def __post_init__(self):
-        require(self, "max_wait_seconds", 0 <= self.max_wait_seconds <= 3600,
-                "from 0 to 3600 seconds", "--pace-max-wait")
+        require(self, "max_wait_seconds", 0 <= self.max_wait_seconds <= 60,
+                "from 0 to 60 seconds", "--pace-max-wait")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +73,9 @@ class StageBubbles:
         if not self.seen:
             return False
         age = now - self.seen[-1][0]
-        return age <= (STALE_PERIODS * self.period if self.period > 0 else STALE_SECONDS)
+        if self.period <= 0:
+            return age <= STALE_SECONDS
+        return age <= max(STALE_PERIODS * self.period, STALE_FLOOR_SECONDS)
 
     def windows(self, until: float) -> list[Window]:
         """Its bubbles seen, and the latest one repeated every period up to ``until``."""
@@ -108,6 +116,11 @@ def idle_windows(stages: Sequence[StageBubbles], now: float, until: float) -> li
     return found
 
 
+def idle_now(stages: Sequence[StageBubbles], now: float) -> bool:
+    """Whether every live stage is in a bubble now (False when none is live)."""
+    return any(start <= now < end for start, end in idle_windows(stages, now, now))
+
+
 def push_at(stages: Sequence[StageBubbles], now: float, deadline: float) -> float:
     """When to push a copy that must go by ``deadline``: ``now`` or earlier to go now,
     else the time to look again (new bubbles seen meanwhile are reason to look sooner).
@@ -127,11 +140,6 @@ def push_at(stages: Sequence[StageBubbles], now: float, deadline: float) -> floa
     if upcoming and upcoming[0][0] < deadline:
         return upcoming[0][0]
     return deadline if any(s.period <= 0 for s in live) else now
-
-
-def overlap(windows: Sequence[Window], start: float, stop: float) -> float:
-    """Seconds of [start, stop] inside ``windows``."""
-    return sum(max(0.0, min(stop, end) - max(start, begin)) for begin, end in _merged(windows))
 
 
 def _merged(windows: Sequence[Window]) -> list[Window]:

@@ -28,7 +28,7 @@ from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.background import CoalescingWorker
 from bubblesnap.service.errors import DaemonError
 from bubblesnap.service.peers import group_view
-from bubblesnap.service.peers.idle_windows import IdleWindows, Replication
+from bubblesnap.service.peers.idle_windows import IdleWindows, PushGate, Replication
 from bubblesnap.service.rpc.messages import tensor_specs
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -117,6 +117,7 @@ class Replicator:
         with self._lock:
             since = self._since.pop((job, rank), time.monotonic())
         waited = self.idle.wait(since, self._worker.stopping)
+        gate = self.idle.gate(since, self._worker.stopping)
         started, acked, nbytes = time.monotonic(), 0, 0
         for target in self._group.ring():
             if acked == self._group.options.replicas:
@@ -124,14 +125,13 @@ class Replicator:
             if target not in self._group.live() and (self._group.coordinated
                                                      or not self._probe(target, job)):
                 continue  # asked at most once a refresh: a dead host may take seconds to fail
-            pushed = self._push(job, rank, step, target)
+            pushed = self._push(job, rank, step, target, gate)
             acked, nbytes = acked + bool(pushed), nbytes + pushed
         stopped = time.monotonic()
         self.idle.record(job, Replication(
             rank=rank, step=step, nbytes=nbytes, paced=self.idle.options.in_bubbles,
             peers=acked, waited_seconds=waited, push_seconds=stopped - started,
-            idle_seconds=self.idle.idle_seconds(started, stopped),
-            copies_seconds=stopped - since))
+            idle_bytes=gate.idle_bytes, copies_seconds=stopped - since))
 
     def _probe(self, target: int, job: str) -> bool:
         now = time.monotonic()
@@ -183,10 +183,11 @@ class Replicator:
                 for target in targets:
                     self._push(job, rank, step, target)
 
-    def _push(self, job: str, rank: int, step: int, target: int) -> int:
-        """The bytes ``target`` took of the copy (0: it did not)."""
+    def _push(self, job: str, rank: int, step: int, target: int,
+              gate: PushGate | None = None) -> int:
+        """The bytes ``target`` took of the copy (0: it did not); ``gate`` paces them."""
         try:
-            pinned, ticket = self._transfers.offer(job, rank, step)
+            pinned, ticket = self._transfers.offer(job, rank, step, gate=gate)
         except DaemonError:
             return 0  # freed meanwhile: a newer step replaced it
         request = ppb.ReplicateRequest(
