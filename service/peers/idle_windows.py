@@ -65,10 +65,8 @@ class PushGate:
 class IdleWindows:
     """Every stage's recent bubbles (fed by the Bubbles stream) and the pushes' record."""
 
-    def __init__(self, options: pacing.PacingOptions = pacing.PacingOptions(),
-                 clock=time.monotonic):
+    def __init__(self, options: pacing.PacingOptions = pacing.PacingOptions()):
         self.options = options
-        self._clock = clock
         self._seen: dict[tuple[str, int], collections.deque] = {}
         self._periods: dict[tuple[str, int], float] = {}
         self._pushes: dict[str, collections.deque] = {}
@@ -78,7 +76,7 @@ class IdleWindows:
         """A bubble of ``rank`` opened now (``opened``), expected to last ``seconds`` (0:
         not known: it is used once it closes), or the one open closed now; ``period``:
         the rank's iteration length as profiled (0: not yet)."""
-        now = self._clock()
+        now = time.monotonic()
         key = (job, rank)
         with self._changed:
             seen = self._seen.setdefault(key, collections.deque(maxlen=_SEEN))
@@ -92,25 +90,25 @@ class IdleWindows:
 
     def wait(self, since: float, stopping: threading.Event) -> float:
         """Returns when a copy committed at ``since`` may be pushed (an idle window, no
-        stage reporting bubbles, or ``max_wait_seconds`` after ``since``); the seconds
-        it waited. At once when pacing is off."""
-        started = self._clock()
+        stage reporting bubbles, none due before ``max_wait_seconds`` after ``since``,
+        or that bound reached); the seconds it waited. At once when pacing is off."""
+        started = time.monotonic()
         if not self.options.in_bubbles:
             return 0.0
         deadline = since + self.options.max_wait_seconds
         with self._changed:
             while not stopping.is_set():
-                now = self._clock()
+                now = time.monotonic()
                 at = pacing.push_at(self._stages(), now, deadline)
                 if at <= now:
                     break
                 self._changed.wait(min(at - now, _POLL_SECONDS))
-        return self._clock() - started
+        return time.monotonic() - started
 
     def idle_now(self) -> bool:
         """Whether every stage reporting bubbles is in one now (False: none reports)."""
         with self._changed:
-            return pacing.idle_now(self._stages(), self._clock())
+            return pacing.idle_now(self._stages(), time.monotonic())
 
     def gate(self, since: float, stopping: threading.Event) -> PushGate:
         """The gate of the pieces of a push of a copy committed at ``since``."""

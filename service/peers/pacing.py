@@ -48,7 +48,9 @@ class PacingOptions:
         much time passed; the rest goes at once (``--pace-max-wait``). At most
         60 s, well inside the transfer deadline. Default 2 s: longer than the
         iterations pipelines usually run, so windows come first, and short next
-        to the snapshot interval a restore loses.
+        to the snapshot interval a restore loses. The replicator's thread is
+        busy meanwhile (its refresh of the group's holdings waits), as it is
+        for any push.
     """
 
     in_bubbles: bool = False

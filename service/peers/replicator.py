@@ -12,10 +12,10 @@ common steps, and a step gets committed for the whole job. Every
 ``refresh_seconds`` the group's holdings are gathered: they say which steps
 are committed (each rank 1 + k times, which drives retention) and which
 copies lost a holder (a dead peer), which this daemon then pushes again.
-With ``--pace-replication`` a new copy's push waits for a window in which
-every stage reporting bubbles here is in one, up to a bound
-(:mod:`bubblesnap.service.peers.idle_windows`); re-replication is not held:
-a copy that lost a holder is restored to 1 + k copies first.
+With ``--pace-replication`` a new copy's push, and each piece of its bytes,
+waits for a window in which every stage reporting bubbles here is in one, up
+to a bound (:mod:`bubblesnap.service.peers.idle_windows`); re-replication is
+not held: a copy that lost a holder is restored to 1 + k copies first.
 """
 
 import logging
@@ -37,10 +37,9 @@ log = logging.getLogger("bubblesnap.daemon")
 class Replicator:
     """The background thread that replicates and tracks the group's copies."""
 
-    def __init__(self, store, group, transfers, layouts, metrics,
-                 idle: IdleWindows | None = None):
+    def __init__(self, store, group, transfers, layouts, metrics, idle: IdleWindows):
         self._store = store
-        self.idle = idle or IdleWindows()
+        self.idle = idle  # the stages' bubbles: pacing, and the record of pushes
         self._metrics = metrics  # times each push
         self._layouts = layouts  # the group's layouts: a step is committed only when whole
         self._group = group
