@@ -38,10 +38,12 @@ class PacingOptions:
       in_bubbles: hold each new copy's push until every stage reporting bubbles
         to this daemon is in one (``--pace-replication``). Default False: the
         push starts at the commit, which makes the step committed (1 + k copies)
-        soonest; pacing pays off where the daemons' network also carries the
-        pipeline's activations (or the host's cores are few), and costs up to
-        ``max_wait_seconds`` of commit latency. Jobs that report no bubbles are
-        never held.
+        soonest; pacing can pay off only where the daemons' network also
+        carries the pipeline's activations, costs up to ``max_wait_seconds`` of
+        commit latency, and on a 2-core host with neighbouring stages as peers
+        it raised step time more than unpaced pushes did (the README's
+        numbers: the receiver works while its own stage computes). Jobs that
+        report no bubbles are never held.
       max_wait_seconds: the longest a committed copy is held back, from its
         commit: its push waits for a window, then each piece of its bytes (a
         copy larger than a bubble spans several) waits for one, until this
