@@ -14,6 +14,12 @@ Modes:
                what does not fit is spilled, and counted in the step time)
   eager        the same data path, copying the whole state right after the step
   orbax_async  Orbax CheckpointManager, async, saving every step to /dev/shm
+  unreplicated bubblesnap with one daemon per stage, as on separate hosts (a ring of
+               peers, bubblesnap.testing.Ring), --replicas 0: the baseline of the two below
+  replicated   the same ring, --replicas 1: each daemon pushes every new copy to its
+               neighbour as soon as it is committed
+  paced        the same, --pace-replication: each push waits for the stage's bubble
+               (at most --pace-max-wait, default 2 s)
 
 Each mode runs as its own short training run (fresh processes and daemon:
 --warmup unmeasured iterations, in which bubblesnap profiles its bubbles and
@@ -26,7 +32,12 @@ and max, ``overhead_pct`` against ``none`` and the snapshot interval achieved
 only if it was fetched within measured iterations, so each run's last step,
 fetched after the run, does not). Per stage: state bytes, bubble
 time per iteration (its waits in ``none`` runs), the time a naive copy of its
-whole state takes (``eager``'s copies) and their ratio.
+whole state takes (``eager``'s copies) and their ratio. For the ring modes,
+``replication``: the step-time overhead of replicating, unpaced and paced,
+against ``unreplicated``, and from every daemon's Status (its ``replication``
+records of the measured steps) the time from each commit until the step's
+rank had its 1 + k copies, the seconds pushes waited before they began, and
+the fraction of the bytes sent inside the stages' bubbles.
 
   python benchmarks/overhead.py --json [--quick]
 """
@@ -37,16 +48,51 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import bench_common as common
 
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.testing import Ring
+
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                        "pipeline_gpt.py")
-MODES = ("none", "bubblesnap", "eager", "orbax_async")
+MODES = ("none", "bubblesnap", "eager", "orbax_async", "unreplicated", "replicated", "paced")
+#: The ring modes: the flags of every daemon of the ring (one per stage).
+RING_FLAGS = {"unreplicated": ("--replicas", "0"), "replicated": ("--replicas", "1"),
+              "paced": ("--replicas", "1", "--pace-replication")}
+JOB = "pipeline-bubblesnap"  # the example's job of its bubblesnap mode
 
 
-def run_mode(mode: str, args) -> dict:
-    cmd = [sys.executable, EXAMPLE, "--transport", "processes", "--json", "--modes", mode,
+def run_mode(mode: str, args) -> tuple[dict, list]:
+    """The example's report of one run, and (ring modes) every daemon's replication records."""
+    if mode not in RING_FLAGS:
+        return run_example(mode, args), []
+    ring = Ring(args.stages, "--memory-budget", "8GiB", "--max-interval", "1",
+                *RING_FLAGS[mode])
+    try:
+        report = run_example("bubblesnap", args, "--daemons", ",".join(ring.addresses))
+        return report, replication_records(ring)
+    finally:
+        ring.stop()
+
+
+def replication_records(ring: Ring) -> list:
+    """Every daemon's records of its pushes, once no more arrive (the last steps' pushes
+    may still run when training ends; a paced one waits at most 2 s)."""
+    deadline, last = time.monotonic() + 5, None
+    while True:
+        records = [r for d in ring.daemons
+                   for job in d.stub.Status(pb.StatusRequest(job=JOB), timeout=30).jobs
+                   for r in job.replication]
+        if len(records) == last or time.monotonic() > deadline:
+            return records
+        last = len(records)
+        time.sleep(0.5)
+
+
+def run_example(mode: str, args, *extra: str) -> dict:
+    cmd = [sys.executable, EXAMPLE, "--transport", "processes", "--json", "--modes", mode, *extra,
            "--warmup", str(args.warmup), "--steps", str(args.warmup + args.measured),
            "--stages", str(args.stages), "--microbatches", str(args.microbatches),
            "--schedule", args.schedule,
@@ -74,17 +120,21 @@ def main() -> int:
     p.add_argument("--microbatch-size", type=int, default=2)
     args = common.parse_args(p, quick={"rounds": 1, "warmup": 6, "measured": 3,
                                        "layers_per_stage": "1,1"})
+    common.exit_on_sigterm()  # the ring modes' daemons are stopped on the way out
 
     times = {mode: [] for mode in MODES}
     snapshots = dict.fromkeys(MODES, 0)
     stages: dict[int, dict] = {}
     plan = None
+    pushes = {mode: [] for mode in RING_FLAGS}
     for round_ in range(args.rounds):
         for k in range(len(MODES)):
             mode = MODES[(round_ + k) % len(MODES)]
             common.log(f"round {round_ + 1}/{args.rounds}: {mode}")
-            report = run_mode(mode, args)
-            row = report["modes"][mode]
+            report, records = run_mode(mode, args)
+            row = report["modes"]["bubblesnap" if mode in RING_FLAGS else mode]
+            if mode in RING_FLAGS:  # the measured steps' pushes only
+                pushes[mode] += [r for r in records if r.step >= args.warmup]
             times[mode] += row["step_seconds"]
             snapshots[mode] += row["snapshots"]
             plan = report.get("plan", plan)
@@ -112,12 +162,14 @@ def main() -> int:
         per_stage.append({"stage": number, "state_bytes": s["state_bytes"],
                           "bubble_seconds_per_iteration": bubble, "naive_copy_seconds": copy,
                           "copy_to_bubble_ratio": copy / bubble})
+    replication = replication_report(modes, pushes)
     bubblesnap, orbax = modes["bubblesnap"]["overhead_pct"], modes["orbax_async"]["overhead_pct"]
     report = {
         "benchmark": "overhead", "stages": args.stages, "microbatches": args.microbatches,
         "schedule": args.schedule,
         "layers_per_stage": args.layers_per_stage, "microbatch_size": args.microbatch_size,
         "rounds": args.rounds, "modes": modes, "per_stage": per_stage, "bubblesnap_plan": plan,
+        "replication": replication,
         "noise_pct": {"none_min_vs_median": 100 * (modes["none"]["min_step_seconds"] / base - 1),
                       "none_max_vs_median": 100 * (modes["none"]["max_step_seconds"] / base - 1)},
         "checks": {
@@ -130,10 +182,34 @@ def main() -> int:
                 s["copy_to_bubble_ratio"] >= 1 / 3 for s in per_stage)},
         "method": "one process per stage pinned to its own core, XLA single-threaded, "
                   "Unix-socket activations, daemon nice 10; one run per mode, runs "
-                  "interleaved round by round",
+                  "interleaved round by round; ring modes: one daemon per stage on "
+                  "loopback, replicating over its data channel",
     }
     common.report_out(report, args.json, print_overhead_table)
     return 0
+
+
+def replication_report(modes: dict, pushes: dict) -> dict:
+    """Step-time overhead of replication against the ring without it, and per ring mode
+    how its pushes went (seconds from commit to 1 + k copies, waits, time in bubbles)."""
+    base = modes["unreplicated"]["median_step_seconds"]
+    report = {"overhead_pct_vs_unreplicated": {
+        mode: 100.0 * (modes[mode]["median_step_seconds"] - base) / base
+        for mode in ("replicated", "paced")}}
+    for mode, records in pushes.items():
+        copies = [r.copies_seconds for r in records]
+        sent = sum(r.nbytes for r in records)
+        report[mode] = {
+            "pushes": len(records),
+            "copies_seconds_median": statistics.median(copies) if copies else None,
+            "copies_seconds_max": max(copies) if copies else None,
+            "waited_seconds_median": (statistics.median(r.waited_seconds for r in records)
+                                      if records else None),
+            "push_seconds_median": (statistics.median(r.push_seconds for r in records)
+                                    if records else None),
+            "in_bubbles_fraction": (sum(r.idle_bytes for r in records) / sent
+                                    if sent else None)}
+    return report
 
 
 def print_overhead_table(report: dict) -> None:
@@ -144,6 +220,11 @@ def print_overhead_table(report: dict) -> None:
     for stage in report["per_stage"]:
         print(f"stage {stage['stage']}: {stage['state_bytes'] / 1e6:.1f} MB state, "
               f"copy/bubble {stage['copy_to_bubble_ratio']:.2f}")
+    for mode, pct in report["replication"]["overhead_pct_vs_unreplicated"].items():
+        row = report["replication"][mode]
+        print(f"{mode:>12}: {pct:+6.2f}% against unreplicated; 1 + k copies "
+              f"{row['copies_seconds_median']} s after the commit (median), "
+              f"{row['in_bubbles_fraction']} of the bytes sent in bubbles")
     for name, ok in report["checks"].items():
         print(f"{name}: {'yes' if ok else 'NO'}")
 

@@ -146,6 +146,18 @@ def _daemon_parser(sub):
                        help="pull a copy that several live peers hold from all of them at "
                             "once; --no-spread-restores: from one (default "
                             f"{'on' if peer.spread_restores else 'off'})")
+    pacing = peer.pacing
+    peers.add_argument("--pace-replication", action=argparse.BooleanOptionalAction,
+                       default=pacing.in_bubbles,
+                       help="push each new copy while every pipeline stage reporting bubbles "
+                            "to this daemon is in one, so replication does not compete with "
+                            "activations (BAFT); jobs without bubbles are not held (default "
+                            f"{'on' if pacing.in_bubbles else 'off'}: push at the commit)")
+    peers.add_argument("--pace-max-wait", type=float, default=pacing.max_wait_seconds,
+                       metavar="SECONDS",
+                       help="with --pace-replication: the longest a new copy waits for a "
+                            f"bubble before it is pushed anyway (default "
+                            f"{pacing.max_wait_seconds:g})")
     peers.add_argument("--peer-listen", default=peer.listen, metavar="HOST:PORT",
                        help="bind the peer port here instead of at this daemon's --peers entry")
     peers.add_argument("--data-listen", default=peer.data_listen, metavar="HOST:PORT",
@@ -203,7 +215,7 @@ def _ring(args) -> tuple[tuple[str, ...], int]:
 
 
 def _peer_options(args):
-    from bubblesnap.service import CoordinationOptions, PeerOptions, PeerSecurity
+    from bubblesnap.service import CoordinationOptions, PacingOptions, PeerOptions, PeerSecurity
     if args.coordination:
         if args.peers or args.peers_file or args.peers_from_dns:
             raise SystemExit("--coordination finds the peers in etcd: give no --peers, "
@@ -225,10 +237,11 @@ def _peer_options(args):
                             require_client_cert=args.peer_tls_client_auth)
     etcd = CoordinationOptions(url=args.coordination, prefix=args.coordination_prefix,
                                group_size=args.group_size, name=args.name)
+    pacing = PacingOptions(in_bubbles=args.pace_replication, max_wait_seconds=args.pace_max_wait)
     return PeerOptions(peers=addresses, index=index, listen=args.peer_listen,
                        data_listen=args.data_listen, replicas=args.replicas, security=security,
                        coordination=etcd, dead_after_seconds=args.dead_after,
-                       spread_restores=args.spread_restores)
+                       spread_restores=args.spread_restores, pacing=pacing)
 
 
 def _trainer_token(args) -> str:
@@ -404,6 +417,8 @@ def format_status(status) -> str:
                          f"predicted overhead {100 * job.plan.predicted_overhead:.2f}%")
         if job.replicas:
             lines.append(f"  peers: {1 + job.replicas} copies wanted per step and rank")
+        if job.replication:
+            lines.append(_replication_line(job.replication))
         if job.durable_steps:
             lines.append(f"  durable tier holds steps {list(job.durable_steps)}")
         if job.coverage.missing:
@@ -446,6 +461,16 @@ def in_flight_line(work) -> str:
             f"{human_bytes(work.done_bytes)} of {human_bytes(work.total_bytes)} "
             f"({share:.0f}%), {rate / 1e6:.0f} MB/s{left}")
 
+
+def _replication_line(pushes) -> str:
+    """The latest pushes of a job's new copies in one line: in bubbles, waits, commit latency."""
+    sent = sum(p.nbytes for p in pushes)
+    idle = 100 * sum(p.idle_bytes for p in pushes) / sent if sent else 0.0
+    paced = "paced into bubbles" if pushes[-1].paced else "not paced"
+    return (f"  replication ({paced}), last {len(pushes)} pushes: {idle:.0f}% of the bytes sent "
+            f"in bubbles, waited {max(p.waited_seconds for p in pushes) * 1e3:.0f} ms at most, "
+            f"1 + k copies {max(p.copies_seconds for p in pushes) * 1e3:.0f} ms after the "
+            "commit at most")
 
 def _adoption_lines(adoption) -> list[str]:
     """What the daemon took over from a killed one at its start (nothing: no lines)."""

@@ -68,7 +68,8 @@ def make_modes(args, stage: int, stages: int) -> dict:
         if name == "none":
             made[name] = snapshot_modes.NoCheckpoints()
         elif name in ("bubblesnap", "eager"):
-            made[name] = snapshot_modes.DaemonSnapshots(args.daemon, f"{args.job}-{name}", stage,
+            daemon = args.daemons.split(",")[stage] if args.daemons else args.daemon
+            made[name] = snapshot_modes.DaemonSnapshots(daemon, f"{args.job}-{name}", stage,
                                                         stages, eager=name == "eager")
         elif name == "orbax_async":
             made[name] = snapshot_modes.OrbaxAsync(os.path.join(args.orbax_dir, f"stage{stage}"))
@@ -329,6 +330,9 @@ def parse_args(argv=None):
     snap.add_argument("--segment-warmup", type=int, default=2,
                       help="unmeasured iterations when a segment starts")
     snap.add_argument("--daemon", help="use this daemon instead of starting one")
+    snap.add_argument("--daemons", metavar="ADDR,ADDR,...",
+                      help="one daemon per stage, as on separate hosts (a ring of peers, "
+                           "bubblesnap.testing.Ring): stage s uses the s-th")
     snap.add_argument("--max-interval", type=int, default=8,
                       help="for the daemon started here: longest snapshot interval its planner "
                            "may choose (1: every iteration, spilling what does not fit)")
@@ -350,6 +354,9 @@ def parse_args(argv=None):
         p.error(f"unknown snapshot modes {sorted(unknown)}")
     if args.stages < 2:
         p.error("--stages must be at least 2")
+    if args.daemons and len(args.daemons.split(",")) != args.stages:
+        p.error(f"--daemons names {len(args.daemons.split(','))} daemons for {args.stages} "
+                "stages")
     if len(args.layers_per_stage) not in (1, args.stages):
         p.error(f"--layers-per-stage has {len(args.layers_per_stage)} entries for "
                 f"{args.stages} stages")
@@ -362,7 +369,7 @@ def main() -> int:
         return stage_process(args)
     daemon = None
     needs_daemon = {"bubblesnap", "eager"} & set(args.modes.split(","))
-    if needs_daemon and args.daemon is None:
+    if needs_daemon and args.daemon is None and not args.daemons:
         from bubblesnap.testing import DaemonProcess
         daemon = DaemonProcess("--memory-budget", "8GiB", "--max-interval", str(args.max_interval))
         args.daemon = daemon.address

@@ -347,7 +347,7 @@ class PlanStatus(_message.Message):
     def __init__(self, interval: _Optional[int] = ..., version: _Optional[int] = ..., predicted_overhead: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps", "plan", "replicas", "durable_steps", "corrupt_copies", "coverage")
+    __slots__ = ("job", "world_size", "registered_ranks", "latest_committed_step", "steps", "plan", "replicas", "durable_steps", "corrupt_copies", "coverage", "replication")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +358,7 @@ class JobStatus(_message.Message):
     DURABLE_STEPS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_COPIES_FIELD_NUMBER: _ClassVar[int]
     COVERAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     registered_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -368,7 +369,30 @@ class JobStatus(_message.Message):
     durable_steps: _containers.RepeatedScalarFieldContainer[int]
     corrupt_copies: _containers.RepeatedCompositeFieldContainer[CorruptCopy]
     coverage: Coverage
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ..., replicas: _Optional[int] = ..., durable_steps: _Optional[_Iterable[int]] = ..., corrupt_copies: _Optional[_Iterable[_Union[CorruptCopy, _Mapping]]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ...) -> None: ...
+    replication: _containers.RepeatedCompositeFieldContainer[Replication]
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., registered_ranks: _Optional[_Iterable[int]] = ..., latest_committed_step: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepStatus, _Mapping]]] = ..., plan: _Optional[_Union[PlanStatus, _Mapping]] = ..., replicas: _Optional[int] = ..., durable_steps: _Optional[_Iterable[int]] = ..., corrupt_copies: _Optional[_Iterable[_Union[CorruptCopy, _Mapping]]] = ..., coverage: _Optional[_Union[Coverage, _Mapping]] = ..., replication: _Optional[_Iterable[_Union[Replication, _Mapping]]] = ...) -> None: ...
+
+class Replication(_message.Message):
+    __slots__ = ("rank", "step", "nbytes", "paced", "peers", "waited_seconds", "push_seconds", "idle_bytes", "copies_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PACED_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COPIES_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    nbytes: int
+    paced: bool
+    peers: int
+    waited_seconds: float
+    push_seconds: float
+    idle_bytes: int
+    copies_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., nbytes: _Optional[int] = ..., paced: _Optional[bool] = ..., peers: _Optional[int] = ..., waited_seconds: _Optional[float] = ..., push_seconds: _Optional[float] = ..., idle_bytes: _Optional[int] = ..., copies_seconds: _Optional[float] = ...) -> None: ...
 
 class Coverage(_message.Message):
     __slots__ = ("whole", "known", "missing")

@@ -21,6 +21,7 @@ from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
 from bubblesnap.service.peers.data_server import DataServer
 from bubblesnap.service.peers.group import PeerGroup, PeerOptions
+from bubblesnap.service.peers.idle_windows import IdleWindows
 from bubblesnap.service.peers.layouts import GroupLayouts
 from bubblesnap.service.peers.log_replication import LogReplication
 from bubblesnap.service.peers.replicator import Replicator
@@ -226,8 +227,11 @@ class Daemon:
                 f"{self.group.address(self.group.index).rsplit(':', 1)[0]}:0"
             self.data = DataServer(data_listen, options.peers.security.server_ssl_context())
             self.transfers = Transfers(self.store, self.group, self.data)
+            idle = IdleWindows(options.peers.pacing)
+            self.plans.listen(idle.observe)
+            self.store.listen(on_job_deleted=idle.forget)
             self.replicator = Replicator(self.store, self.group, self.transfers, self.layouts,
-                                         self.metrics)
+                                         self.metrics, idle)
             self.store.listen(on_local=self.replicator.committed)
             self.group.on_summary(self.replicator.summary_changed)
         reader = self.durable = None

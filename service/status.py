@@ -11,6 +11,7 @@ import dataclasses
 import time
 
 from bubblesnap.service.bubbles.planner import Plan
+from bubblesnap.service.peers.idle_windows import Replication
 from bubblesnap.service.progress import InFlight, Progress
 from bubblesnap.service.restore import CorruptCopy
 from bubblesnap.service.store.adoption import Adoption
@@ -33,6 +34,7 @@ class JobStatus:
     replicas: int
     corrupt_copies: list[CorruptCopy]
     coverage: Coverage
+    replication: list[Replication]  # this daemon's latest pushes, oldest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,4 +94,6 @@ class Status:
         return JobStatus(view, plan, profiles, version, self.copies(view.job),
                          self._restorer.durable_steps(view.job),
                          self._replicas, self._restorer.corrupt_copies(view.job),
-                         self._layouts.coverage(view.job))
+                         self._layouts.coverage(view.job),
+                         self._replicator.idle.replications(view.job)
+                         if self._replicator is not None else [])

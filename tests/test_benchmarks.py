@@ -139,7 +139,8 @@ def check_restore(report: dict) -> None:
 
 
 def check_overhead(report: dict) -> None:
-    assert list(report["modes"]) == ["none", "bubblesnap", "eager", "orbax_async"]
+    assert list(report["modes"]) == ["none", "bubblesnap", "eager", "orbax_async",
+                                     "unreplicated", "replicated", "paced"]
     for mode, row in report["modes"].items():
         assert row["measured_steps"] == 3, mode
         assert_finite({k: row[k] for k in ("median_step_seconds", "min_step_seconds",
@@ -153,6 +154,19 @@ def check_overhead(report: dict) -> None:
                       f"stage {stage['stage']}")
         assert stage["state_bytes"] > 0
     assert_finite(report["noise_pct"], "noise_pct")
+    replication = report["replication"]
+    assert set(replication) == {"overhead_pct_vs_unreplicated", "unreplicated", "replicated",
+                                "paced"}
+    assert_finite(replication["overhead_pct_vs_unreplicated"], "replication overhead")
+    assert set(replication["overhead_pct_vs_unreplicated"]) == {"replicated", "paced"}
+    for mode in ("unreplicated", "replicated", "paced"):
+        row = replication[mode]
+        assert row["pushes"] >= 1, mode  # one record per measured step and stage
+        assert_finite({k: row[k] for k in ("copies_seconds_median", "copies_seconds_max",
+                                           "waited_seconds_median", "push_seconds_median")},
+                      mode)
+    for mode in ("replicated", "paced"):
+        assert 0 <= replication[mode]["in_bubbles_fraction"] <= 1, mode
     assert set(report["checks"]) == {
         "bubblesnap_overhead_le_1pct", "bubblesnap_snapshot_every_iteration",
         "bubblesnap_below_third_of_orbax_async", "naive_copy_ge_third_of_bubble_every_stage"}

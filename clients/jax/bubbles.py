@@ -24,9 +24,11 @@ copy into shared memory stops at the next 1 MiB block; what is left is
 fetched in a later bubble or spilled. (The device-to-host transfer of a
 tensor is not interrupted: on an accelerator a bubble that ends early can
 still be overrun by one tensor's transfer.)
-Once an iteration it announces a bubble (START, with the plan version it
-holds) and sends the last iteration's bubble lengths (one
-REPORT); neither is waited for. What did not fit by the end of the snapshot
+It announces each bubble as it begins (START: its position and the length
+it expects; the daemon pushes replicas in them with ``--pace-replication``),
+the first of an iteration with the plan version it holds, and once an
+iteration sends the last iteration's bubble lengths (one REPORT); none is
+waited for. What did not fit by the end of the snapshot
 interval is fetched right away (spilled) and counted. The held state must not
 be donated to the next step.
 """
@@ -161,7 +163,7 @@ class BubbleSnapshotter:
         if not self._reporting() or self.options.eager:
             return receive()[0]
         started = time.perf_counter()
-        self._announce()
+        self._announce(position)
         self._prepare()
         pending = self._pending
         copied, copy_seconds = self._copy_planned(position, arrived)
@@ -233,13 +235,22 @@ class BubbleSnapshotter:
         except grpc.RpcError as err:
             self._drop(err)
 
-    def _announce(self) -> None:
-        """Once an iteration: last iteration's REPORT, this one's START; adopt a newer plan."""
-        if self._announced == self._iteration:
-            return
-        self._announced = self._iteration
+    def _announce(self, position: int) -> None:
+        """A START at each bubble worth it (the daemon pushes replicas inside them); in
+        the iteration's first also last iteration's REPORT, and a newer plan adopted."""
+        expected = self._lengths.get(position, 0.0)
         event = dict(job=self._session.job, rank=self._session.rank, stage=self._stage,
                      step=self._pending.step if self._pending else -1)
+        if self._announced == self._iteration:
+            if expected >= self.options.min_report_seconds:
+                # The plan version received, so the daemon does not send it again.
+                latest = self._stream.latest
+                self._stream.send(pb.BubbleEvent(
+                    kind=pb.BubbleEvent.START, iteration=self._iteration, position=position,
+                    expected_seconds=expected, plan_version=latest.plan_version
+                    if latest is not None else self._plan_version, **event))
+            return
+        self._announced = self._iteration
         if self._outbox is not None:
             iteration, seconds, reports, (copied, copy_seconds) = self._outbox
             self._outbox = None
@@ -248,6 +259,7 @@ class BubbleSnapshotter:
                                              copied_bytes=copied, copy_seconds=copy_seconds,
                                              **event))
         self._stream.send(pb.BubbleEvent(kind=pb.BubbleEvent.START, iteration=self._iteration,
+                                         position=position, expected_seconds=expected,
                                          plan_version=self._plan_version, **event))
         latest = self._stream.latest
         if latest is not None and latest.plan_version != self._plan_version:

@@ -60,16 +60,21 @@ class BubbleOptions:
 class BubbleEvent:
     """One message of a stage's Bubbles stream, as the planner reads it.
 
-    ``start``: the stage is in a bubble of ``iteration`` and holds plan
+    ``start``: the stage is in a bubble (at ``position``, expected to last
+    ``expected_seconds``, 0: not said) of ``iteration`` and holds plan
     ``plan_version``. Otherwise a report: the bubbles of ``iteration`` that
     ended, as (position, measured seconds), the iteration's length, and the
-    bytes the stage fetched in ``copy_seconds``.
+    bytes the stage fetched in ``copy_seconds``; ``end``: the report of the one
+    bubble that ended just now.
     """
 
     job: str
     rank: int
     iteration: int
     start: bool = False
+    end: bool = False
+    position: int = 0
+    expected_seconds: float = 0.0
     plan_version: int = 0
     reports: tuple[tuple[int, float], ...] = ()
     iteration_seconds: float = 0.0
@@ -88,12 +93,12 @@ class BubbleEvent:
         if len(self.reports) > MAX_POSITION + 1:
             raise InvalidArgument(f"{len(self.reports)} bubble reports in one event; an "
                                   f"iteration has at most {MAX_POSITION + 1} positions")
-        for position, measured in self.reports:
+        for position, measured in ((self.position, self.expected_seconds), *self.reports):
             if not 0 <= position <= MAX_POSITION:
                 raise InvalidArgument(f"bubble position {position} is outside "
                                       f"0..{MAX_POSITION}; positions number the waits of "
                                       "one iteration")
-            check_seconds("a bubble's measured_seconds", measured)
+            check_seconds("a bubble's measured_seconds or expected_seconds", measured)
         check_seconds("iteration_seconds", self.iteration_seconds)
         _check_bandwidth(self.copied_bytes, self.copy_seconds)
 
@@ -172,11 +177,21 @@ class BubblePlans:
         # Plan versions start at a random point, so a client of a restarted daemon
         # never mistakes a new plan for the one it holds.
         self._first_version = random.getrandbits(40) << 16
+        self._on_bubble = []
+
+    def listen(self, on_bubble) -> None:
+        """``on_bubble(job, rank, opened, seconds, period)`` as a bubble opens (``opened``:
+        expected to last ``seconds``, as the stage said or else as profiled; 0: not
+        known) or closes (an END); ``period``: the rank's profiled iteration length (0:
+        not yet). Called on the stream's thread, without the lock: it must be quick."""
+        self._on_bubble.append(on_bubble)
 
     def handle(self, event: BubbleEvent) -> RankAssignments | None:
         """Folds a report into the rank's profile, or answers a start with the rank's plan
         if it holds an older one (None: nothing to send). The rank must be registered."""
         self._slot_bytes(event.job, event.rank)
+        if self._on_bubble and (event.start or event.end):
+            self._tell(event)
         if event.start:
             return self.answer_start(event.job, event.rank, event.plan_version, event.iteration)
         for position, measured in event.reports:
@@ -184,6 +199,16 @@ class BubblePlans:
                              event.iteration_seconds)
         self._record_bandwidth(event.job, event.rank, event.copied_bytes, event.copy_seconds)
         return None
+
+    def _tell(self, event: BubbleEvent) -> None:
+        with self._lock:
+            entry = self._jobs.get(event.job)
+            profile = entry.profiles.get(event.rank) if entry else None
+            expected = event.expected_seconds or (profile.bubbles.get(event.position, 0.0)
+                                                  if profile else 0.0)
+            period = profile.iteration_seconds if profile else 0.0
+        for listener in self._on_bubble:
+            listener(event.job, event.rank, event.start, expected, period)
 
     def record_end(self, job: str, rank: int, iteration: int, position: int,
                    measured_seconds: float, iteration_seconds: float) -> None:

@@ -41,6 +41,10 @@ SEND_IDLE_SECONDS = 30.0
 #: Sends at once; a connection with a good ticket waits up to SEND_IDLE_SECONDS for one.
 _MAX_SENDS = 64
 
+#: A gated offer's bytes go in pieces of this size, the gate asked before each: small
+#: enough that a piece begun at a bubble's end overruns it by about a millisecond.
+GATED_PIECE_BYTES = 1 << 20
+
 
 @dataclasses.dataclass
 class _Offer:
@@ -48,6 +52,7 @@ class _Offer:
     allowed: tuple[tuple[int, int], ...]  # the byte ranges of the file that may be read
     deadline: float
     done: object
+    gate: object = None  # gate(nbytes) before each piece: it may hold the send back
     claimed: list = dataclasses.field(default_factory=list)  # (start, stop) asked for so far
     active: int = 0  # connections sending now: the offer does not expire under them
 
@@ -100,17 +105,19 @@ class DataServer:
         self._sent_bytes = 0
         threading.Thread(target=self._run, name="data-accept", daemon=True).start()
 
-    def offer(self, path: str, nbytes: int, done, ranges=None) -> bytes:
+    def offer(self, path: str, nbytes: int, done, ranges=None, gate=None) -> bytes:
         """A ticket for reading the first ``nbytes`` of the file at ``path``, or only its
         byte ``ranges`` ((start, stop) each), every byte once; ``done()`` runs once:
         when every byte offered was asked for and sent (or failed to), the ticket was
-        cancelled, or it expired unused for ``TICKET_SECONDS``."""
+        cancelled, or it expired unused for ``TICKET_SECONDS``. ``gate(nbytes)``, if
+        given, is called on the sending thread before each piece of at most
+        ``GATED_PIECE_BYTES``; it may wait (pacing the bytes into idle windows)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         allowed = tuple((a, b) for a, b in (ranges if ranges is not None else [(0, nbytes)])
                         if a < b)
         with self._lock:
             self._offers[ticket] = _Offer(path, allowed, time.monotonic() + TICKET_SECONDS,
-                                          done)
+                                          done, gate)
         return ticket
 
     @property
@@ -261,7 +268,7 @@ class DataServer:
                 log.warning("data channel: %d sends busy; one refused", _MAX_SENDS)
                 return
             try:
-                _send_file(conn, offer.path, start, stop - start)
+                _send_file(conn, offer.path, start, stop - start, offer.gate)
                 with self._lock:
                     self._sent_bytes += stop - start
             finally:
@@ -283,10 +290,16 @@ class DataServer:
             offer.done()
 
 
-def _send_file(conn, path: str, offset: int, nbytes: int) -> None:
+def _send_file(conn, path: str, offset: int, nbytes: int, gate=None) -> None:
     # socket.sendfile: os.sendfile (zero copy) on a plain socket, waiting out a
     # full send buffer under the socket's timeout; plain sends under TLS.
+    piece = GATED_PIECE_BYTES if gate is not None else max(nbytes, 1)
+    sent = 0
     with open(path, "rb") as f:
-        sent = conn.sendfile(f, offset, nbytes)
+        for start in range(offset, offset + nbytes, piece):
+            count = min(piece, offset + nbytes - start)
+            if gate is not None:
+                gate(count)
+            sent += conn.sendfile(f, start, count)
     if sent != nbytes:
         raise ConnectionError(f"{path} ended after {sent} of {nbytes} bytes")

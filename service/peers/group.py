@@ -16,6 +16,7 @@ from bubblesnap.service.coordination.etcd_kv import EtcdUnavailable
 from bubblesnap.service.errors import InvalidArgument, Unavailable
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.peers.group_view import Holding
+from bubblesnap.service.peers.pacing import PacingOptions
 from bubblesnap.service.peers.security import PeerSecurity
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -44,6 +45,8 @@ class PeerOptions:
         (``--replicas``). A step is committed when every rank holds it 1 + k
         times. Default 1.
       security: TLS and token of peer calls.
+      pacing: whether new copies are pushed in the stages' bubbles, and how long
+        one may wait for them (``--pace-replication``, ``--pace-max-wait``).
       call_timeout_seconds: deadline of small peer calls. Default 2 s.
       transfer_timeout_seconds: deadline of a replica or restore transfer.
         Default 120 s.
@@ -66,6 +69,7 @@ class PeerOptions:
     replicas: int = 1
     security: PeerSecurity = PeerSecurity()
     coordination: CoordinationOptions = CoordinationOptions()
+    pacing: PacingOptions = PacingOptions()
     call_timeout_seconds: float = 2.0
     transfer_timeout_seconds: float = 120.0
     refresh_seconds: float = 1.0

@@ -12,6 +12,10 @@ common steps, and a step gets committed for the whole job. Every
 ``refresh_seconds`` the group's holdings are gathered: they say which steps
 are committed (each rank 1 + k times, which drives retention) and which
 copies lost a holder (a dead peer), which this daemon then pushes again.
+With ``--pace-replication`` a new copy's push, and each piece of its bytes,
+waits for a window in which every stage reporting bubbles here is in one, up
+to a bound (:mod:`bubblesnap.service.peers.idle_windows`); re-replication is
+not held: a copy that lost a holder is restored to 1 + k copies first.
 """
 
 import logging
@@ -24,6 +28,7 @@ from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.background import CoalescingWorker
 from bubblesnap.service.errors import DaemonError
 from bubblesnap.service.peers import group_view
+from bubblesnap.service.peers.idle_windows import IdleWindows, PushGate, Replication
 from bubblesnap.service.rpc.messages import tensor_specs
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -32,14 +37,18 @@ log = logging.getLogger("bubblesnap.daemon")
 class Replicator:
     """The background thread that replicates and tracks the group's copies."""
 
-    def __init__(self, store, group, transfers, layouts, metrics):
+    def __init__(self, store, group, transfers, layouts, metrics, idle: IdleWindows):
         self._store = store
+        self.idle = idle  # the stages' bubbles: pacing, and the record of pushes
         self._metrics = metrics  # times each push
         self._layouts = layouts  # the group's layouts: a step is committed only when whole
         self._group = group
         self._transfers = transfers
         self._views: dict[str, list[group_view.Holding]] = {}
         self._probed: dict[int, float] = {}  # when a peer believed dead was last asked
+        # (job, rank) -> when its oldest commit still waiting here was made: a step that
+        # replaced older ones waits no longer than they may.
+        self._since: dict[tuple[str, int], float] = {}
         self._lock = threading.Lock()
         self._worker = CoalescingWorker("replicator", self._replicate_batch,
                                         tick=lambda: self._refresh(None),
@@ -53,6 +62,8 @@ class Replicator:
 
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here: replicate it soon."""
+        with self._lock:
+            self._since.setdefault((job, rank), time.monotonic())
         self._worker.submit((job, rank), step)
 
     def summary_changed(self, job: str) -> None:
@@ -71,6 +82,7 @@ class Replicator:
         what is known of the group's copies is gathered afresh."""
         with self._lock:
             self._views.pop(job, None)
+            self._since = {key: t for key, t in self._since.items() if key[0] != job}
         self._worker.drop(lambda key, waiting: key[0] != job or waiting <= step)
         self._group.forget_holdings(job)
 
@@ -101,14 +113,24 @@ class Replicator:
         # The next k daemons that answer, in ring order. One believed dead is
         # asked first with a short call: daemons start one after another, and a
         # peer missed at startup must not lose its place in the ring.
-        acked = 0
+        with self._lock:
+            since = self._since.pop((job, rank), time.monotonic())
+        waited = self.idle.wait(since, self._worker.stopping)
+        gate = self.idle.gate(since, self._worker.stopping)
+        started, acked, nbytes = time.monotonic(), 0, 0
         for target in self._group.ring():
             if acked == self._group.options.replicas:
-                return
+                break
             if target not in self._group.live() and (self._group.coordinated
                                                      or not self._probe(target, job)):
                 continue  # asked at most once a refresh: a dead host may take seconds to fail
-            acked += self._push(job, rank, step, target)
+            pushed = self._push(job, rank, step, target, gate)
+            acked, nbytes = acked + bool(pushed), nbytes + pushed
+        stopped = time.monotonic()
+        self.idle.record(job, Replication(
+            rank=rank, step=step, nbytes=nbytes, paced=self.idle.options.in_bubbles,
+            peers=acked, waited_seconds=waited, push_seconds=stopped - started,
+            idle_bytes=gate.idle_bytes, copies_seconds=stopped - since))
 
     def _probe(self, target: int, job: str) -> bool:
         now = time.monotonic()
@@ -160,11 +182,13 @@ class Replicator:
                 for target in targets:
                     self._push(job, rank, step, target)
 
-    def _push(self, job: str, rank: int, step: int, target: int) -> bool:
+    def _push(self, job: str, rank: int, step: int, target: int,
+              gate: PushGate | None = None) -> int:
+        """The bytes ``target`` took of the copy (0: it did not); ``gate`` paces them."""
         try:
-            pinned, ticket = self._transfers.offer(job, rank, step)
+            pinned, ticket = self._transfers.offer(job, rank, step, gate=gate)
         except DaemonError:
-            return False  # freed meanwhile: a newer step replaced it
+            return 0  # freed meanwhile: a newer step replaced it
         request = ppb.ReplicateRequest(
             job=job, world_size=pinned.world_size, rank=rank, step=step,
             tensors=tensor_specs(pinned.layout), checksums=pinned.checksums,
@@ -178,6 +202,6 @@ class Replicator:
             self._transfers.cancel(ticket)  # never redeemed, or broken off: unpin now
             log.warning("peer %d did not take step %d of rank %d of %s: %s: %s", target, step,
                         rank, job, err.code().name, err.details())
-            return False
+            return 0
         self._store.mark_replicated(job, rank, step)
-        return True
+        return pinned.segment.nbytes

@@ -44,10 +44,11 @@ class Transfers:
         return self._data.address
 
     def offer(self, job: str, rank: int, step: int,
-              slots=()) -> tuple[PinnedCopy, bytes]:
+              slots=(), gate=None) -> tuple[PinnedCopy, bytes]:
         """Pins a LOCAL copy and offers it, or only its ``slots`` (indices in layout
         order); it is unpinned once read, cancelled or expired. NotFound when it is
-        not held, InvalidArgument for a slot it does not have."""
+        not held, InvalidArgument for a slot it does not have. ``gate``: see
+        :meth:`DataServer.offer` (pacing the bytes)."""
         pinned = self._store.pin(job, rank, step)
         ranges = None
         if slots:
@@ -58,7 +59,7 @@ class Transfers:
             ranges = _touching_joined([(pinned.slots[s][2], pinned.slots[s][2] + pinned.slots[s][3])
                                        for s in sorted(set(slots))])
         ticket = self._data.offer(pinned.segment.path, pinned.segment.nbytes,
-                                  lambda: self._store.unpin(pinned), ranges)
+                                  lambda: self._store.unpin(pinned), ranges, gate)
         return pinned, ticket
 
     def cancel(self, ticket: bytes) -> None:

@@ -224,9 +224,11 @@ def bubble_event(event: pb.BubbleEvent) -> BubbleEvent:
     job_rank(event)
     common = dict(job=event.job, rank=event.rank, iteration=event.iteration)
     if event.kind == pb.BubbleEvent.START:
-        return BubbleEvent(start=True, plan_version=event.plan_version, **common)
+        return BubbleEvent(start=True, plan_version=event.plan_version, position=event.position,
+                           expected_seconds=event.expected_seconds, **common)
     if event.kind == pb.BubbleEvent.END:
         reports = ((event.position, event.measured_seconds),)
+        common.update(end=True, position=event.position)
     elif event.kind == pb.BubbleEvent.REPORT:
         reports = tuple((r.position, r.measured_seconds) for r in event.reports)
     else:
@@ -342,7 +344,8 @@ def _job_status(status) -> pb.JobStatus:
         corrupt_copies=[
             pb.CorruptCopy(rank=c.rank, step=c.step, source=c.source, detail=c.detail,
                            unix_time=c.unix_time)
-            for c in status.corrupt_copies])
+            for c in status.corrupt_copies],
+        replication=[pb.Replication(**dataclasses.asdict(r)) for r in status.replication])
 
 
 def _plan_status(plan, profiles, version) -> pb.PlanStatus:

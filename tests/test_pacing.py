@@ -1,0 +1,228 @@
+"""Replication paced into bubbles: the pure decision, then real rings of daemons where a
+stage reports bubbles (or stops) and Status tells how the pushes fell."""
+
+import queue
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from bubblesnap.cli import format_status
+from bubblesnap.clients import ClientOptions, NumpyClient
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.peers import data_channel, pacing
+from bubblesnap.service.peers.data_server import GATED_PIECE_BYTES, DataServer
+from bubblesnap.service.peers.pacing import StageBubbles, idle_now, idle_windows, push_at
+from bubblesnap.testing import wait_for
+
+# -- the decision ------------------------------------------------------------------------------
+
+def test_no_stage_reporting_bubbles_pushes_at_once():
+    assert push_at([], now=10.0, deadline=12.0) == 10.0
+    stale = StageBubbles(((1.0, 1.5),), period=1.0)  # last seen 9 s ago, 3 periods at most
+    assert push_at([stale], now=10.0, deadline=12.0) == 10.0
+
+
+def test_inside_a_bubble_it_goes_now_and_between_bubbles_it_waits_for_the_next():
+    stage = StageBubbles(((10.0, 10.4),), period=1.0)
+    assert push_at([stage], now=10.2, deadline=12.0) == 10.2
+    assert push_at([stage], now=10.5, deadline=12.0) == pytest.approx(11.0)
+
+
+def test_a_window_after_the_deadline_is_not_waited_for():
+    stage = StageBubbles(((10.0, 10.4),), period=5.0)
+    assert push_at([stage], now=10.5, deadline=12.0) == 10.5
+    assert push_at([stage], now=10.5, deadline=10.5) == 10.5
+
+
+def test_unknown_period_waits_for_a_start_until_the_deadline():
+    stage = StageBubbles(((10.0, 10.4),))
+    assert push_at([stage], now=10.5, deadline=12.0) == 12.0
+    assert push_at([stage], now=12.0, deadline=12.0) == 12.0
+
+
+def test_the_host_is_idle_only_when_every_stage_is_in_a_bubble():
+    a = StageBubbles(((10.0, 10.5),), period=1.0)
+    b = StageBubbles(((10.3, 10.8),), period=1.0)
+    assert idle_windows([a, b], 10.0, 12.0) == [(10.3, 10.5), (11.3, 11.5)]
+    assert push_at([a, b], now=10.1, deadline=12.0) == pytest.approx(10.3)
+    assert push_at([a, b], now=10.6, deadline=12.0) == pytest.approx(11.3)
+
+
+def test_idle_now_is_inside_a_window_seen_or_predicted():
+    stage = StageBubbles(((1.0, 1.5), (2.0, 2.5)), period=1.0)
+    assert idle_now([stage], 2.2) and idle_now([stage], 3.2)  # the next one is predicted
+    assert not idle_now([stage], 2.7)
+    assert not idle_now([], 2.2)
+
+
+def test_a_tiny_period_cannot_make_the_work_unbounded():
+    stage = StageBubbles(((0.0, 1e-9),), period=1e-9)
+    assert len(stage.windows(until=3600.0)) <= 300
+
+
+def test_a_gated_offer_asks_its_gate_before_every_piece(tmp_path):
+    """The data channel's end of pacing: a gated offer's bytes go in pieces, each after
+    its gate returned (a gate that waits holds the bytes back)."""
+    nbytes = 2 * GATED_PIECE_BYTES + 12345
+    path = tmp_path / "segment"
+    path.write_bytes(np.random.default_rng(0).bytes(nbytes))
+    asked = []
+    server = DataServer("127.0.0.1:0")
+    try:
+        ticket = server.offer(str(path), nbytes, lambda: None, gate=asked.append)
+        [(data, _)] = data_channel.read_ranges(server.address, ticket, [(0, nbytes)], None,
+                                               10.0, "a test copy", streams=1)
+    finally:
+        server.close()
+    assert bytes(data) == path.read_bytes()
+    assert asked == [GATED_PIECE_BYTES, GATED_PIECE_BYTES, 12345]
+
+
+def test_a_bound_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"PacingOptions\.max_wait_seconds: --pace-max-wait"):
+        pacing.PacingOptions(max_wait_seconds=-1.0)
+
+
+# -- rings of daemons --------------------------------------------------------------------------
+
+JOB = "paced"
+STATE = {"w": np.arange(1 << 18, dtype=np.float32)}  # 1 MiB
+
+
+class Bubbles:
+    """A stage's Bubbles stream driven by hand: START (expected length) and END events."""
+
+    def __init__(self, daemon):
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._call = daemon.stub.Bubbles(iter(self._events.get, None))
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.iteration = 0
+
+    def _drain(self) -> None:
+        try:
+            list(self._call)  # plans sent back: not used here
+        except grpc.RpcError:
+            pass  # the daemon stopped at the test's end
+
+    def send(self, kind, **fields) -> None:
+        self._events.put(pb.BubbleEvent(job=JOB, rank=0, kind=kind, iteration=self.iteration,
+                                        position=1, **fields))
+
+    def close(self) -> None:
+        self._events.put(None)
+
+
+def pushes(daemon, step: int) -> list[pb.Replication]:
+    jobs = daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs
+    return [r for r in jobs[0].replication if r.step == step]
+
+
+def pushed(daemon, step: int) -> pb.Replication:
+    wait_for(lambda: pushes(daemon, step), timeout=30, what=f"the push of step {step}")
+    [push] = pushes(daemon, step)
+    return push
+
+
+def snapshot(daemon, step: int) -> None:
+    client = NumpyClient(JOB, 0, 1, ClientOptions(daemon=daemon.address))
+    try:
+        result = client.snapshot(step, STATE)
+        assert result.taken, result.reason
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_replication_goes_inside_the_bubbles_a_stage_reports(start_ring, paced):
+    """A stage in a 0.6 s bubble every 1.5 s; a step committed just after one ended.
+    Paced, its push waits for the next and lies inside it; unpaced it goes at once,
+    outside (which is what the paced assertion would see without the feature)."""
+    flags = ("--pace-replication", "--pace-max-wait", "5") if paced else ()
+    ring = start_ring(2, "--replicas", "1", *flags)
+    snapshot(ring.daemons[0], 1)  # registers the rank (bubbles need it) and warms up
+    pushed(ring.daemons[0], 1)
+    stream = Bubbles(ring.daemons[0])
+    try:
+        for iteration in range(4):  # profiles the iteration length: windows are predicted
+            stream.iteration = iteration
+            stream.send(pb.BubbleEvent.START, expected_seconds=0.6)
+            time.sleep(0.6)
+            stream.send(pb.BubbleEvent.REPORT, iteration_seconds=1.5, reports=[
+                pb.BubbleReport(position=1, measured_seconds=0.6)])
+            time.sleep(0.9 if iteration < 3 else 0.05)
+        committed = time.monotonic()
+        snapshot(ring.daemons[0], 2)
+        stream.iteration = 4
+        time.sleep(max(0.0, committed + 0.7 - time.monotonic()))
+        stream.send(pb.BubbleEvent.START, expected_seconds=0.6)
+        push = pushed(ring.daemons[0], 2)
+    finally:
+        stream.close()
+    assert push.paced is paced and push.peers == 1 and push.nbytes >= STATE["w"].nbytes
+    assert push.push_seconds > 0 and push.idle_bytes <= push.nbytes
+    shown = format_status(ring.daemons[0].stub.Status(pb.StatusRequest(job=JOB), timeout=10))
+    assert ("replication (paced into bubbles)" if paced else "replication (not paced)") in shown
+    if paced:
+        assert 0.4 < push.waited_seconds < 1.5, push
+        assert push.idle_bytes == push.nbytes, push
+        assert push.copies_seconds >= push.waited_seconds + push.push_seconds * 0.99
+    else:
+        assert push.waited_seconds == 0 and push.idle_bytes == 0, push
+
+
+def test_the_wait_bound_is_honoured_when_no_bubbles_come(start_ring):
+    """A stage announced a bubble and then none came (its iteration length not known):
+    the push waits for one up to --pace-max-wait, then goes."""
+    ring = start_ring(2, "--replicas", "1", "--pace-replication", "--pace-max-wait", "1")
+    snapshot(ring.daemons[0], 1)
+    stream = Bubbles(ring.daemons[0])
+    try:
+        stream.send(pb.BubbleEvent.START)
+        stream.send(pb.BubbleEvent.END, measured_seconds=0.05)
+        time.sleep(0.3)
+        snapshot(ring.daemons[0], 2)
+        push = pushed(ring.daemons[0], 2)
+    finally:
+        stream.close()
+    assert push.paced and push.peers == 1
+    assert 0.8 < push.waited_seconds < 1.6, push
+    assert push.idle_bytes == 0, push
+
+
+def test_a_copy_larger_than_a_bubble_is_spread_over_several(start_ring):
+    """64 MiB against 10 ms bubbles every 0.15 s: the bytes wait for the windows piece by
+    piece (the push spans several iterations) and most go inside them (unpaced, about a
+    sixth would)."""
+    ring = start_ring(2, "--replicas", "1", "--pace-replication", "--pace-max-wait", "20")
+    big = {"w": np.arange(16 << 20, dtype=np.float32)}
+    client = NumpyClient(JOB, 0, 1, ClientOptions(daemon=ring.daemons[0].address))
+    try:
+        assert client.snapshot(1, big).taken
+        pushed(ring.daemons[0], 1)
+        stream, stop = Bubbles(ring.daemons[0]), threading.Event()
+
+        def iterate() -> None:
+            while not stop.is_set():
+                stream.send(pb.BubbleEvent.START, expected_seconds=0.01)
+                stop.wait(0.15)
+                stream.send(pb.BubbleEvent.REPORT, iteration_seconds=0.15, reports=[
+                    pb.BubbleReport(position=1, measured_seconds=0.01)])
+                stream.iteration += 1
+        beat = threading.Thread(target=iterate, daemon=True)
+        beat.start()
+        try:
+            time.sleep(1.2)  # the iteration length is profiled
+            assert client.snapshot(2, big).taken
+            push = pushed(ring.daemons[0], 2)
+        finally:
+            stop.set()
+            beat.join()
+            stream.close()
+    finally:
+        client.close()
+    assert push.nbytes >= big["w"].nbytes and push.peers == 1
+    assert push.idle_bytes >= 0.7 * push.nbytes, push
+    assert push.push_seconds > 0.15, push  # held back between windows
