@@ -20,6 +20,7 @@ import yaml
 
 from bubblesnap import cli
 from bubblesnap.service import DiscoveryOptions
+from bubblesnap.sizes import parse_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -203,10 +204,10 @@ def test_the_systemd_unit_runs_the_daemon_with_its_flags():
             words.append(word.replace("%i", "alice"))
     args = cli.parser().parse_args(["daemon", *words])
     assert args.shm_dir == "/dev/shm/bubblesnap/alice"
-    assert args.memory_budget == cli.parse_bytes(env["BUBBLESNAP_MEMORY_BUDGET"])
+    assert args.memory_budget == parse_bytes(env["BUBBLESNAP_MEMORY_BUDGET"])
     mount = (DEPLOY / "systemd" / "dev-shm-bubblesnap.mount").read_text()
     size = re.search(r"size=(\d+G)", mount).group(1)
-    assert args.memory_budget < cli.parse_bytes(size + "iB")
+    assert args.memory_budget < parse_bytes(size + "iB")
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")

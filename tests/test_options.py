@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from bubblesnap import cli
+from bubblesnap import cli, cli_daemon
 from bubblesnap.service import (
     BubbleOptions,
     CoordinationOptions,
@@ -64,10 +64,10 @@ def test_bad_options_are_refused_naming_the_option(options, kwargs, words):
 
 def test_the_daemon_flags_default_to_the_options_defaults():
     args = cli.parser().parse_args(["daemon"])
-    assert cli.daemon_options(args) == DaemonOptions()
+    assert cli_daemon.daemon_options(args) == DaemonOptions()
 
 
 def test_spreading_restores_over_holders_can_be_turned_off():
     flags = ["daemon", "--peers", "127.0.0.1:1,127.0.0.1:2", "--no-spread-restores"]
-    assert not cli.daemon_options(cli.parser().parse_args(flags)).peers.spread_restores
-    assert cli.daemon_options(cli.parser().parse_args(flags[:3])).peers.spread_restores
+    assert not cli_daemon.daemon_options(cli.parser().parse_args(flags)).peers.spread_restores
+    assert cli_daemon.daemon_options(cli.parser().parse_args(flags[:3])).peers.spread_restores
