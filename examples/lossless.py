@@ -39,8 +39,8 @@ share of the step's microbatches (replay_shares); the owner sums their
 per-microbatch gradients in the order the step did (combine_in_order), so
 the result stays bit for bit, and applies the one update before the next
 step. The workers compile their programs while the replacement waits for
-the plan and restores. Runs: reference, then failing (which recovers and
-finishes in the same run).
+the plan and restores; a step is shared among those whose compile finished.
+Runs: reference, then failing (which recovers and finishes in the same run).
 
 The last line is JSON: bitwise_equal (every parameter and optimizer moment
 of every stage equals the reference's, byte for byte), lost_steps (steps
@@ -51,8 +51,8 @@ measured boundary-log bytes per step, the trade-off between log bytes and
 replay time of every grouping, and the recovery's timings: replay_seconds
 (the slowest replaying stage, restore included), replay_workers, and
 failed_stage_replay (the replacement's restore and per-step times, the
-steps the workers replayed, their compile time and how long the replay
-waited for it).
+steps the workers replayed and how many shared each, each device's compile
+time and how long the replay waited for the stage's own).
 
     python examples/lossless.py --fail-at 9 --fail-point bubble
     python examples/lossless.py --fail-scope stage --fail-stage 1 --fail-at 9
@@ -287,6 +287,7 @@ def stage_main(args) -> int:
         replay_workers.close()
         report["replay_warm_up_seconds"] = replay_workers.warm_up_seconds
         report["replay_waited_for_warm_up_seconds"] = replay_workers.waited_for_warm_up
+        report["replay_workers_by_step"] = replay_workers.workers_by_step
     with open(os.path.join(args.workdir, args.run, f"stage{stage}.{incarnation}.json"),
               "w") as f:
         json.dump(report, f)
@@ -435,7 +436,8 @@ def stage_scope_run(args) -> dict:
                 "seconds": replay["replay_seconds"], "restore_seconds": replay["restore_seconds"],
                 "step_seconds": replay["replay_step_seconds"],
                 "steps_by_the_workers": replay["parallel_steps"],
-                "warm_up_seconds": replacement.get("replay_warm_up_seconds"),
+                "workers_by_step": replacement.get("replay_workers_by_step"),
+                "warm_up_seconds_by_device": replacement.get("replay_warm_up_seconds"),
                 "waited_for_warm_up_seconds":
                     replacement.get("replay_waited_for_warm_up_seconds")},
             "trade_off": [{"groups": [list(g) for g in p.groups],

@@ -11,9 +11,15 @@ original step did (``combine_in_order``), applies the one optimizer update
 and hands the new parameters to the workers with the next step. The
 tensors the stage sends leave in the order the step sent them.
 
-Every worker compiles its device's programs while the replacement waits for
-the coordinator and restores (XLA compiles per device), so the replay does
-not start with a compile on each.
+Every worker compiles its device's programs (XLA compiles per device) from
+the moment the replacement starts, while it waits for the coordinator and
+restores: the stage's own device first (the first step waits for it; the
+others' compiles would only slow it down on a busy CPU), then the others.
+A step is shared among the workers whose programs are ready, so a slow
+compile elsewhere costs the replay nothing but CPU: which device computes a
+microbatch does not change its gradient's bits, and the sum's order is the
+step's whatever the shares. Each worker reads its own share's inputs from
+the logs, so the reads overlap too.
 """
 
 import time
@@ -31,10 +37,10 @@ class ReplayWorkers:
     actions); ``batch(step, microbatch)`` gives (tokens, targets).
 
     Attributes:
-      shares: the microbatches each worker takes, in the order of ``devices``.
+      workers_by_step: how many workers shared each replayed step.
       step_seconds: how long each replayed step took.
-      warm_up_seconds: how long the workers' compiles took (None until they finished).
-      waited_for_warm_up: how long the first replayed step waited for them.
+      waited_for_warm_up: how long the first replayed step waited for the stage's own
+        device's compile.
     """
 
     def __init__(self, program, schedule, stage: int, stages: int, batch, devices):
@@ -42,28 +48,30 @@ class ReplayWorkers:
         self._first, self._last = stage == 0, stage == stages - 1
         self._batch, self.devices = batch, list(devices)
         self._order = tuple(mb for op, mb in self.schedule if op == "B")
-        self.shares = replay_shares(len(self._order), len(self.devices))
+        self.workers_by_step: list[int] = []
         self.step_seconds: list[float] = []
-        self.warm_up_seconds: float | None = None
         self.waited_for_warm_up = 0.0
         self._pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="replay-worker")
         started = time.perf_counter()
-        self._warming = [self._pool.submit(self._warm_up, device, started)
-                         for device in self.devices]
+        own = self._pool.submit(self._warm_up, self.devices[0], started)
+        self._warming = [own, *(self._pool.submit(self._warm_up, device, started, own)
+                                for device in self.devices[1:])]
 
     def replay(self, step: int, take, send) -> None:
         """Replays ``step``: inputs from ``take(key, sender)`` ((value, arrival time), as an
         inbox), outputs to ``send(to, key, value)``; the program's state moves on one step."""
         started = time.perf_counter()
-        if self._warming:
-            self.warm_up_seconds = max(future.result() for future in self._warming)
-            self._warming = []
+        if not self.step_seconds:
+            self._warming[0].result()
             self.waited_for_warm_up = time.perf_counter() - started
-        inputs = {mb: self._inputs(step, mb, take) for mb in self._order}
+        ready = [d for d, future in zip(self.devices, self._warming, strict=True)
+                 if future.done()]
+        self.workers_by_step.append(len(ready))
         params = self.program.state["params"]
         results = {}
-        for future in [self._pool.submit(self._share, device, params, share, inputs)
-                       for device, share in zip(self.devices, self.shares, strict=True)]:
+        shares = replay_shares(len(self._order), len(ready))
+        for future in [self._pool.submit(self._replay_share, device, params, share, step, take)
+                       for device, share in zip(ready, shares, strict=True)]:
             results.update(future.result())
         for op, mb in self.schedule:
             if op == "F" and not self._last:
@@ -76,9 +84,18 @@ class ReplayWorkers:
         jax.block_until_ready(self.program.state)
         self.step_seconds.append(time.perf_counter() - started)
 
+    @property
+    def warm_up_seconds(self) -> list[float | None]:
+        """How long each device's compile took from the start (None: still running)."""
+        return [future.result() if future.done() else None for future in self._warming]
+
     def close(self) -> None:
         """Stops the worker threads (after any compile still running)."""
         self._pool.shutdown()
+
+    def _replay_share(self, device, params, share, step: int, take) -> dict:
+        return self._share(device, params, share,
+                           {mb: self._inputs(step, mb, take) for mb in share})
 
     def _inputs(self, step: int, mb: int, take):
         """(the microbatch's input, the gradient flowing into its output) as the step had them."""
@@ -99,9 +116,12 @@ class ReplayWorkers:
             results[mb] = jax.block_until_ready((y, g, gx))
         return results
 
-    def _warm_up(self, device, started: float) -> float:
+    def _warm_up(self, device, started: float, after=None) -> float:
         """Compiles what a step runs on ``device`` on zeros shaped like a microbatch (not the
-        loader's batch: asking it for a step draws that step's samples)."""
+        loader's batch: asking it for a step draws that step's samples), once ``after``
+        (a future) is done."""
+        if after is not None:
+            after.result()
         c = self.program.config
         shape = (c.microbatch_size, c.seq_len)
         activation = jnp.zeros((*shape, c.d_model), jnp.float32)
