@@ -50,9 +50,10 @@ went back to a snapshot), and for --fail-scope stage the log plan, the
 measured boundary-log bytes per step, the trade-off between log bytes and
 replay time of every grouping, and the recovery's timings: replay_seconds
 (the slowest replaying stage, restore included), replay_workers, and
-failed_stage_replay (the replacement's restore and per-step times, the
-steps the workers replayed and how many shared each, each device's compile
-time and how long the replay waited for the stage's own).
+failed_stage_replay (the replacement's restore and per-step times, their
+sum after the first step, which carries the compiles, the steps the workers
+replayed and how many shared each, each device's compile time and how long
+the replay waited for the stage's own).
 
     python examples/lossless.py --fail-at 9 --fail-point bubble
     python examples/lossless.py --fail-scope stage --fail-stage 1 --fail-at 9
@@ -226,6 +227,11 @@ def stage_main(args) -> int:
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
     loader = DataLoader(config, MICROBATCHES)
     program = StageProgram(config, STAGES, stage, jax.devices()[:1])
+    schedule = SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage)
+    # As soon as the program exists: the workers compile while the replacement
+    # connects, waits for the coordinator's plan and restores the snapshot.
+    replay_workers = ReplayWorkers(program, schedule, stage, STAGES, loader.batch,
+                                   jax.devices()) if workers > 1 else None
     daemons = args.daemons.split(",")  # stage s runs on the host of daemon s
 
     def options_of(stage: int) -> ClientOptions:
@@ -239,8 +245,6 @@ def stage_main(args) -> int:
         client, args.snapshot_every,
         os.path.join(args.workdir, args.run, f"stage{stage}.{incarnation}.progress")))
     boundary_log = BoundaryLog(client, json.loads(args.logged), options_of)
-
-    schedule = SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage)
 
     def make_runner(inbox, send, mode):
         return StageRunner(program, schedule, stage, STAGES, inbox, send, {"m": mode},
@@ -265,10 +269,6 @@ def stage_main(args) -> int:
             if len(sent) == args.fail_after_sends:
                 die(f"SIGKILL stage {stage} in step {args.die_in_step} after it sent {sent}")
 
-    # Started before the coordinator's plan arrives: the workers compile while it
-    # comes and while the snapshot is restored.
-    replay_workers = ReplayWorkers(program, schedule, stage, STAGES, loader.batch,
-                                   jax.devices()) if workers > 1 else None
     process = StageProcess(stage, links, boundary_log, mode, make_runner, restore,
                            None if args.die_in_step is None else die_after_sends,
                            replay_workers)
@@ -435,6 +435,7 @@ def stage_scope_run(args) -> dict:
             "failed_stage_replay": {
                 "seconds": replay["replay_seconds"], "restore_seconds": replay["restore_seconds"],
                 "step_seconds": replay["replay_step_seconds"],
+                "seconds_after_the_first_step": sum(replay["replay_step_seconds"][1:]),
                 "steps_by_the_workers": replay["parallel_steps"],
                 "workers_by_step": replacement.get("replay_workers_by_step"),
                 "warm_up_seconds_by_device": replacement.get("replay_warm_up_seconds"),
