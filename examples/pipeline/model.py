@@ -143,10 +143,9 @@ class StageProgram:
     def accumulate(self, total, grads):
         return grads if total is None else self._accumulate(total, grads)
 
-    def updated(self, grads, state=None):
-        """The state one optimizer step on ``grads`` makes of ``state`` (default: the
-        stage's), without keeping it."""
-        return self._update(self.state if state is None else state, grads)
+    def updated(self, grads):
+        """The state one optimizer step on ``grads`` makes of the stage's, without keeping it."""
+        return self._update(self.state, grads)
 
     def update(self, grads) -> None:
         self.state = self.updated(grads)
