@@ -8,6 +8,7 @@ daemons and replays alone while the others keep their state.
 """
 
 import io
+import threading
 import time
 
 import numpy as np
@@ -43,6 +44,7 @@ class BoundaryLog:
         self.logged_boundaries = frozenset(logged_boundaries)
         self._options_of = options_of
         self._readers: dict = {}  # sender -> a client reading that rank's streams
+        self._readers_lock = threading.Lock()  # replay workers read from several threads
         self.bytes_by_boundary: dict[int, int] = {}
 
     def logged(self, sender: int, receiver: int) -> bool:
@@ -61,16 +63,17 @@ class BoundaryLog:
     def read(self, sender: int, receiver: int, key,
              wait_seconds: float = RECORD_WAIT_SECONDS) -> np.ndarray:
         """The tensor ``sender`` logged under ``key``, waiting up to ``wait_seconds`` while
-        it is on its way; TimeoutError after that."""
-        if sender not in self._readers:
-            self._readers[sender] = NumpyClient(self.client.job, rank=sender,
-                                                world_size=self.client.world_size,
-                                                options=self._options_of(sender))
+        it is on its way; TimeoutError after that. Safe to call from several threads."""
+        with self._readers_lock:
+            if sender not in self._readers:
+                self._readers[sender] = NumpyClient(self.client.job, rank=sender,
+                                                    world_size=self.client.world_size,
+                                                    options=self._options_of(sender))
+            reader = self._readers[sender]
         step = key[1]
         deadline = time.monotonic() + wait_seconds
         while True:
-            records = self._readers[sender].read_log(step - 1, stream=_stream(key),
-                                                     until_step=step)
+            records = reader.read_log(step - 1, stream=_stream(key), until_step=step)
             if records and records[0][0] == step:
                 return np.load(io.BytesIO(records[0][1]), allow_pickle=False)
             if time.monotonic() > deadline:
@@ -80,6 +83,7 @@ class BoundaryLog:
 
     def close(self) -> None:
         """Closes the clients that read neighbours' logs (not this stage's own)."""
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
+        with self._readers_lock:
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()

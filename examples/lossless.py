@@ -33,8 +33,15 @@ stages keep their state and wait (a survivor that had not finished the last
 step replays that one step from memory). --log-budget limits the boundary
 log's bytes per step: adjacent stages are merged into groups whose inner
 boundaries are not logged, and a failure rolls back the failed stage's whole
-group (plan_log_groups). Runs: reference, then failing (which recovers and
-finishes in the same run).
+group (plan_log_groups). With --replay-workers N the replacement replays
+each lost step whose inputs all come from the logs with N worker threads,
+each on its own CPU device with a copy of the stage's parameters, taking a
+share of the step's microbatches (replay_shares); the owner sums their
+per-microbatch gradients in the order the step did (combine_in_order), so
+the result stays bit for bit, and applies the one update before the next
+step. The workers compile their programs while the replacement waits for
+the plan and restores; a step is shared among those whose compile finished.
+Runs: reference, then failing (which recovers and finishes in the same run).
 
 The last line is JSON: bitwise_equal (every parameter and optimizer moment
 of every stage equals the reference's, byte for byte), lost_steps (steps
@@ -42,11 +49,17 @@ finished before the failure that were neither kept, restored nor replayed),
 replayed_steps, restored_step, failed_at, stages_rolled_back (stages that
 went back to a snapshot), and for --fail-scope stage the log plan, the
 measured boundary-log bytes per step, the trade-off between log bytes and
-replay time of every grouping, and the recovery's timings.
+replay time of every grouping, and the recovery's timings: replay_seconds
+(the slowest replaying stage, restore included), replay_workers, and
+failed_stage_replay (the replacement's restore and per-step times, their
+sum after the first step, which carries the compiles, the steps the workers
+replayed and how many shared each, each device's compile time and how long
+the replay waited for the stage's own).
 
     python examples/lossless.py --fail-at 9 --fail-point bubble
     python examples/lossless.py --fail-scope stage --fail-stage 1 --fail-at 9
     python examples/lossless.py --fail-scope stage --fail-stage 2 --log-budget 300000
+    python examples/lossless.py --fail-scope stage --fail-at 11 --steps 14 --replay-workers 2
 """
 
 import argparse
@@ -200,8 +213,11 @@ def die(why: str) -> None:
 
 def stage_main(args) -> int:
     """One stage process of a stage-scope run."""
+    # A replacement's replay workers each get a device of their own (their own XLA
+    # programs, run in parallel); the stage itself stays on the first.
+    workers = args.replay_workers if args.replacement else 1
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=1")
+                               f" --xla_force_host_platform_device_count={workers}")
     import jax
 
     from bubblesnap.clients import BoundaryLog, LoggedSteps
@@ -209,6 +225,7 @@ def stage_main(args) -> int:
     from bubblesnap.protos.checksum import checksum
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
+    from pipeline.parallel_replay import ReplayWorkers
     from pipeline.schedules import SCHEDULES
     from pipeline.stage import StageRunner
     from pipeline.stage_recovery import PeriodicSnapshots, StageProcess
@@ -218,6 +235,11 @@ def stage_main(args) -> int:
     config = GPTConfig(d_model=args.d_model, layers_per_stage=(1,), vocab=1024)
     loader = DataLoader(config, MICROBATCHES)
     program = StageProgram(config, STAGES, stage, jax.devices()[:1])
+    schedule = SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage)
+    # As soon as the program exists: the workers compile while the replacement
+    # connects, waits for the coordinator's plan and restores the snapshot.
+    replay_workers = ReplayWorkers(program, schedule, stage, STAGES, loader.batch,
+                                   jax.devices()) if workers > 1 else None
     daemons = args.daemons.split(",")  # stage s runs on the host of daemon s
 
     def options_of(stage: int) -> ClientOptions:
@@ -233,8 +255,8 @@ def stage_main(args) -> int:
     boundary_log = BoundaryLog(client, json.loads(args.logged), options_of)
 
     def make_runner(inbox, send, mode):
-        return StageRunner(program, SCHEDULES["1f1b"](STAGES, MICROBATCHES, stage), stage,
-                           STAGES, inbox, send, {"m": mode}, batch=loader.batch)
+        return StageRunner(program, schedule, stage, STAGES, inbox, send, {"m": mode},
+                           batch=loader.batch)
 
     def restore(step: int, alone: bool) -> int:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -256,7 +278,8 @@ def stage_main(args) -> int:
                 die(f"SIGKILL stage {stage} in step {args.die_in_step} after it sent {sent}")
 
     process = StageProcess(stage, links, boundary_log, mode, make_runner, restore,
-                           None if args.die_in_step is None else die_after_sends)
+                           None if args.die_in_step is None else die_after_sends,
+                           replay_workers)
     if not args.replacement:  # it logs from the first step on (a replacement after restoring)
         client.register(program.state)
     process.train(args.steps, replacement=args.replacement)
@@ -268,6 +291,11 @@ def stage_main(args) -> int:
               "logged_bytes_by_boundary": boundary_log.bytes_by_boundary,
               "compute_seconds_per_step": compute / max(1, len(training.iterations)),
               "steps_trained": len(training.iterations)}
+    if replay_workers is not None:
+        replay_workers.close()
+        report["replay_warm_up_seconds"] = replay_workers.warm_up_seconds
+        report["replay_waited_for_warm_up_seconds"] = replay_workers.waited_for_warm_up
+        report["replay_workers_by_step"] = replay_workers.workers_by_step
     with open(os.path.join(args.workdir, args.run, f"stage{stage}.{incarnation}.json"),
               "w") as f:
         json.dump(report, f)
@@ -297,7 +325,8 @@ def run_pipeline(args, name: str, logged, group_of, fail: bool) -> dict:
                "--stage", str(stage), "--steps", str(args.steps), "--d-model", str(args.d_model),
                "--workdir", args.workdir, "--daemons", ",".join(args.daemons),
                "--logged", json.dumps(logged),
-               "--snapshot-every", str(args.snapshot_every)]
+               "--snapshot-every", str(args.snapshot_every),
+               "--replay-workers", str(args.replay_workers)]
         if fail and stage == args.fail_stage and not replacement:
             cmd += ["--die-in-step", str(args.fail_at),
                     "--fail-after-sends", str(args.fail_after_sends)]
@@ -386,6 +415,8 @@ def stage_scope_run(args) -> dict:
         raise SystemExit(f"expected one recovery, saw {failing['recoveries']}")
     recovery = failing["recoveries"][0]
     failed = recovery["failed_stage"]
+    replacement = failing["stages"][failed]
+    replay = replacement["recoveries"][0]
     before = max([recovery["resumed_after"],
                   *finished_steps(args, "failing", failed, "initial")])
     return {"bitwise_equal": all(failing["stages"][s]["digests"] ==
@@ -408,6 +439,16 @@ def stage_scope_run(args) -> dict:
             "stage_compute_seconds_per_step": stage_seconds,
             "recovery_seconds": recovery["recovery_seconds"],
             "replay_seconds": recovery["replay_seconds"],
+            "replay_workers": args.replay_workers,
+            "failed_stage_replay": {
+                "seconds": replay["replay_seconds"], "restore_seconds": replay["restore_seconds"],
+                "step_seconds": replay["replay_step_seconds"],
+                "seconds_after_the_first_step": sum(replay["replay_step_seconds"][1:]),
+                "steps_by_the_workers": replay["parallel_steps"],
+                "workers_by_step": replacement.get("replay_workers_by_step"),
+                "warm_up_seconds_by_device": replacement.get("replay_warm_up_seconds"),
+                "waited_for_warm_up_seconds":
+                    replacement.get("replay_waited_for_warm_up_seconds")},
             "trade_off": [{"groups": [list(g) for g in p.groups],
                            "log_bytes_per_step": p.log_bytes_per_step,
                            "expected_replay_seconds_per_step":
@@ -500,6 +541,11 @@ def parse_args():
     p.add_argument("--log-budget", type=int, metavar="BYTES",
                    help="boundary-log bytes per step with --fail-scope stage; adjacent stages "
                         "are grouped until the log fits (default: log every boundary)")
+    p.add_argument("--replay-workers", type=int, default=1, metavar="N",
+                   help="with --fail-scope stage, the failed stage's replacement replays "
+                        "each lost step whose inputs are all logged with N workers, each on "
+                        f"its own CPU device, taking a share of the {MICROBATCHES} "
+                        "microbatches (default 1: the replacement alone)")
     p.add_argument("--snapshot-every", type=int, default=4,
                    help="with --fail-scope stage, each stage snapshots every N steps "
                         "(default 4)")
@@ -539,6 +585,9 @@ def parse_args():
                     f"--fail-after-sends must be between 1 and {sends}")
         if args.log_budget is not None and args.log_budget < 0:
             p.error("--log-budget must not be negative")
+        if not 1 <= args.replay_workers <= MICROBATCHES:
+            p.error(f"--replay-workers must be between 1 and {MICROBATCHES} (a worker takes "
+                    "at least one microbatch of a step)")
     return args
 
 

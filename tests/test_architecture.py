@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PURE = ["service/bubbles/planner.py", "service/bubbles/schedules.py", "service/peers/group_view.py",
         "service/store/retention.py", "service/durable/policy.py",
         "service/durable/orbax_layout.py", "service/durable/sidecar.py", "clients/log_groups.py",
-        "service/store/regions.py", "service/region_plan.py", "service/peers/discovery.py"]
+        "service/store/regions.py", "service/region_plan.py", "service/peers/discovery.py",
+        "clients/replay_shares.py"]
 IMPURE = {"os", "socket", "threading", "time", "grpc", "subprocess", "shutil", "mmap",
           "random", "concurrent", "asyncio"}
 

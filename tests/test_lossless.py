@@ -57,3 +57,20 @@ def test_under_a_log_budget_the_failed_stages_group_rolls_back():
     sizes = [t["log_bytes_per_step"] for t in report["trade_off"]]
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 0, report
     assert code == 0
+
+
+def test_two_replay_workers_replay_the_failed_stages_steps_bit_for_bit():
+    # Stage 1 dies early in step 10: both neighbours finished 9, so steps 8 and 9 are
+    # replayed from the logs alone, each by two workers, the update of 8 reaching both
+    # before 9.
+    code, report = lossless("--fail-scope", "stage", "--fail-stage", "1", "--fail-at", "10",
+                            "--replay-workers", "2")
+    assert report["bitwise_equal"] is True and report["lost_steps"] == 0, report
+    assert report["replay_workers"] == 2, report
+    replay = report["failed_stage_replay"]
+    assert report["replayed_steps"] == 10 - 1 - report["restored_step"] == 2, report
+    assert replay["steps_by_the_workers"] == 2 == len(replay["step_seconds"]), report
+    # a step goes to the workers whose compile finished: the stage's own device always
+    assert set(replay["workers_by_step"]) <= {1, 2} and len(replay["workers_by_step"]) == 2
+    assert replay["warm_up_seconds_by_device"][0] > 0, report
+    assert code == 0

@@ -131,17 +131,24 @@ class StageProgram:
     def place(self, array):
         return jax.device_put(array, self.replicated)
 
-    def forward(self, x, targets=None):
-        return self._forward(self.state["params"], x, targets)
+    def forward(self, x, targets=None, params=None):
+        """The stage's output (the last stage: its loss); ``params`` (default: the stage's
+        own) may be a copy placed elsewhere, e.g. a replay worker's on its device."""
+        return self._forward(self.state["params"] if params is None else params, x, targets)
 
-    def backward(self, x, upstream):
-        return self._backward(self.state["params"], x, upstream)
+    def backward(self, x, upstream, params=None):
+        """(param grads, input grads) of one microbatch; ``params`` as in :meth:`forward`."""
+        return self._backward(self.state["params"] if params is None else params, x, upstream)
 
     def accumulate(self, total, grads):
         return grads if total is None else self._accumulate(total, grads)
 
+    def updated(self, grads):
+        """The state one optimizer step on ``grads`` makes of the stage's, without keeping it."""
+        return self._update(self.state, grads)
+
     def update(self, grads) -> None:
-        self.state = self._update(self.state, grads)
+        self.state = self.updated(grads)
 
     def state_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree.leaves(self.state))

@@ -17,7 +17,9 @@ microbatch), and snapshots its state every few steps. When a stage fails:
      own memory; the rest keep their state and wait;
   3. a replaying stage takes a tensor live from a neighbour that replays the
      same step, and otherwise from that neighbour's boundary log, waiting for
-     records still on their way;
+     records still on their way; a step whose inputs all come from logs may
+     be replayed by several workers, each taking a share of its microbatches
+     (parallel_replay.py);
   4. everybody goes on from M + 1.
 
 Why at most one step behind: within a step every stage needs its
@@ -79,13 +81,16 @@ class StageProcess:
 
     ``make_runner(inbox, send, mode)`` builds a StageRunner on the stage's
     program; ``restore(step, alone)`` replaces the program's state with a snapshot
-    (``alone``: other stages keep theirs, see Recovery).
+    (``alone``: other stages keep theirs, see Recovery). ``workers``
+    (parallel_replay.ReplayWorkers, or None: the stage's runner alone) replay
+    the steps whose inputs all come from boundary logs.
     """
 
     def __init__(self, stage: int, links, boundary_log: BoundaryLog, mode: PipelineHooks,
-                 make_runner, restore, die=None):
+                 make_runner, restore, die=None, workers=None):
         self.stage, self.links, self.log, self.mode = stage, links, boundary_log, mode
         self._make_runner, self._restore, self._die = make_runner, restore, die
+        self._workers = workers
         self.completed = -1
         self.recoveries: list[dict] = []
         self.runners: list = []  # the training runners (one per start), for their timings
@@ -126,26 +131,42 @@ class StageProcess:
         plan = Recovery.from_message(message)
         started = time.perf_counter()
         first = plan.replaying.get(self.stage)
-        restored = None
+        restored, restore_seconds, step_seconds, parallel_steps = None, 0.0, [], 0
         if first is not None:
             if self.stage in plan.rolled_back:
                 restored = self._restore(plan.restore_step, plan.alone)
+                restore_seconds = time.perf_counter() - started
             inbox = ReplayInbox(self.stage, self.links.inbox, self.log, plan.replaying)
 
             def send(to: int, key, value) -> None:
                 self._send(to, key, value, live=inbox.live(to, key[1]))
 
-            runner = self._make_runner(inbox, send, NoSnapshots())
-            runner.run(["m"] * (plan.after - first + 1), first_iteration=first)
+            for step in range(first, plan.after + 1):
+                step_started = time.perf_counter()
+                parallel_steps += self._replay(step, inbox, send)
+                step_seconds.append(time.perf_counter() - step_started)
             self.log.client.wait_log()
             self.completed = plan.after
         report = {"after": plan.after, "restored_step": restored,
                   "replayed_steps": 0 if first is None else plan.after - first + 1,
-                  "replay_seconds": time.perf_counter() - started}
+                  "replay_seconds": time.perf_counter() - started,
+                  "restore_seconds": restore_seconds,
+                  "replay_step_seconds": step_seconds, "parallel_steps": parallel_steps}
         self.recoveries.append(report)
         self.links.tell({"event": "ready", **report})
         self._wait_for("go")
         return plan.after
+
+    def _replay(self, step: int, inbox: ReplayInbox, send) -> bool:
+        """One step; True when the replay workers did it. They do when every input is in a
+        log: with a neighbour replaying the same step live, the microbatches wait on each
+        other's tensors in the schedule's order, so the stage's own runner replays it."""
+        if self._workers is not None and not (inbox.live(self.stage - 1, step) or
+                                              inbox.live(self.stage + 1, step)):
+            self._workers.replay(step, inbox.take, send)
+            return True
+        self._make_runner(inbox, send, NoSnapshots()).run(["m"], first_iteration=step)
+        return False
 
     def _wait_for(self, event: str) -> dict:
         while True:
