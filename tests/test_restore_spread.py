@@ -41,6 +41,11 @@ def state(rank: int, mib: int = 1) -> dict[str, np.ndarray]:
 
 
 def snapshot(ring, mib: int = 1) -> None:
+    # Every daemon must see every peer first: a peer missed at start-up (a loaded
+    # machine) is passed over, and rank 0's replicas would land on daemon 3, which is
+    # to restore it from peers.
+    wait_for(lambda: all(metric(d, "bubblesnap_peers_alive") == WORLD for d in ring.daemons),
+             "every daemon sees the whole ring")
     clients = [NumpyClient(JOB, r, WORLD, ClientOptions(daemon=ring.daemons[r].address))
                for r in range(WORLD)]
     for rank, client in enumerate(clients):
@@ -51,12 +56,16 @@ def snapshot(ring, mib: int = 1) -> None:
         pb.StatusRequest(job=JOB), timeout=10).jobs[0].steps), "step 1 committed, 3 copies")
 
 
-def sent(daemon) -> float:
-    """What the daemon's data channel sent so far, from its metrics."""
+def metric(daemon, name: str) -> float:
     text = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics",
                                   timeout=10).read().decode()
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "bubblesnap_data_sent_bytes_total")
+                if s.name == name)
+
+
+def sent(daemon) -> float:
+    """What the daemon's data channel sent so far, from its metrics."""
+    return metric(daemon, "bubblesnap_data_sent_bytes_total")
 
 
 def restore_rank_0(daemon, mib: int = 1) -> pb.RestoreResponse:
