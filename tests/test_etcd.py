@@ -134,3 +134,13 @@ def test_keys_no_daemon_wrote_are_ignored_and_the_group_goes_on(start_etcd_ring,
     wait_for(lambda: committed(ring.daemons[0], 1) and committed(ring.daemons[1], 1),
              "step 1 committed despite the junk keys")
     assert_restores(ring.daemons[1], 1, 1, "memory", world=2)
+
+
+def test_writes_and_reads_past_etcds_transaction_limit_are_batched(etcd):
+    kv = EtcdKV(parse_endpoints(etcd.url))
+    puts = {f"/test/batched/{i:04d}": bytes([i % 256]) * 3 for i in range(300)}
+    kv.apply(puts)  # one transaction would pass etcd's 128 operations
+    revision, found = kv.ranges([f"/test/batched/{i:04d}" for i in range(300)])
+    assert revision > 0 and [next(iter(f.values())) for f in found] == list(puts.values())
+    kv.apply({}, list(puts))
+    assert kv.range("/test/batched/")[1] == {}

@@ -23,6 +23,9 @@ from bubblesnap.service.coordination.keys import prefix_end
 
 log = logging.getLogger("bubblesnap.daemon")
 
+#: etcd's default limit on the operations of one transaction (``--max-txn-ops``).
+MAX_TXN_OPS = 128
+
 
 class EtcdUnavailable(Exception):
     """No endpoint of the etcd cluster answered (or it refused the request)."""
@@ -64,7 +67,8 @@ class EtcdKV:
         for client in self._clients:
             try:
                 return client.post(client.get_url(path), json=payload)
-            except Etcd3Exception as err:
+            except (Etcd3Exception, requests.RequestException, ValueError) as err:
+                # ValueError: an answer that is not the gateway's JSON (not etcd there)
                 errors.append(f"{client.host}:{client.port}: {type(err).__name__}")
         raise EtcdUnavailable("etcd did not answer: " + "; ".join(errors)[:300])
 
@@ -89,12 +93,13 @@ class EtcdKV:
         return bool(answer.get("succeeded"))
 
     def apply(self, puts: dict[str, bytes], deletes=(), lease: int = 0) -> None:
-        """Puts and deletes in one transaction (etcd applies all or none)."""
+        """Puts and deletes, in transactions of at most etcd's default 128 operations
+        (``--max-txn-ops``); each applies all or none of its own."""
         ops = [{"request_put": {"key": _b64(k), "value": _b64(v),
                                 **({"lease": lease} if lease else {})}} for k, v in puts.items()]
         ops += [{"request_delete_range": {"key": _b64(k)}} for k in deletes]
-        if ops:
-            self._post("/kv/txn", {"success": ops})
+        for start in range(0, len(ops), MAX_TXN_OPS):
+            self._post("/kv/txn", {"success": ops[start:start + MAX_TXN_OPS]})
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
         self.apply({key: value}, lease=lease)
@@ -104,15 +109,19 @@ class EtcdKV:
         return _unb64(kvs[0].get("value", "")) if kvs else None
 
     def ranges(self, prefixes: list[str]) -> tuple[int, list[dict[str, bytes]]]:
-        """The keys under each prefix, read at one revision (one request); the revision."""
-        answer = self._post("/kv/txn", {"success": [
-            {"request_range": {"key": _b64(p), "range_end": _b64(prefix_end(p))}}
-            for p in prefixes]})
-        found = []
-        for response in answer.get("responses", []):
-            kvs = response.get("response_range", {}).get("kvs", [])
-            found.append({_unb64(kv["key"]).decode(): _unb64(kv.get("value", "")) for kv in kvs})
-        return int(answer["header"]["revision"]), found
+        """The keys under each prefix, each batch of up to 128 read at one revision (one
+        request per batch); the oldest revision read."""
+        found, revisions = [], []
+        for start in range(0, len(prefixes), MAX_TXN_OPS):
+            answer = self._post("/kv/txn", {"success": [
+                {"request_range": {"key": _b64(p), "range_end": _b64(prefix_end(p))}}
+                for p in prefixes[start:start + MAX_TXN_OPS]]})
+            revisions.append(int(answer["header"]["revision"]))
+            for response in answer.get("responses", []):
+                kvs = response.get("response_range", {}).get("kvs", [])
+                found.append({_unb64(kv["key"]).decode(): _unb64(kv.get("value", ""))
+                              for kv in kvs})
+        return min(revisions), found
 
     def range(self, prefix: str) -> tuple[int, dict[str, bytes]]:
         revision, (found,) = self.ranges([prefix])
