@@ -234,6 +234,7 @@ class Daemon:
                                          self.metrics, idle)
             self.store.listen(on_local=self.replicator.committed)
             self.group.on_summary(self.replicator.summary_changed)
+            self.store.listen(on_job_deleted=self.group.forget_job)
         reader = self.durable = None
         if options.durable.enabled:
             reader = DurableReader(options.durable.directory)

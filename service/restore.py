@@ -226,7 +226,10 @@ class Restorer:
             self._replicator.forget_after(job, step)
         if self._writer is not None:
             self._writer.forget_after(job, step)
-        return self._store.rollback(job, step)
+        dropped = self._store.rollback(job, step)
+        if self._replicator is not None:
+            self._replicator.rolled_back(job)
+        return dropped
 
     def _fetch(self, job: str, world: int, rank: int, copier: int, step: int,
                group: tuple[int, ...], holdings, durable) -> Restored:

@@ -89,10 +89,12 @@ class EtcdGroup:
         self._ttl = max(2, round(lease_seconds))
         self.index = -1
         self._lease = 0
+        self._generation = 0  # bumped with each new lease
         self._published: dict[str, dict[str, bytes]] = {}  # job -> holding keys put
         self._layouts: dict[str, bytes] = {}  # layout keys put (put again on a new lease)
         self._members: tuple[list[str], set[int]] = ([""] * options.group_size, set())
         self._lock = threading.Lock()
+        self._publishing = threading.Lock()
         self._stopped = threading.Event()
         self._summarize = threading.Event()
         self._holdings_mirror: Mirror | None = None
@@ -150,6 +152,8 @@ class EtcdGroup:
             for index in order:
                 if self._kv.create(self.keys.slot(index), self._address.encode(), self._lease):
                     return index
+            if self._kv.keepalive(self._lease) <= 0:  # a long wait outlives the TTL
+                self._lease = self._kv.grant(self._ttl)
             if time.monotonic() > deadline:
                 what = f"ring position {preferred}" if preferred >= 0 else \
                     f"a free one of the {size} ring positions"
@@ -191,10 +195,13 @@ class EtcdGroup:
                 log.warning("the etcd lease ran out (etcd away longer than %d s): taking ring "
                             "position %d again and publishing what is held", self._ttl,
                             self.index)
-                self._lease = self._kv.grant(self._ttl)
+                lease = self._kv.grant(self._ttl)
+                with self._lock:
+                    self._lease = lease
+                    self._generation += 1  # a publish in flight must not record its keys
+                    self._published.clear()  # their keys went with the old lease
                 self._claim(self.index, time.monotonic() + self.options.claim_timeout_seconds)
                 with self._lock:
-                    self._published.clear()  # their keys went with the old lease
                     layouts = dict(self._layouts)
                 self._kv.apply(layouts, lease=self._lease)
             except (EtcdUnavailable, Unavailable) as err:
@@ -207,19 +214,35 @@ class EtcdGroup:
         putting and deleting only what changed; etcd away: tried again next time."""
         want = {self.keys.holding(job, h.rank, h.step, self.index): keys_lib.holding_value(h)
                 for h in own}
+        with self._publishing:  # one diff at a time, each against what the last one put
+            with self._lock:
+                had, lease, generation = (self._published.get(job, {}), self._lease,
+                                          self._generation)
+            puts = {k: v for k, v in want.items() if had.get(k) != v}
+            deletes = [k for k in had if k not in want]
+            if not puts and not deletes:
+                return
+            try:
+                self._kv.apply(puts, deletes, lease)
+            except EtcdUnavailable as err:
+                log.debug("publishing the holdings of %s: %s", job, err)
+                return
+            with self._lock:
+                if generation == self._generation:
+                    self._published[job] = want
+
+    def forget(self, job: str) -> None:
+        """``job`` was deleted here: its holdings and layouts leave etcd."""
+        prefix = self.keys.layouts(job)
         with self._lock:
-            had = self._published.get(job, {})
-        puts = {k: v for k, v in want.items() if had.get(k) != v}
-        deletes = [k for k in had if k not in want]
-        if not puts and not deletes:
-            return
+            gone = list(self._published.pop(job, {}))
+            gone += [k for k in self._layouts if k.startswith(prefix)]
+            for key in gone:
+                self._layouts.pop(key, None)
         try:
-            self._kv.apply(puts, deletes, self._lease)
+            self._kv.apply({}, gone)
         except EtcdUnavailable as err:
-            log.debug("publishing the holdings of %s: %s", job, err)
-            return
-        with self._lock:
-            self._published[job] = want
+            log.info("forgetting %s in etcd: %s", job, err)
 
     def publish_layout(self, job: str, rank: int, value: bytes) -> None:
         key = self.keys.layout(job, rank)

@@ -266,6 +266,13 @@ class PeerGroup:
     def publish_layout(self, job: str, rank: int, value: bytes) -> None:
         self._etcd.publish_layout(job, rank, value)
 
+    def forget_job(self, job: str) -> None:
+        """``job`` was deleted here: with etcd, its holdings and layouts leave etcd (a
+        summary nobody backs goes with them: the aggregator drops it)."""
+        self.forget_holdings(job)
+        if self._etcd is not None:
+            self._etcd.forget(job)
+
     def changed(self, job: str, own) -> None:
         """This daemon's copies of ``job`` changed (an arrival): with etcd, published
         now, so the step counts as committed without waiting for the next refresh."""
@@ -286,7 +293,10 @@ class PeerGroup:
             own = own_of()
             self._etcd.publish(job, own)
             try:
-                return self._etcd.all_holdings(job)
+                # this daemon's own copies as held now, not as etcd last took them
+                return [h for h in self._etcd.all_holdings(job) if h.index != self.index] + \
+                    [Holding(self.index, h.rank, h.step, h.replica, h.world_size, h.group)
+                     for h in own]
             except Unavailable as err:
                 log.warning("%s; asking the peers instead", err)
         deadline = time.monotonic() + self.options.dead_after_seconds + 2.0
@@ -339,7 +349,7 @@ class PeerGroup:
     def _stub(self, index: int) -> peer_pb2_grpc.PeerStub:
         address = self.address(index)
         if not address:
-            raise InvalidArgument(f"ring position {index} is empty: no daemon holds it now")
+            raise _EmptySlot(index)
         with self._lock:
             stub = self._stubs.get((index, address))  # a replacement has a new address
             if stub is None:
@@ -357,3 +367,18 @@ class PeerGroup:
                 log.warning("peer %d (%s) is unreachable", index, self._addresses[index])
                 self._live.discard(index)
                 self._silent_since[index] = time.monotonic()
+
+
+class _EmptySlot(grpc.RpcError):
+    """A call to a ring position no daemon holds now (etcd emptied it between a look at
+    the members and the call): to callers, the peer is unreachable."""
+
+    def __init__(self, index: int):
+        super().__init__(f"ring position {index} is empty: no daemon holds it now")
+        self._details = str(self)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details

@@ -45,6 +45,7 @@ class Replicator:
         self._group = group
         self._transfers = transfers
         self._views: dict[str, list[group_view.Holding]] = {}
+        self._rolled_back: dict[str, int] = {}  # job -> step, until etcd judges anew
         self._probed: dict[int, float] = {}  # when a peer believed dead was last asked
         # (job, rank) -> when its oldest commit still waiting here was made: a step that
         # replaced older ones waits no longer than they may.
@@ -68,7 +69,10 @@ class Replicator:
 
     def summary_changed(self, job: str) -> None:
         """etcd's aggregator judged ``job`` anew: what the group committed is read now,
-        not at the next refresh (trainers waiting for a commit learn it sooner)."""
+        not at the next refresh (trainers waiting for a commit learn it sooner). A
+        summary written after a rollback was judged on the rolled-back holdings."""
+        with self._lock:
+            self._rolled_back.pop(job, None)
         self._worker.submit((job, None), None)
 
     def copies(self, job: str) -> dict[tuple[int, int], int]:
@@ -83,8 +87,17 @@ class Replicator:
         with self._lock:
             self._views.pop(job, None)
             self._since = {key: t for key, t in self._since.items() if key[0] != job}
-        self._worker.drop(lambda key, waiting: key[0] != job or waiting <= step)
+        # (job, None) items ask for a refresh after a summary changed: they stay
+        self._worker.drop(lambda key, waiting: key[0] != job or waiting is None
+                          or waiting <= step)
         self._group.forget_holdings(job)
+        with self._lock:
+            self._rolled_back[job] = step
+
+    def rolled_back(self, job: str) -> None:
+        """This daemon's copies of ``job`` were rolled back: with etcd, published now, so
+        the aggregator's next summary no longer counts the dropped steps."""
+        self._group.changed(job, self._store.holdings(job))
 
     def view(self, job: str, answered: bool = False) -> list[group_view.Holding]:
         """The group's holdings of ``job``, gathered now; ``answered``: only once every
@@ -157,6 +170,12 @@ class Replicator:
             # With etcd the aggregator judged every daemon's holdings; the static ring
             # gathered them all here.
             summary = self._group.summary(job)
+            with self._lock:
+                cut = self._rolled_back.get(job)
+            if summary is not None and cut is not None:
+                # The summary still counts the steps a rollback dropped: kept as
+                # committed they would make retention free the step restored.
+                summary = tuple([s for s in steps if s <= cut] for steps in summary)
             if summary is None:
                 summary = (group_view.committed_steps(world, holdings, wanted),
                            group_view.restorable_steps(world, holdings))
