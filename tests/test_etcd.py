@@ -129,7 +129,8 @@ def test_keys_no_daemon_wrote_are_ignored_and_the_group_goes_on(start_etcd_ring,
     prefix = start_etcd_ring.prefix
     kv = EtcdKV(parse_endpoints(etcd.url))
     kv.apply({f"{prefix}/slots/junk": b"x", f"{prefix}/summary/{JOB}": b"{not json",
-              f"{prefix}/holdings/{JOB}/{0:012d}/{1:012d}/junk": b"\xff\x00garbage"})
+              f"{prefix}/holdings/{JOB}/{0:012d}/{1:012d}/junk": b"\xff\x00garbage",
+              f"{prefix}/layouts/{JOB}/{7:012d}": b"\xff\x00garbage"})
     snapshot_steps(ring, range(2), world=2)
     wait_for(lambda: committed(ring.daemons[0], 1) and committed(ring.daemons[1], 1),
              "step 1 committed despite the junk keys")

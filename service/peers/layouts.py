@@ -7,16 +7,20 @@ refused where it completes; status and the replicator use a copy of that
 view refreshed at most once per ``max_age`` seconds.
 """
 
+import logging
 import threading
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from bubblesnap.protos import peer_pb2 as ppb
-from bubblesnap.service.errors import NotFound
+from bubblesnap.service.errors import DaemonError, NotFound
 from bubblesnap.service.rpc.messages import tensor_specs
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.registration import Coverage, judge
+
+log = logging.getLogger("bubblesnap.daemon")
 
 
 class GroupLayouts:
@@ -51,7 +55,13 @@ class GroupLayouts:
         """With etcd: the layouts every daemon published (watched: they change only when
         ranks register, so reading them costs no call)."""
         for value in self._group.etcd_layouts(job):
-            yield ppb.RankLayout.FromString(value)
+            try:
+                layout = ppb.RankLayout.FromString(value)
+                layout_lib.build_layout(layout.tensors)
+            except (DecodeError, DaemonError):
+                log.warning("ignoring a layout in etcd that no daemon wrote for job %s", job)
+                continue
+            yield layout
 
     def register(self, job: str, rank: int, world_size: int, layout, group):
         """Register, judged against the ranks registered here and at every peer (with

@@ -142,6 +142,7 @@ class Transfers:
             pull.open(slots, expected.layout.segment_bytes)
         self._store.install(job, world_size, rank, step, expected.layout, expected.checksums,
                             pull.fill, for_restore=True, group=group)
+        self._group.changed(job, self._store.holdings(job))
         return pull.served
 
     def _fetch_one(self, index: int, job: str, world_size: int, rank: int, step: int,
