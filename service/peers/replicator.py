@@ -87,12 +87,11 @@ class Replicator:
         with self._lock:
             self._views.pop(job, None)
             self._since = {key: t for key, t in self._since.items() if key[0] != job}
+            self._rolled_back[job] = step
         # (job, None) items ask for a refresh after a summary changed: they stay
         self._worker.drop(lambda key, waiting: key[0] != job or waiting is None
                           or waiting <= step)
         self._group.forget_holdings(job)
-        with self._lock:
-            self._rolled_back[job] = step
 
     def rolled_back(self, job: str) -> None:
         """This daemon's copies of ``job`` were rolled back: with etcd, published now, so
@@ -116,12 +115,13 @@ class Replicator:
     def _replicate_batch(self, batch: dict) -> None:
         """One step per (job, rank) is replicated now, the roundest; the others are
         dropped. Then what these commits changed is gathered."""
-        for (job, rank), steps in sorted(batch.items(), key=lambda item: (item[0][0],
-                                                                          item[0][1] or -1)):
-            if rank is not None:
-                self._replicate_new(job, rank, group_view.roundest(steps))
+        # (job, None) keys only ask for the refresh below (summary_changed)
+        for (job, rank), steps in sorted((key, steps) for key, steps in batch.items()
+                                         if key[1] is not None):
+            self._replicate_new(job, rank, group_view.roundest(steps))
         for job in sorted({job for job, _ in batch}):
             self._refresh(job)
+
     def _replicate_new(self, job: str, rank: int, step: int) -> None:
         # The next k daemons that answer, in ring order. One believed dead is
         # asked first with a short call: daemons start one after another, and a
