@@ -13,7 +13,7 @@ PURE = ["service/bubbles/planner.py", "service/bubbles/schedules.py", "service/p
         "service/store/retention.py", "service/durable/policy.py",
         "service/durable/orbax_layout.py", "service/durable/sidecar.py", "clients/log_groups.py",
         "service/store/regions.py", "service/region_plan.py", "service/peers/discovery.py",
-        "clients/replay_shares.py"]
+        "clients/replay_shares.py", "bubblesnap/checkpoint_record.py"]
 IMPURE = {"os", "socket", "threading", "time", "grpc", "subprocess", "shutil", "mmap",
           "random", "concurrent", "asyncio"}
 

@@ -53,8 +53,11 @@ def test_persisted_step_loads_with_plain_orbax_and_through_a_new_daemon(start_da
     client.close()
     deadline = time.monotonic() + 60
     # --durable-keep 1 removes 0 and 2 (the sidecar first, then the files, so the wait
-    # covers both)
-    while durable_steps(daemon, "dur") != [4] or os.listdir(durable / "dur") != ["step_4"]:
+    # covers both); steps are written in the job's .bubblesnap/partial, nothing is left there
+    def folders():
+        partial = durable / "dur" / ".bubblesnap" / "partial"
+        return sorted(os.listdir(durable / "dur")), sorted(os.listdir(partial))
+    while durable_steps(daemon, "dur") != [4] or folders() != ([".bubblesnap", "step_4"], []):
         assert time.monotonic() < deadline, durable_steps(daemon, "dur")
         time.sleep(0.2)
 

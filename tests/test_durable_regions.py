@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -33,11 +34,12 @@ from tests.programs.regions_state import JOB, WORLD, global_state, rank_specs
 RESTORE = str(ROOT / "tests" / "programs" / "orbax_restore.py") + ":check"
 FLAGS = ("--durable-every-steps", "1")
 FINALIZE = """if True:
-    import sys
+    import os, sys
     from bubblesnap.service.durable import DurableReader, checkpoint, format as fmt
     reader = DurableReader(sys.argv[1])
-    checkpoint.finalize(fmt.step_path(sys.argv[1], "regions", 3), reader.sidecars("regions", 3),
-                        int(sys.argv[2]))
+    partial = fmt.partial_path(sys.argv[1], "regions", 3)
+    checkpoint.finalize(partial, reader.sidecars("regions", 3), int(sys.argv[2]))
+    assert fmt.publish(partial, os.path.join(sys.argv[1], "regions", "step_3")) is None
 """
 
 
@@ -118,7 +120,8 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
     assert checksums == copies[1].checksums
 
     # Two daemons that see the step whole at once both finalize it: harmless.
-    fmt.unfinalize(str(step_dir))
+    os.unlink(fmt.marker_path(str(step_dir)))
+    os.rename(step_dir, fmt.partial_path(str(durable), JOB, 3))
     assert reader.steps(JOB) == []
     finalizers = [subprocess.Popen([sys.executable, "-c", FINALIZE, str(durable), str(r)],
                                    cwd=ROOT) for r in range(WORLD)]
@@ -150,7 +153,7 @@ def test_the_writer_never_allocates_a_global_array(start_daemon, tmp_path):
     session = Session(JOB, 0, WORLD, ClientOptions(daemon=daemon.address))
     assert session.snapshot(0, [spec], lambda: [region.view(np.uint8)]).taken
     session.close()
-    sidecar = durable / JOB / "step_0" / ".bubblesnap" / "rank_0.json"
+    sidecar = Path(fmt.partial_path(str(durable), JOB, 0)) / ".bubblesnap" / "rank_0.json"
     wait_for(sidecar.exists, "rank 0's part of step 0 written")
     written = json.loads(sidecar.read_text())["tensors"][0]
     assert (written["shape"], written["regions"], written["chunks"]) == \
@@ -175,8 +178,8 @@ def test_two_daemons_write_their_own_regions_into_one_checkpoint(start_ring, tmp
     ring.daemons[1].proc.kill()
     ring.daemons[1].kill()
     snapshot(sessions[0], 1)
-    wait_for((durable / JOB / "step_1" / ".bubblesnap" / "rank_0.json").exists,
-             "rank 0's part of step 1 written")
+    wait_for((Path(fmt.partial_path(str(durable), JOB, 1)) / ".bubblesnap" / "rank_0.json")
+             .exists, "rank 0's part of step 1 written")
     assert reader.steps(JOB) == [0] and durable_steps(ring.daemons[0]) == [0]
     with pytest.raises(FileNotFoundError):
         ocp.StandardCheckpointer().restore(durable / JOB / "step_1")

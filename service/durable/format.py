@@ -1,19 +1,27 @@
 """The durable tier's files: one Orbax checkpoint per step, written by several daemons.
 
-``<directory>/<job>/step_<step>/`` is one standard Orbax checkpoint (OCDBT,
-zarr) of the job's global state (orbax_layout.py says where each tensor
-goes), so ``orbax.checkpoint.StandardCheckpointer().restore(path, target)``
-loads it with no daemon, in any topology. Inside it:
+A step is written in ``<directory>/<job>/.bubblesnap/partial/<step>/`` and,
+once whole and finalized, renamed to its folder: ``step_<step>`` for a job of
+bubblesnap's own clients, whose folder is one standard Orbax checkpoint of
+the job's global state (orbax_layout.py says where each tensor goes, and
+``orbax.checkpoint.StandardCheckpointer().restore(path, target)`` loads it
+with no daemon, in any topology); for a CheckpointManager's job (a layout
+with the step record, bubblesnap/checkpoint_record.py) the folder Orbax's
+CheckpointManager would write (``<prefix>_<step>`` or the bare number), an
+Orbax checkpoint per item in ``<item>/``. Plain Orbax never sees a step
+being written. Inside a step (and each item's folder):
 
 - ``ocdbt.process_<r>/``: the regions written for rank ``r`` by the daemon
   holding its copy (Orbax's per-process database, one per writer, so writers
   never share a file);
 - ``.bubblesnap/rank_<r>.json``: that write's sidecar (sidecar.py), written
-  atomically once its regions are durable;
+  atomically once its regions are durable (and ``.bubblesnap/record.json``,
+  the step record, by the daemon holding it);
 - once the sidecars make a whole step, the daemon that sees it finalizes:
   Orbax's merged ``manifest.ocdbt`` and ``d/``, ``_METADATA``,
   ``_CHECKPOINT_METADATA``, ``commit_success.txt``, and last
-  ``.bubblesnap/complete.json``. Only steps with that marker are listed.
+  ``.bubblesnap/complete.json``; then the rename. Only steps with that
+  marker are listed, whatever their folder's name.
 
 Orbax and JAX are imported on first use: a daemon without ``--durable-dir``
 does not need them.
@@ -30,23 +38,70 @@ import numpy as np
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import DataLoss, NotFound
 
-_STEP_DIR = re.compile(r"step_(\d+)")
+#: A step folder's name: Orbax's ``<prefix>_<step>`` (zero padded or not) or the bare number.
+_STEP_DIR = re.compile(r"(?:.+_)?(\d+)")
 _SIDECAR = re.compile(r"rank_(\d+)\.json")
 STATE_DIR = ".bubblesnap"
 MARKER = "complete.json"
+RECORD = "record.json"
+#: Where a job's steps are written until they are whole, and where a CheckpointManager
+#: saves the items of its steps Orbax's own handlers write (moved into the step then).
+PARTIAL_DIR = os.path.join(STATE_DIR, "partial")
+ITEMS_DIR = os.path.join(STATE_DIR, "items")
 #: Orbax's prefix of a per-process OCDBT database (ocdbt_process_spec.PROCESS_PREFIX).
 CHILD_PREFIX = "ocdbt.process_"
-#: What finalizing adds at the top of a step: undone first when a step is rewritten.
-ORBAX_ROOT_FILES = ("commit_success.txt", "_CHECKPOINT_METADATA", "_METADATA", "_sharding",
-                    "manifest.ocdbt", "d")
-
 
 def job_path(directory: str, job: str) -> str:
     return os.path.join(directory, job)
 
 
+def partial_path(directory: str, job: str, step: int) -> str:
+    """Where ``step`` is written until it is whole and finalized."""
+    return os.path.join(directory, job, PARTIAL_DIR, str(step))
+
+
+def items_path(directory: str, job: str, step: int) -> str:
+    """Where a CheckpointManager saved the step's items its Orbax handlers write."""
+    return os.path.join(directory, job, ITEMS_DIR, str(step))
+
+
+def finalized_steps(directory: str, job: str) -> dict[int, str]:
+    """step -> folder of every finalized step of ``job`` (marked whole; its name is
+    Orbax's for that job's naming)."""
+    found = {}
+    root = job_path(directory, job)
+    for name in _listdir(root):
+        match = _STEP_DIR.fullmatch(name)
+        if match and is_finalized(os.path.join(root, name)):
+            found.setdefault(int(match[1]), os.path.join(root, name))
+    return found
+
+
 def step_path(directory: str, job: str, step: int) -> str:
-    return os.path.join(directory, job, f"step_{step}")
+    """The folder of ``step``: its finalized one, else where it is being written."""
+    return finalized_steps(directory, job).get(step) or partial_path(directory, job, step)
+
+
+def step_numbers(directory: str, job: str) -> list[int]:
+    """Steps with a folder, finalized or being written, oldest first."""
+    partial = {int(n) for n in _listdir(os.path.join(job_path(directory, job), PARTIAL_DIR))
+               if n.isdigit()}
+    return sorted(partial | set(finalized_steps(directory, job)))
+
+
+def publish(partial: str, target: str) -> str | None:
+    """Renames a finalized step from where it was written to its folder ``target``;
+    None once it is there (also when another daemon put it there first), else why not."""
+    try:
+        os.rename(partial, target)
+    except OSError as err:
+        if is_finalized(target):  # another daemon finalized it first: ours is the same
+            remove(partial)
+            return None
+        if os.path.isdir(target):
+            return f"{target} exists and is not a step bubblesnap wrote"
+        return f"renaming it to {target} failed: {err}"
+    return None
 
 
 def child_path(step_dir: str, rank: int) -> str:
@@ -60,12 +115,6 @@ def sidecar_path(step_dir: str, rank: int) -> str:
 
 def marker_path(step_dir: str) -> str:
     return os.path.join(step_dir, STATE_DIR, MARKER)
-
-
-def step_numbers(directory: str, job: str) -> list[int]:
-    """Steps with a directory under the job (finished or not), oldest first."""
-    return sorted(int(m[1]) for m in map(_STEP_DIR.fullmatch, _listdir(job_path(directory, job)))
-                  if m)
 
 
 def written_ranks(step_dir: str) -> list[int]:
@@ -118,13 +167,6 @@ def read_sidecar(step_dir: str, rank: int) -> WrittenRank:
 
 def is_finalized(step_dir: str) -> bool:
     return os.path.exists(marker_path(step_dir))
-
-
-def unfinalize(step_dir: str) -> None:
-    """Takes back a finalized step (its marker first, so it is no longer listed, then
-    Orbax's merged files), for a rank rewritten with another copy."""
-    for path in (marker_path(step_dir), *(os.path.join(step_dir, f) for f in ORBAX_ROOT_FILES)):
-        remove(path)
 
 
 def remove_rank(step_dir: str, rank: int) -> None:

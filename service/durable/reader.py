@@ -8,7 +8,7 @@ import numpy as np
 
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service import phases, progress
-from bubblesnap.service.durable import checkpoint, orbax_layout
+from bubblesnap.service.durable import checkpoint
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
 from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, NotFound
@@ -38,19 +38,15 @@ class DurableReader:
     def steps(self, job: str, world_size: int | None = None) -> list[int]:
         """Finalized steps of ``job``, oldest first; with ``world_size``, only those
         written under it (a rank's copy means nothing under another)."""
-        found = []
-        for step in fmt.step_numbers(self.directory, job):
-            if world_size is None:
-                if fmt.is_finalized(self._step_dir(job, step)):
-                    found.append(step)
-            elif self._marker_world(job, step) == world_size:
-                found.append(step)
-        return found
+        steps = sorted(fmt.finalized_steps(self.directory, job))
+        if world_size is None:
+            return steps
+        return [step for step in steps if self._marker_world(job, step) == world_size]
 
     def world_size(self, job: str, step: int | None = None) -> int:
         """The world size of ``step`` (default: the newest finalized step); 0: none."""
         candidates = [step] if step is not None else \
-            reversed(fmt.step_numbers(self.directory, job))
+            reversed(sorted(fmt.finalized_steps(self.directory, job)))
         for candidate in candidates:
             size = self._marker_world(job, candidate)
             if size:
@@ -257,8 +253,8 @@ class DurableReader:
         """Each array of ``tensors`` opened once, the opens in flight together; by key.
         One context per call: a rewritten step must not be read from a stale cache."""
         ctx = checkpoint.context()
-        futures = {t.key: (t, checkpoint.open_array(step_dir, orbax_layout.param_name(t.key),
-                                                    ctx)) for t in tensors}
+        futures = {t.key: (t, checkpoint.open_array(*t.location(step_dir), ctx))
+                   for t in tensors}
         opened = {}
         for key, (tensor, future) in futures.items():
             try:

@@ -17,9 +17,10 @@ import os
 import shutil
 import time
 
+from bubblesnap import checkpoint_record
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.background import CoalescingWorker
-from bubblesnap.service.durable import checkpoint, orbax_layout, policy
+from bubblesnap.service.durable import checkpoint, manager_files, orbax_layout, policy
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.reader import DurableReader
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
@@ -120,12 +121,17 @@ class DurableWriter:
 
     def _write(self, pinned) -> None:
         job, rank, step = pinned.job, pinned.rank, pinned.step
-        step_dir = fmt.step_path(self.options.directory, job, step)
+        step_dir = fmt.partial_path(self.options.directory, job, step)
         started = time.perf_counter()
         try:
             if self._reader.written_slots(job, rank, step) == list(pinned.checksums):
                 written = None  # this very copy is on disk already
             else:
+                final = fmt.finalized_steps(self.options.directory, job).get(step)
+                if final is not None:
+                    log.warning("durable: step %d of %s was finalized with another copy of "
+                                "rank %d; it is written again", step, job, rank)
+                    _delete_step(final)
                 written = self._write_regions(step_dir, pinned)
         finally:
             self._store.unpin(pinned)
@@ -140,35 +146,41 @@ class DurableWriter:
 
     def _write_regions(self, step_dir: str, pinned) -> WrittenRank:
         """Writes the copy's regions (verified in memory before and after) into its
-        rank's database of the step; the sidecar that records them."""
-        parts, tensors = self._plan(pinned)
+        rank's database of the step (and, holding a CheckpointManager's step record,
+        the record and the scalars it holds); the sidecar that records them."""
+        parts, tensors, record = self._plan(pinned)
         _verify(pinned)
-        if fmt.is_finalized(step_dir):
-            log.warning("durable: step %d of %s was finalized with another copy of rank %d; "
-                        "rewriting it", pinned.step, pinned.job, pinned.rank)
-            fmt.unfinalize(step_dir)
         fmt.remove_rank(step_dir, pinned.rank)  # an unfinished write, or another run's
         try:
             with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
                                       pinned.layout.nbytes) as written:
                 chunks = checkpoint.write_parts(step_dir, pinned.rank, parts, written)
             _verify(pinned)  # the bytes did not change while TensorStore copied them
+            if record is not None:
+                manager_files.write_record(step_dir, record)
         except BaseException:
             fmt.remove_rank(step_dir, pinned.rank)
             raise
         return WrittenRank(pinned.job, pinned.step, pinned.rank, pinned.world_size,
                            tuple(pinned.group) or (pinned.rank,), tuple(
                                dataclasses.replace(t, chunks=chunks.get(
-                                   orbax_layout.param_name(t.key), ())) for t in tensors))
+                                   (t.item, t.location("")[1]), ())) for t in tensors))
 
     def _plan(self, pinned):
         """What to write: an ArrayPart per tensor with regions here (numpy views of the
-        segment, no copy) and the sidecar fields of every tensor. FailedPrecondition
-        for a state the checkpoint cannot hold."""
+        segment, no copy), the sidecar fields of every tensor and, for a
+        CheckpointManager's step whose record this copy holds, the record (its
+        scalars become parts too). FailedPrecondition for a state the checkpoint
+        cannot hold."""
         layout, rank, world = pinned.layout, pinned.rank, pinned.world_size
         known = {r: lay for r, lay in self._job_layouts(pinned.job).items() if r != rank}
-        leaves = [orbax_layout.leaf(orbax_layout.tree_key(t.name, r, world, t.job_wide),
-                                    r, t.job_wide)
+        managed = orbax_layout.is_manager_layout([t.name for t in layout.tensors])
+
+        def key_of(t, r):
+            if managed:
+                return orbax_layout.item_key(t.name, r, world, t.job_wide)
+            return orbax_layout.tree_key(t.name, r, world, t.job_wide)
+        leaves = [orbax_layout.leaf(key_of(t, r), r, t.job_wide)
                   for r, lay in [(rank, layout), *known.items()] for t in lay.tensors]
         why = orbax_layout.conflict(leaves)
         if why is not None:
@@ -177,12 +189,13 @@ class DurableWriter:
         views = {}
         for t_index, s_index, offset, nbytes in pinned.slots:
             views.setdefault(t_index, []).append((s_index, offset, nbytes))
-        parts, tensors = [], []
+        parts, tensors, record = [], [], None
         for t_index, tensor in enumerate(layout.tensors):
             if math.prod(tensor.global_shape) == 0:
                 raise FailedPrecondition(f"tensor {tensor.name!r} has no elements (shape "
                                          f"{tensor.global_shape}): Orbax cannot save it")
-            key = orbax_layout.tree_key(tensor.name, rank, world, tensor.job_wide)
+            key = key_of(tensor, rank)
+            item = key[0] if managed else ""
             boxes = [s.index for s in tensor.shards]
             if tensor.job_wide:
                 boxes += [s.index for lay in known.values() for t in lay.tensors
@@ -193,27 +206,41 @@ class DurableWriter:
                  .reshape(tuple(b - a for a, b in tensor.shards[s].index)))
                 for s, offset, nbytes in views.get(t_index, ()))
             if regions:
+                written = WrittenTensor(tensor.name, tensor.dtype, tensor.global_shape,
+                                        tensor.job_wide, key, (), (), (), item)
                 parts.append(checkpoint.ArrayPart(
-                    orbax_layout.param_name(key), tensor.dtype, tensor.global_shape,
-                    orbax_layout.write_shape(tensor.global_shape, boxes), regions))
+                    written.location("")[1], tensor.dtype, tensor.global_shape,
+                    orbax_layout.write_shape(tensor.global_shape, boxes), regions, item))
+                if managed and item == orbax_layout.RECORD_ITEM:
+                    record = manager_files.decode(regions[0][1])
             tensors.append(WrittenTensor(
                 tensor.name, tensor.dtype, tensor.global_shape, tensor.job_wide, key, (),
                 tuple(s.index for s in tensor.shards),
                 tuple(c for slot, c in zip(pinned.slots, pinned.checksums, strict=True)
-                      if slot[0] == t_index)))
-        return parts, tensors
+                      if slot[0] == t_index), item))
+        if record is not None:
+            parts += [checkpoint.ArrayPart(param, array.dtype.name, (), (), (((), array),), item)
+                      for item, param, array in manager_files.scalars(record)]
+        return parts, tensors, record
 
     def _finish(self, job: str, step: int, rank: int) -> None:
-        """Finalizes the step if its sidecars are whole; forgets it once it is final."""
-        step_dir = fmt.step_path(self.options.directory, job, step)
-        if not os.path.isdir(step_dir) or fmt.is_finalized(step_dir):
+        """Finalizes the step if its sidecars are whole, then gives it its folder; forgets
+        it once it is there."""
+        directory = self.options.directory
+        partial = fmt.partial_path(directory, job, step)
+        if step in fmt.finalized_steps(directory, job) or not os.path.isdir(partial):
+            fmt.remove(partial)  # a second finalizer's leftovers, if any
             self._unfinished.pop((job, step, rank), None)
             return
         written = self._reader.sidecars(job, step)
-        why = policy.incomplete(written)
+        why = None if fmt.is_finalized(partial) else policy.incomplete(written)
         if why is None:
             try:
-                checkpoint.finalize(step_dir, written, rank)
+                record = manager_files.read_record(partial)
+                if not fmt.is_finalized(partial):  # else finalized, its rename cut short
+                    checkpoint.finalize(partial, written, rank, record,
+                                        fmt.items_path(directory, job, step))
+                why = self._publish(job, step, partial, record)
             except Exception as err:  # tried again at the next recheck
                 why = f"finalizing failed: {err!r}"
         if why is not None:
@@ -225,22 +252,49 @@ class DurableWriter:
         log.info("durable: step %d of %s is one Orbax checkpoint (ranks %s), finalized here",
                  step, job, sorted(written))
 
+    def _publish(self, job: str, step: int, partial: str, record: dict | None) -> str | None:
+        """Renames a finalized step to its folder (Orbax's name for the job's naming);
+        None once it is there, else why not."""
+        naming = (record or {}).get("naming") or {"prefix": "step"}
+        name = checkpoint_record.step_dir_name(step, naming.get("prefix"),
+                                               naming.get("fixed_length"))
+        target = os.path.join(fmt.job_path(self.options.directory, job), name)
+        why = fmt.publish(partial, target)
+        if why is not None and os.path.isdir(target):
+            log.warning("durable: step %d of %s stays unlisted: %s", step, job, why)
+            return None
+        fmt.remove(fmt.items_path(self.options.directory, job, step))  # moved in, if any
+        return why
+
     def _recheck(self) -> None:
         for job, step, rank in sorted(self._unfinished):
             self._finish(job, step, rank)
 
     def _retire(self, job: str) -> None:
-        """Deletes steps (finished or not) older than the ``keep`` newest finalized ones."""
+        """Deletes steps (finished or not) older than the ``keep`` newest finalized ones,
+        but for the finalized steps of a CheckpointManager, which its preservation
+        policy retires."""
         directory = self.options.directory
+        finalized = fmt.finalized_steps(directory, job)
         for step in policy.steps_to_retire(fmt.step_numbers(directory, job),
                                            self._reader.steps(job), self.options.keep):
-            _delete_step(fmt.step_path(directory, job, step))
+            if step in finalized and _managed(finalized[step]):
+                continue
+            _delete_step(finalized.get(step) or fmt.partial_path(directory, job, step))
 
 
 def _delete_step(step_dir: str) -> None:
     """The marker first: a step half deleted is never listed."""
     fmt.remove(fmt.marker_path(step_dir))
     shutil.rmtree(step_dir, ignore_errors=True)
+
+
+def _managed(step_dir: str) -> bool:
+    """Whether a finalized step is a CheckpointManager's, kept as its policy says."""
+    try:
+        return bool(fmt.read_json(fmt.marker_path(step_dir)).get("managed"))
+    except DaemonError:
+        return False
 
 
 def _verify(pinned) -> None:

@@ -1,0 +1,133 @@
+"""The record a CheckpointManager step carries beside its arrays: pure, shared by both ends.
+
+A step saved through ``bubblesnap.clients.jax.CheckpointManager`` holds more
+than arrays: Python and NumPy scalars, strings, ``None`` and empty subtrees
+of its pytrees, JSON items, ``custom_metadata``, metrics, and how Orbax lays
+the step out (step folder name, items and their handlers, each pytree's
+``_METADATA`` entries). All of that is one JSON document, the *record*,
+travelling inside the snapshot as the uint8 tensor :data:`TENSOR` of a fixed
+``capacity`` that rank 0 copies: it has the step's checksums, is replicated,
+adopted after a daemon restart and restored with the arrays, never sent on
+a side channel that could disagree with them.
+
+A layout holding :data:`TENSOR` is a manager's: its other tensors are named
+``<item>/<path>``, and the daemon's durable writer turns the record into the
+files Orbax's CheckpointManager writes for the same step (``<step>/<item>/``
+checkpoints, JSON items, ``_CHECKPOINT_METADATA``), so plain Orbax reads it.
+
+The bytes: 8 little-endian bytes giving the document's length, the UTF-8
+JSON, zeros up to the capacity. :func:`decode` refuses anything else with
+ValueError (the daemon decodes what a trainer wrote: never trusted).
+"""
+
+import json
+import re
+import struct
+
+#: The tensor a manager's step record travels in (rank 0 copies it; every rank
+#: declares it, job-wide, so any process count restores it).
+TENSOR = ".bubblesnap/record"
+#: The record's document format; a daemon writes the files of the formats it knows.
+FORMAT = "bubblesnap-record-1"
+#: Default capacity of the record tensor: room for JSON items, metadata and many
+#: scalars; an item that does not fit is saved by Orbax's own handler instead.
+DEFAULT_CAPACITY = 256 << 10
+#: Item kinds: a pytree held in memory (arrays as tensors, other leaves in the
+#: record), a JSON value (in the record), an item Orbax's own handler wrote to the
+#: step's folder in the durable tier (nothing of it in memory).
+KINDS = ("pytree", "json", "orbax")
+
+_LENGTH = struct.Struct("<Q")
+#: Item names become folder names of the step: Orbax's CheckpointManager uses them as is.
+_ITEM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+#: A step prefix becomes part of a folder name (``<prefix>_<step>``).
+_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_MAX_FIXED_LENGTH = 32
+
+
+def encode(record: dict, capacity: int) -> bytes:
+    """The record's bytes, ``capacity`` long; ValueError when it does not fit."""
+    data = json.dumps(record, separators=(",", ":"), allow_nan=True).encode()
+    if _LENGTH.size + len(data) > capacity:
+        raise ValueError(f"the step record needs {_LENGTH.size + len(data)} bytes; the "
+                         f"record tensor holds {capacity}")
+    return _LENGTH.pack(len(data)) + data + bytes(capacity - _LENGTH.size - len(data))
+
+
+def decode(data) -> dict:
+    """The record in ``data`` (bytes-like, as :func:`encode` wrote it), checked:
+    ValueError saying what is wrong when it is not one."""
+    view = memoryview(data).cast("B")
+    if len(view) < _LENGTH.size:
+        raise ValueError(f"a step record has at least {_LENGTH.size} bytes, not {len(view)}")
+    (length,) = _LENGTH.unpack(view[:_LENGTH.size])
+    if length > len(view) - _LENGTH.size:
+        raise ValueError(f"the step record says {length} bytes; {len(view) - _LENGTH.size} "
+                         "follow")
+    try:
+        record = json.loads(bytes(view[_LENGTH.size:_LENGTH.size + length]))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"the step record is not JSON: {err}") from None
+    check(record)
+    return record
+
+
+def check(record) -> None:
+    """ValueError unless ``record`` is a record of :data:`FORMAT` whose names are safe
+    to use as folder names."""
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} step record")
+    items = record.get("items")
+    if not isinstance(items, dict):
+        raise ValueError("the step record has no items")
+    for name, item in items.items():
+        check_item_name(name)
+        if not isinstance(item, dict) or item.get("kind") not in KINDS or \
+                not isinstance(item.get("handler"), str):
+            raise ValueError(f"item {name!r} of the step record is malformed")
+        if item["kind"] == "pytree" and not (isinstance(item.get("tree"), dict)
+                                             and isinstance(item.get("values", {}), dict)):
+            raise ValueError(f"pytree item {name!r} of the step record has no tree")
+    naming = record.get("naming", {})
+    if not isinstance(naming, dict):
+        raise ValueError("the step record's naming is malformed")
+    step_dir_name(0, naming.get("prefix"), naming.get("fixed_length"))  # checks both
+    for key in ("custom_metadata", "metrics"):
+        if record.get(key) is not None and not isinstance(record[key], dict):
+            raise ValueError(f"the step record's {key} is not an object")
+
+
+def check_item_name(name) -> None:
+    """ValueError unless ``name`` may name an item (a folder of the step)."""
+    if not isinstance(name, str) or not _ITEM_NAME.fullmatch(name):
+        raise ValueError(f"item name {str(name)[:80]!r} is not allowed: use 1-128 characters "
+                         "from A-Z a-z 0-9 . _ - not starting with '.' or '-'")
+
+
+def step_dir_name(step: int, prefix: str | None = None, fixed_length: int | None = None) -> str:
+    """The folder of ``step`` as Orbax's CheckpointManager names it: ``<prefix>_<step>``
+    with ``prefix``, the bare number without; ``fixed_length`` pads with zeros."""
+    if prefix is not None and (not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix)):
+        raise ValueError(f"step prefix {str(prefix)[:80]!r} is not allowed: use 1-64 "
+                         "characters from A-Z a-z 0-9 . _ - starting with a letter or digit")
+    if fixed_length is not None and (not isinstance(fixed_length, int) or isinstance(
+            fixed_length, bool) or not 0 < fixed_length <= _MAX_FIXED_LENGTH):
+        raise ValueError(f"step_format_fixed_length {fixed_length!r} must be None or an int "
+                         f"from 1 to {_MAX_FIXED_LENGTH}")
+    number = f"{step:0{fixed_length}d}" if fixed_length else str(step)
+    return f"{prefix}_{number}" if prefix else number
+
+
+def step_of_dir_name(name: str, prefix: str | None = None,
+                     fixed_length: int | None = None) -> int | None:
+    """The step a folder named ``name`` holds under that naming, None if it is not one."""
+    digits = name
+    if prefix:
+        if not name.startswith(prefix + "_"):
+            return None
+        digits = name[len(prefix) + 1:]
+    if not digits.isdigit() or not digits.isascii() or (fixed_length and len(digits) <
+                                                        fixed_length):
+        return None
+    step = int(digits)
+    return step if step_dir_name(step, prefix, fixed_length) == name else None
