@@ -5,6 +5,8 @@ each distinct region by the process whose device holds it with replica id
 0). Restore side: which regions this process's devices need.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 from orbax.checkpoint._src.serialization import replica_slices
@@ -28,13 +30,34 @@ def flatten(tree) -> tuple[list[str], list, object]:
     names, leaves = [], []
     for path, leaf in with_path:
         name = "/".join(_key_name(k) for k in path) or "root"
-        if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        if not isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, HostValue)):
             raise TypeError(
                 f"state leaf {name!r} is a {type(leaf).__name__}; bubblesnap snapshots arrays "
                 "only: keep Python scalars out of the state or wrap them with jnp.asarray")
         names.append(name)
         leaves.append(leaf)
     return names, leaves, treedef
+
+
+@dataclasses.dataclass(frozen=True)
+class HostValue:
+    """A host array that is one value of the whole job (Orbax's rule for numpy arrays,
+    scalars and the manager's step record: the primary process saves them).
+
+    Every rank declares it job-wide; only the rank where ``copied_here`` copies it,
+    so it is copied once and any process count restores it.
+    """
+
+    array: np.ndarray
+    copied_here: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
 
 
 def normalize_index(index, shape) -> Index:
@@ -58,6 +81,8 @@ def owned_indices(array) -> list[Index]:
     several devices or processes included), and a process may copy none of
     an array whose replica-0 shards all live elsewhere.
     """
+    if isinstance(array, HostValue):
+        return [tuple((0, d) for d in array.shape)] if array.copied_here else []
     if isinstance(array, np.ndarray):
         return [tuple((0, d) for d in array.shape)]
     slices = replica_slices.get_replica_slices(array, replica_id=0, use_replica_parallel=False)
@@ -73,7 +98,8 @@ def is_job_wide(leaf, world_size: int) -> bool:
     later (1 -> N). An array on this process's devices alone in a job of
     several ranks (a pipeline stage's parameters) is the rank's own.
     """
-    return world_size == 1 or (isinstance(leaf, jax.Array) and not leaf.is_fully_addressable)
+    return world_size == 1 or isinstance(leaf, HostValue) or (
+        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable)
 
 
 def _slices(index: Index) -> list[pb.Slice]:

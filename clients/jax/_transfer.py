@@ -5,6 +5,7 @@ import numpy as np
 from orbax.checkpoint._src.serialization import replica_slices
 
 from bubblesnap.clients._shared_memory import as_bytes
+from bubblesnap.clients.jax._layout import HostValue
 
 #: Orbax's multi-host rule, shared by both fetch paths and by ``_layout.owned_indices``:
 #: a process copies the shards its devices hold with this replica id.
@@ -30,8 +31,15 @@ def fetch_to_host(leaves) -> list[np.ndarray]:
             shards = leaf.addressable_shards
             host.extend(as_bytes(np.asarray(shards[i].data)) for i in _orbax_choice(leaf))
         else:
-            host.append(as_bytes(leaf))
+            host.extend(_host_bytes(leaf))
     return host
+
+
+def _host_bytes(leaf) -> list[np.ndarray]:
+    """The slots of a host leaf: a numpy array's one, a HostValue's if copied here."""
+    if isinstance(leaf, HostValue):
+        return [as_bytes(leaf.array)] if leaf.copied_here else []
+    return [as_bytes(leaf)]
 
 
 def _fetch_through_orbax(leaves, arrays) -> list[np.ndarray]:
@@ -43,7 +51,7 @@ def _fetch_through_orbax(leaves, arrays) -> list[np.ndarray]:
         if isinstance(leaf, jax.Array):
             host.extend(as_bytes(rs.unsliced_data) for rs in next(transferred).replica_slices)
         else:
-            host.append(as_bytes(leaf))
+            host.extend(_host_bytes(leaf))
     return host
 
 

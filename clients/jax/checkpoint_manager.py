@@ -1,152 +1,234 @@
-"""``CheckpointManager`` shaped like Orbax's, over the daemon: change one import.
+"""``CheckpointManager`` with Orbax's API and meaning, over the daemon: change one import.
 
-A training loop written for ``orbax.checkpoint.CheckpointManager`` runs
-unchanged apart from the import::
+A loop written for ``orbax.checkpoint.CheckpointManager`` runs unchanged apart
+from the import (or with nothing changed, under ``python -m bubblesnap.run``)::
 
     from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions
 
     with CheckpointManager("/ckpt/run1", options=CheckpointManagerOptions(
-            save_interval_steps=1, max_to_keep=3)) as mngr:
+            max_to_keep=3)) as mngr:
         if (latest := mngr.latest_step()) is not None:
             state = mngr.restore(latest, args=ocp.args.StandardRestore(abstract_state))
         for step in range(...):
             state = train_step(state)
             mngr.save(step, args=ocp.args.StandardSave(state))
-        mngr.wait_until_finished()
 
-What differs underneath: ``save`` copies the state into the host daemon's
-memory (the fetch off the device and one memcpy; the daemon checks,
-replicates and commits it in the background), the daemon writes every
-``--durable-every-steps``-th step to its ``--durable-dir``, and ``restore``
-takes the step from the fastest tier that holds it (this host's memory, a
-neighbour's, the durable tier). ``directory`` is the job's folder of that
-durable tier: its last component names the job and its parent must be the
-daemon's ``--durable-dir``; each step there is an Orbax checkpoint
-(``directory/step_N``) that plain Orbax restores. Every process of a
-multi-host job makes one, as with Orbax.
+Every pytree Orbax saves, ``item_names``/``item_handlers`` with ``Composite``
+args of Standard, PyTree and Json items, Orbax's options, policies and
+methods keep their meaning. Underneath, ``save`` copies the state into the
+host daemon's memory (the daemon checks, replicates and commits it in the
+background; non-array leaves and JSON items travel in the same snapshot,
+its record); the daemon persists every ``--durable-every-steps``-th step
+into ``directory`` as Orbax's CheckpointManager lays it out, so plain Orbax
+restores it; ``restore`` takes the step from the fastest tier that holds it
+(this host's memory, a neighbour's, the durable tier), into any mesh.
+``directory`` is the job's folder of that tier (its last component names the
+job, its parent is the daemon's ``--durable-dir``); steps Orbax wrote there
+before the switch are listed and restored too (by Orbax), and items of other
+args types are saved by their own Orbax handler into the step's folder.
 """
 
-import dataclasses
 import logging
 import os
 
 import grpc
 import jax
+import orbax.checkpoint as ocp
+from etils import epath
 
+from bubblesnap.clients.jax import checkpoint_items, step_metadata, step_restore
+from bubblesnap.clients.jax._manager_steps import StepInfo, Steps
 from bubblesnap.clients.jax.client import SnapshotClient
-from bubblesnap.clients.options import ClientOptions
+from bubblesnap.clients.jax.manager_options import (
+    CheckpointManagerOptions,
+    preservation_policy,
+    resolve,
+    save_decision_policy,
+)
+from bubblesnap.clients.jax.orbax_steps import StepFolders
+from bubblesnap.clients.jax.step_snapshot import StepSnapshots
 from bubblesnap.clients.results import RestoreError
-from bubblesnap.options import require
-from bubblesnap.protos import daemon_pb2 as pb
 
 log = logging.getLogger("bubblesnap.client")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointManagerOptions:
-    """Orbax's names where they mean the same thing, then ours.
-
-    Attributes:
-      save_interval_steps: ``save`` snapshots every this many steps (Orbax's
-        meaning; default 1, every step: a snapshot into memory is cheap).
-      max_to_keep: the newest committed steps kept in the daemons' memory
-        for this job; older ones are deleted as newer ones commit, a batch of
-        max_to_keep at a time (one Status call per batch). None (the
-        default): the daemon's ``--keep`` alone decides. The durable tier
-        keeps what the daemon's durable retention says.
-      enable_async_checkpointing: True (default, as Orbax): ``save`` returns
-        once the state is off the device; the daemon commits it in the
-        background and ``wait_until_finished`` waits for that. False: every
-        ``save`` waits until the whole job committed the step.
-      client: how to reach the daemon (socket, deadlines).
-    """
-
-    save_interval_steps: int = 1
-    max_to_keep: int | None = None
-    enable_async_checkpointing: bool = True
-    client: ClientOptions = ClientOptions()
-
-    def __post_init__(self):
-        require(self, "save_interval_steps", isinstance(self.save_interval_steps, int)
-                and self.save_interval_steps >= 1, "an int >= 1")
-        require(self, "max_to_keep", self.max_to_keep is None or (
-            isinstance(self.max_to_keep, int) and self.max_to_keep >= 1), "None or an int >= 1")
+StepAlreadyExistsError = ocp.checkpoint_manager.StepAlreadyExistsError
+#: Steps the preservation policy dropped that are deleted together.
+_RETIRE_BATCH = 4
 
 
 class CheckpointManager:
-    """Orbax's ``CheckpointManager`` API over the daemon (see the module docstring).
+    """Orbax's ``CheckpointManager`` over the daemon (see the module docstring).
 
+    Takes Orbax's constructor arguments (``checkpointers`` and
+    ``handler_registry`` only as far as they name items and handlers; a
+    ``logger`` is not used) and bubblesnap's or Orbax's options.
     ``process_index`` and ``process_count`` default to JAX's: one manager per
-    process, each saving the regions of the global arrays its devices hold
-    (each distinct region once in the job).
+    process, each saving the regions of the global arrays its devices hold.
     """
 
-    def __init__(self, directory, options: CheckpointManagerOptions | None = None, *,
+    def __init__(self, directory, checkpointers=None, options=None, metadata=None,
+                 item_names=None, item_handlers=None, logger=None, handler_registry=None, *,
                  process_index: int | None = None, process_count: int | None = None):
+        self._options = resolve(options)
         self._directory = os.path.abspath(os.fspath(directory))
-        self._options = options or CheckpointManagerOptions()
         job = os.path.basename(self._directory)
         if not job:
             raise ValueError(f"CheckpointManager: directory {directory!r} names no job folder "
                              "(use <the daemon's --durable-dir>/<job>)")
-        self._client = SnapshotClient(
-            job, jax.process_index() if process_index is None else process_index,
-            jax.process_count() if process_count is None else process_count,
-            options=self._options.client)
-        self._saved: list[int] = []   # steps this process snapshotted, oldest first
-        self._errors: list[str] = []  # why snapshots failed, since check_for_errors
-        self._check_directory()
+        if logger is not None:
+            log.warning("CheckpointManager: the logger is not used by bubblesnap's manager")
+        handlers = checkpoint_items.legacy_handlers(checkpointers, handler_registry) or \
+            item_handlers
+        self._handlers, self._single = checkpoint_items.handler_kinds(handlers, item_names)
+        self._item_names = tuple(item_names or ())
+        rank = jax.process_index() if process_index is None else process_index
+        self._world = jax.process_count() if process_count is None else process_count
+        primary = self._options.multiprocessing_options.primary_host
+        self._primary = rank == (primary or 0)
+        self._client = SnapshotClient(job, rank, self._world, options=self._options.client)
+        self._folders = StepFolders(self._directory, self._options.step_prefix,
+                                    self._options.step_format_fixed_length,
+                                    self._options.step_name_format)
+        self._make_directory()
+        self._save_policy = save_decision_policy(self._options)
+        self._keep_policy = preservation_policy(self._options)
+        self._steps = Steps(self._client, self._folders, self._options.record_bytes)
+        self._errors: list[str] = []
+        self._warned: set[str] = set()
+        self._snapshots = StepSnapshots(self._options, self._world, self._primary,
+                                        self._folders, self._warn_once)
+        self._uncommitted: int | None = None  # the newest save not known committed yet
+        self._closed: list[int] | None = None  # all_steps() when closed
+        if metadata is not None and self._primary and not self._options.read_only \
+                and self._options.save_root_metadata:
+            self._folders.write_root_metadata(metadata)
+        self._steps.reload()
+        self._folders.check_daemon(self._client, self._options.client.daemon)
 
     @property
-    def directory(self) -> str:
-        """The job's folder in the durable tier (``step_N`` checkpoints)."""
-        return self._directory
+    def directory(self) -> epath.Path:
+        """The job's folder in the durable tier (one folder per step, as Orbax's)."""
+        return epath.Path(self._directory)
+
+    # -- which steps ---------------------------------------------------------
+
+    def all_steps(self, read: bool = False) -> list[int]:
+        """The steps this manager keeps (its preservation policy) that some tier can
+        restore, oldest first. ``read``: Orbax's (the tiers are always asked)."""
+        del read
+        if self._closed is not None:
+            return list(self._closed)  # as the manager last saw them
+        held = self._steps.restorable()
+        kept = {info.step for info, keep in self._preserved() if keep}
+        return [step for step in held if step in kept]
+
+    def _preserved(self) -> list[tuple[StepInfo, bool]]:
+        """Each tracked step and whether the preservation policy keeps it (Orbax's)."""
+        infos = self._steps.infos()
+        return list(zip(infos, self._keep_policy.should_preserve(
+            infos, context=ocp.checkpoint_managers.PreservationContext()), strict=True))
+
+    def latest_step(self) -> int | None:
+        """The newest of :meth:`all_steps`, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def best_step(self) -> int | None:
+        """The best step by ``best_fn`` / ``best_mode`` (the latest without ``best_fn``)."""
+        if self._options.best_fn is None:
+            return self.latest_step()
+        restorable = set(self.all_steps())
+        scored = [info for info in self._steps.infos() if info.step in restorable
+                  and info.metrics is not None]
+        if not scored:
+            return None
+        scored.sort(key=lambda info: self._options.best_fn(info.metrics),
+                    reverse=self._options.best_mode == "min")
+        return scored[-1].step
+
+    def reload(self) -> None:
+        """Reads again which steps the tiers hold (a directory changed by others)."""
+        self._steps.reload()
 
     def should_save(self, step: int) -> bool:
-        """Whether ``save(step)`` would save: every ``save_interval_steps``-th step
-        newer than the newest one saved."""
-        newest = self._saved[-1] if self._saved else None
-        return (newest is None or step > newest) and \
-            step % self._options.save_interval_steps == 0
+        """Whether ``save(step)`` would save, by the save decision policy (Orbax's)."""
+        if self._options.read_only:
+            self._warn_once("read_only", "%s is read only: save and delete are skipped",
+                            self._directory)
+            return False
+        infos = self._steps.infos()
+        if infos and infos[-1].step >= step:
+            return False
+        context = ocp.checkpoint_managers.DecisionContext(
+            is_saving_in_progress=self._options.enable_should_save_is_saving_in_progress_check
+            and self.is_saving_in_progress(),
+            reached_preemption=self.reached_preemption(step),
+            multiprocessing_options=self._options.multiprocessing_options)
+        return bool(self._save_policy.should_save(StepInfo.now(step), previous_steps=infos,
+                                                  context=context))
+
+    # -- save ----------------------------------------------------------------
 
     def save(self, step: int, items=None, save_kwargs=None, metrics=None, force: bool = False,
-             args=None) -> bool:
-        """Snapshots ``args.item`` (``ocp.args.StandardSave(state)``; ``items`` as
-        Orbax's legacy form) as ``step`` when :meth:`should_save` or ``force``
-        says so; whether it saved. Daemon trouble never raises here (training
-        goes on; the step is not saved, False, and :meth:`check_for_errors`
-        raises it)."""
-        del save_kwargs, metrics  # Orbax's per-save handler options and metrics: none here
-        if not (force or self.should_save(step)):
+             args=None, custom_metadata: dict | None = None) -> bool:
+        """Saves ``args`` (or the legacy ``items``) as ``step`` when :meth:`should_save` or
+        ``force`` says so; whether it saved. Daemon trouble never raises here (the
+        step is not saved, False, and :meth:`check_for_errors` raises it)."""
+        if self._options.read_only:
+            return self.should_save(step)  # False, with the warning
+        single = self._mode(args)
+        to_save = checkpoint_items.save_items(args, items, save_kwargs, single, self._handlers)
+        if not force and not self.should_save(step):
             return False
-        state = _item(args, items, "save", "StandardSave(state)")
-        wait = "job" if not self._options.enable_async_checkpointing else False
-        if self._failed(self._client.snapshot(step, state, wait=wait)):
+        if step in self._steps.known():
+            raise StepAlreadyExistsError(f"Checkpoint for step {step} already exists.")
+        if self._options.best_fn is None or self._options.prevent_write_metrics:
+            metrics = None  # Orbax keeps metrics only to track the best steps
+        names, leaves, record = self._snapshots.build(step, to_save, metrics, custom_metadata)
+        wait = False if self._options.enable_async_checkpointing else "job"
+        result = self._client.snapshot_leaves(step, names, leaves, wait=wait)
+        if self._failed(result):
             return False
-        self._saved.append(step)
-        if self._options.max_to_keep is not None:
-            self._retire()
+        self._uncommitted = step
+        self._steps.add(StepInfo(step, step_metadata.step_time(record), metrics))
+        self._retire()
         return True
 
     def wait_until_finished(self) -> None:
-        """Waits until the last step saved is committed for the whole job (every rank's
-        copy checked and replicated), at most ``ClientOptions.commit_timeout_seconds``;
-        a failure is kept for :meth:`check_for_errors`."""
+        """Waits until the last save is committed for the whole job (every rank's copy
+        checked and replicated), at most ``async_options.timeout_secs`` (else
+        ``ClientOptions.commit_timeout_seconds``); a failure is kept for
+        :meth:`check_for_errors`."""
         self._failed(self._client.wait())
-        if not self._saved:
+        if self._uncommitted is None:
             return
-        step = self._saved[-1]
+        step, timeout = self._uncommitted, self._commit_timeout()
         try:
-            committed, latest = self._client.session.wait_committed(
-                step, self._options.client.commit_timeout_seconds)
+            committed, latest = self._client.session.wait_committed(step, timeout)
         except grpc.RpcError as err:
             self._errors.append(f"step {step}: waiting for its commit failed: "
                                 f"{err.code().name}: {err.details()}")
             return
         if not committed:
             self._errors.append(f"step {step} was not committed for the job within "
-                                f"{self._options.client.commit_timeout_seconds:.0f} s "
-                                f"(latest committed: {latest})")
+                                f"{timeout:.0f} s (latest committed: {latest})")
+            return
+        self._uncommitted = None
+        self._retire()
+        callback = getattr(self._options.async_options, "post_finalization_callback", None)
+        if callback is not None:
+            callback()
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether the last save is not committed for the job yet."""
+        if self._uncommitted is None:
+            return False
+        try:
+            committed, _ = self._client.session.wait_committed(self._uncommitted, 0.0)
+        except grpc.RpcError:
+            return True
+        if committed:
+            self._uncommitted = None
+        return not committed
 
     def check_for_errors(self) -> None:
         """Raises RuntimeError naming every save that failed since the last call."""
@@ -155,46 +237,70 @@ class CheckpointManager:
             raise RuntimeError("bubblesnap: " + "; ".join(errors[:8]) +
                                (f" (and {len(errors) - 8} more)" if len(errors) > 8 else ""))
 
-    def all_steps(self, read: bool = False) -> list[int]:
-        """The steps the job can restore, oldest first: committed in the daemons'
-        memory or whole in the durable tier. ``read`` is Orbax's (always fresh here)."""
-        del read
-        try:
-            status = self._client.status()
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                return []  # the daemon knows no such job: nothing saved yet
-            raise
-        return sorted({s.step for s in status.steps if s.committed} |
-                      set(status.durable_steps))
-
-    def latest_step(self) -> int | None:
-        """The newest restorable step, or None."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+    # -- restore -------------------------------------------------------------
 
     def restore(self, step: int | None = None, items=None, restore_kwargs=None,
                 directory=None, args=None):
-        """The state of ``step`` (default: the latest), restored into the structure and
-        shardings of ``args.item`` (``ocp.args.StandardRestore(abstract_state)``:
-        jax.ShapeDtypeStruct leaves with shardings, or arrays), from the fastest tier
-        that holds it. Resumes the job from that step (later copies are dropped as
-        the abandoned run's). Raises RestoreError."""
-        del restore_kwargs
+        """The items of ``step`` (default: the latest), into ``args``' targets
+        (``StandardRestore(abstract_state)``, ``Composite`` of them; none: as saved),
+        from the fastest tier that holds them. FileNotFoundError when there is no
+        such step, as Orbax."""
         if directory is not None and os.path.abspath(os.fspath(directory)) != self._directory:
-            raise RestoreError(f"restore from {directory!r}: this manager restores only "
-                               f"its own job's folder {self._directory!r}")
-        target = _item(args, items, "restore", "StandardRestore(abstract_state)")
-        restored = self._client.restore(target, step)
-        self._saved = [s for s in self._saved if s <= restored.step]
-        return restored.state
+            other = StepFolders(os.fspath(directory), self._options.step_prefix,
+                                self._options.step_format_fixed_length,
+                                self._options.step_name_format)
+            return other.restore_with_orbax(step, args, self._item_names, self._handlers)
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"No steps found in {self._directory}.")
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"Checkpoint at {self._folders.path(step)} not found.")
+        single = self._mode(args) if args is not None else self._single_of(step)
+        record = self._steps.record(step)
+        if record is None:  # a step plain Orbax wrote
+            return self._folders.restore_with_orbax(step, args, self._item_names,
+                                                    self._handlers)
+        wanted = checkpoint_items.restore_items(args, items, restore_kwargs, single,
+                                                self._handlers, record["items"])
+        out = step_restore.restore_items(self._client, self._folders, self._handlers, record,
+                                         wanted, step, alone=step != self.latest_step())
+        self._uncommitted = None
+        if single:
+            return out[checkpoint_items.DEFAULT_ITEM]
+        return ocp.handlers.CompositeResults(**out)
+
+    # -- metadata ------------------------------------------------------------
+
+    def metadata(self, step: int | None = None):
+        """Orbax's RootMetadata (no step: the ``metadata`` given at construction), or
+        the StepMetadata of ``step``: item handlers and metadata, metrics, custom metadata."""
+        if step is None:
+            return ocp.metadata.RootMetadata(custom_metadata=self._folders.root_metadata())
+        record = self._steps.record(step)
+        if record is None:
+            return self._folders.metadata_with_orbax(step, self._item_names, self._handlers)
+        return step_metadata.from_record(record, self._folders.path(step), self._single_of(step))
+
+    def item_metadata(self, step: int):
+        """The metadata of ``step``'s items (``metadata(step).item_metadata``)."""
+        return self.metadata(step).item_metadata
+
+    def metrics(self, step: int):
+        """The metrics saved with ``step`` (None without)."""
+        return next((i.metrics for i in self._steps.infos() if i.step == step), None)
+
+    # -- delete, preemption, closing -------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Drops ``step`` from this process's daemon's memory (the durable tier keeps
-        what its retention says)."""
-        self._client.session.call("DeleteSnapshots", pb.DeleteSnapshotsRequest(
-            job=self._client.job, steps=[step]))
-        self._saved = [s for s in self._saved if s != step]
+        """Deletes ``step`` from every tier (FileNotFoundError when there is none)."""
+        if self._options.read_only:
+            self._warn_once("read_only", "%s is read only: save and delete are skipped",
+                            self._directory)
+            return
+        if step not in self._steps.known():
+            raise FileNotFoundError(f"Requested deleting a non-existent step: {step}.")
+        self._steps.delete(step, self._primary)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job reached JAX's preemption sync point at ``step`` (a host was
@@ -206,9 +312,14 @@ class CheckpointManager:
             return False
 
     def close(self) -> None:
-        """Waits for the last save, then lets go of the daemon connection."""
+        """Waits for the last save, then lets go of the daemon connection (``all_steps``
+        goes on answering what it last saw)."""
+        if self._closed is not None:
+            return
         self.wait_until_finished()
+        self._closed = self.all_steps()
         self._client.close()
+        self._folders.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -216,23 +327,47 @@ class CheckpointManager:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _check_directory(self) -> None:
-        """Warns when the daemon's durable tier is not where ``directory`` says: the
-        steps would be written, and plain Orbax would find them, elsewhere. A
-        warning, not an error: a container may mount the same folder elsewhere."""
+    # -- helpers ---------------------------------------------------------------
+
+    def _mode(self, args) -> bool:
+        """Default-item mode, decided by the first call's args when the constructor did
+        not (Orbax's rule)."""
+        if self._single is None and args is not None:
+            self._single = not checkpoint_items.is_composite(args)
+        return True if self._single is None else self._single
+
+    def _single_of(self, step: int) -> bool:
+        if self._single is not None:
+            return self._single
+        record = self._steps.record(step)
+        return record is None or list(record["items"]) == [checkpoint_items.DEFAULT_ITEM]
+
+    def _retire(self) -> None:
+        """Deletes the steps the preservation policy no longer keeps (Orbax's), once a
+        newer step is committed (never the newest one a tier holds), a few at a time:
+        one Status call per batch, not one per save. They are not listed meanwhile."""
+        dropped = [info.step for info, keep in self._preserved() if not keep]
+        if len(dropped) < _RETIRE_BATCH and not (dropped and self._uncommitted is None):
+            return
         try:
-            durable = self._client.session.call("Status", pb.StatusRequest()).durable_directory
+            latest = self._client.status().latest_committed_step
         except grpc.RpcError:
-            return  # no daemon yet: saves say so, each in its SnapshotResult
-        parent = os.path.dirname(self._directory)
-        if not durable:
-            log.warning("the daemon at %s has no durable tier (--durable-dir): steps live "
-                        "only in memory, nothing is written to %s", self._options.client.daemon,
-                        self._directory)
-        elif os.path.realpath(durable) != os.path.realpath(parent):
-            log.warning("the daemon writes durable steps to %s/%s, not to %s (its "
-                        "--durable-dir is not %s)", durable, self._client.job,
-                        self._directory, parent)
+            return  # tried again at the next save
+        for step in dropped:
+            if step < latest:
+                self._steps.delete(step, self._primary)
+
+    def _commit_timeout(self) -> float:
+        timeout = getattr(self._options.async_options, "timeout_secs", None)
+        return float(timeout) if timeout else self._options.client.commit_timeout_seconds
+
+    def _make_directory(self) -> None:
+        if os.path.isdir(self._directory):
+            return
+        if not self._options.create:
+            raise FileNotFoundError(f"{self._directory} does not exist (create=False)")
+        if self._primary and not self._options.read_only:
+            os.makedirs(self._directory, exist_ok=True)
 
     def _failed(self, result) -> bool:
         """Whether ``result`` (None: nothing was pending) is a snapshot not taken; kept for
@@ -242,32 +377,11 @@ class CheckpointManager:
             self._errors.append(f"step {result.step}: {result.reason}")
         return failed
 
-    def _retire(self) -> None:
-        """Deletes this process's saved steps past the newest ``max_to_keep``, once a
-        newer step is committed (a step is never dropped before one after it holds)."""
-        keep = self._options.max_to_keep
-        old = self._saved[:-keep]
-        if len(old) < keep:  # a Status call per ``keep`` saves, not one per save
-            return
-        try:
-            latest = self._client.status().latest_committed_step
-        except grpc.RpcError:
-            return  # retried at the next save
-        for step in [s for s in old if s < latest]:
-            try:
-                self.delete(step)
-            except grpc.RpcError:
-                return
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
 
 
-def _item(args, items, method: str, form: str):
-    """The pytree of an Orbax ``args`` (``.item``) or legacy ``items``."""
-    if args is not None:
-        item = getattr(args, "item", None)
-        if item is None:
-            raise TypeError(f"CheckpointManager.{method}: args must be ocp.args.{form} "
-                            f"with the state, got {type(args).__name__}")
-        return item
-    if items is None:
-        raise TypeError(f"CheckpointManager.{method}: give args=ocp.args.{form}")
-    return items
+__all__ = ["CheckpointManager", "CheckpointManagerOptions", "RestoreError",
+           "StepAlreadyExistsError"]

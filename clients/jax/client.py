@@ -98,6 +98,12 @@ class SnapshotClient(DaemonClient):
         group's copier fetches nothing (``SnapshotResult.copied_by``).
         """
         names, leaves, _ = _layout.flatten(state)
+        return self.snapshot_leaves(step, names, leaves, wait)
+
+    def snapshot_leaves(self, step: int, names, leaves, wait: bool | str = False
+                        ) -> SnapshotResult:
+        """:meth:`snapshot` of leaves already flattened: ``names[i]`` is the tensor name
+        of ``leaves[i]`` (a jax.Array, a numpy array or a ``_layout.HostValue``)."""
         return self._session.snapshot(step, self._specs.specs(names, leaves),
                                       lambda: _transfer.fetch_to_host(leaves), wait=wait)
 
@@ -123,18 +129,30 @@ class SnapshotClient(DaemonClient):
         says this rank alone goes back (a stage replaying from boundary logs
         while the others keep their state), and later copies stay.
         """
-        started = time.perf_counter()
         names, leaves, treedef = _layout.flatten(target)
-        shardings = [_layout.target_sharding(leaf) for leaf in leaves]
-        needs = [_layout.needed_regions(leaf.shape, sharding)
-                 for leaf, sharding in zip(leaves, shardings, strict=True)]
+        found = self.restore_leaves(names, leaves, step, alone)
+        return dataclasses.replace(found, state=jax.tree_util.tree_unflatten(treedef,
+                                                                             found.state))
+
+    def restore_leaves(self, names, targets, step: int | None = None, alone: bool = False,
+                       host=frozenset()) -> Restored:
+        """:meth:`restore` of leaves already flattened: tensor ``names[i]`` into the
+        shape, dtype and sharding of ``targets[i]``; ``state`` is the list of arrays,
+        in that order. A name in ``host`` comes back as a writable numpy array of the
+        whole tensor instead of a jax.Array."""
+        started = time.perf_counter()
+        shardings = [None if name in host else _layout.target_sharding(leaf)
+                     for name, leaf in zip(names, targets, strict=True)]
+        needs = [({}, [tuple((0, d) for d in leaf.shape)]) if sharding is None else
+                 _layout.needed_regions(leaf.shape, sharding)
+                 for leaf, sharding in zip(targets, shardings, strict=True)]
         raw = self._session.restore(step, alone, tensors=[
             _layout.tensor_request(name, leaf, regions)
-            for name, leaf, (_, regions) in zip(names, leaves, needs, strict=True)])
+            for name, leaf, (_, regions) in zip(names, targets, needs, strict=True)])
         placing = time.perf_counter()
         arrays = []
         for t, (name, leaf, sharding, (per_device, regions)) in enumerate(
-                zip(names, leaves, shardings, needs, strict=True)):
+                zip(names, targets, shardings, needs, strict=True)):
             dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
             position = {region: r for r, region in enumerate(regions)}
 
@@ -142,10 +160,10 @@ class SnapshotClient(DaemonClient):
                 return raw.shards[(t, position[region])].view(dtype).reshape(
                     [b - a for a, b in region])
             try:
-                arrays.append(_transfer.place(shape, sharding, per_device, host_of))
+                arrays.append(np.array(host_of(regions[0])) if sharding is None else
+                              _transfer.place(shape, sharding, per_device, host_of))
             except ValueError as err:  # a region's bytes do not fit its shape
                 raise RestoreError(f"step {raw.step}: {name!r}: {err}") from None
-        state = jax.tree_util.tree_unflatten(treedef, arrays)
         done = time.perf_counter()
-        return Restored(raw.step, state, done - started, raw.source, raw.world_size,
+        return Restored(raw.step, arrays, done - started, raw.source, raw.world_size,
                         {**raw.phases, "place": done - placing})

@@ -1,0 +1,66 @@
+"""``python -m bubblesnap.run [options] train.py [args]``: run a program unchanged, with
+bubblesnap's CheckpointManager behind ``orbax.checkpoint.CheckpointManager``.
+
+For training code that builds Orbax's manager itself (inside a framework): the
+memory tier with no change to the code. The program runs in this process (as
+``python train.py`` would: ``sys.argv``, ``__main__``); processes it starts
+inherit the switch (``BUBBLESNAP_ORBAX=1`` and the bootstrap folder on
+``PYTHONPATH``), so they are patched too. bubblesnap/orbax_patch.py says what
+is patched.
+"""
+
+import argparse
+import os
+import runpy
+import sys
+
+from bubblesnap import orbax_patch
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bubblesnap.run",
+        description="Run a Python program with bubblesnap's CheckpointManager behind "
+                    "orbax.checkpoint.CheckpointManager (in it and in the processes it "
+                    "starts). The program's checkpoint directory must be a job folder of "
+                    "the daemon's --durable-dir (<durable-dir>/<job>).",
+        epilog="Launchers that start the processes themselves: set BUBBLESNAP_ORBAX=1 and "
+               "put the folder `python -m bubblesnap.run --pythonpath` prints on PYTHONPATH.")
+    parser.add_argument("--daemon", default=None,
+                        help="the local daemon's address (default: $BUBBLESNAP_DAEMON, else "
+                             "the daemon's default Unix socket)")
+    parser.add_argument("--pythonpath", action="store_true",
+                        help="print the bootstrap folder for PYTHONPATH and exit")
+    parser.add_argument("-m", dest="module", default=None,
+                        help="run a module (as python -m) instead of a file")
+    parser.add_argument("program", nargs="?", help="the program file to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+def main(argv=None) -> int:
+    parsed = _parser().parse_args(argv)
+    if parsed.pythonpath:
+        print(orbax_patch.bootstrap_path())
+        return 0
+    if parsed.module is None and parsed.program is None:
+        _parser().error("give the program to run (a file, or -m module)")
+    if parsed.daemon:
+        os.environ["BUBBLESNAP_DAEMON"] = parsed.daemon
+    os.environ[orbax_patch.ENV] = "1"
+    paths = [orbax_patch.bootstrap_path(), *filter(None, os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    orbax_patch.install()
+    if parsed.module is not None:
+        sys.argv = [parsed.module, *([parsed.program] if parsed.program else []), *parsed.args]
+        runpy.run_module(parsed.module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [parsed.program, *parsed.args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(parsed.program)))
+        runpy.run_path(parsed.program, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""The steps a CheckpointManager tracks (Orbax's checkpoint infos) and where each is held.
+
+A step is tracked from its ``save`` (as in Orbax, ``latest_step`` names it at
+once) or, on (re)load, because a tier holds it: committed in the daemons'
+memory, or whole on disk (the daemon's folder, or one Orbax wrote). It stays
+listed while a tier holds it and the preservation policy keeps it; a step
+retention freed from every tier is no longer listed. Each step's record
+(time, metrics, items) is read once, from the daemon, and kept.
+"""
+
+import dataclasses
+import datetime
+import logging
+
+import grpc
+import jax
+import numpy as np
+
+from bubblesnap import checkpoint_record
+from bubblesnap.clients.jax.step_metadata import step_time
+from bubblesnap.clients.results import RestoreError
+from bubblesnap.protos import daemon_pb2 as pb
+
+log = logging.getLogger("bubblesnap.client")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What Orbax's policies know of a step (its ``PolicyCheckpointInfo``)."""
+
+    step: int
+    time: datetime.datetime
+    metrics: dict | None = None
+
+    @classmethod
+    def now(cls, step: int) -> "StepInfo":
+        return cls(step, datetime.datetime.now(tz=datetime.timezone.utc))
+
+
+class Steps:
+    """The tracked steps of one manager, its daemon client and its StepFolders."""
+
+    def __init__(self, client, folders, record_bytes: int):
+        self._client, self._folders, self._record_bytes = client, folders, record_bytes
+        self._infos: dict[int, StepInfo] = {}
+        self._pending: set[int] = set()  # saved here, no tier seen holding it yet
+        self._records: dict[int, dict | None] = {}
+
+    def infos(self) -> list[StepInfo]:
+        """The tracked steps, oldest first."""
+        return [self._infos[s] for s in sorted(self._infos)]
+
+    def known(self) -> set[int]:
+        return set(self._infos)
+
+    def add(self, info: StepInfo) -> None:
+        """A step this manager just saved."""
+        self._infos[info.step] = info
+        self._pending.add(info.step)
+
+    def reload(self) -> None:
+        """Tracks what the tiers hold now (a new manager, or ``reload``)."""
+        held = self._held()
+        folders = self._folders.find()
+        self._infos = {}
+        for step in sorted(held):
+            self._infos[step] = self._info_of(step, folders.get(step))
+        self._pending.clear()
+
+    def restorable(self) -> list[int]:
+        """Tracked steps some tier holds (or just saved here), oldest first; steps no tier
+        holds any more are dropped."""
+        held = self._held()
+        newest_held = max(held, default=-1)
+        self._pending = {s for s in self._pending if s not in held and s > newest_held}
+        for step in [s for s in self._infos if s not in held and s not in self._pending]:
+            del self._infos[step]
+        return sorted(self._infos)
+
+    def _held(self) -> set[int]:
+        """Steps committed in the daemons' memory or whole on disk."""
+        return self._committed() | set(self._folders.find())
+
+    def _committed(self) -> set[int]:
+        try:
+            status = self._client.status()
+        except grpc.RpcError as err:
+            if err.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            return set()  # the daemon knows no such job (yet), or is away: the disk tells
+        return {s.step for s in status.steps if s.committed}
+
+    def _info_of(self, step: int, folder: str | None) -> StepInfo:
+        metadata = self._folders.metadata(step) if folder is not None else None
+        if metadata is not None and not self._folders.is_ours(folder):
+            nanos = metadata.get("commit_timestamp_nsecs") or 0
+            return StepInfo(step, datetime.datetime.fromtimestamp(
+                nanos / 1e9, tz=datetime.timezone.utc), metadata.get("metrics") or None)
+        record = self.record(step)
+        if record is None:
+            return StepInfo.now(step)
+        return StepInfo(step, step_time(record), record.get("metrics"))
+
+    def record(self, step: int) -> dict | None:
+        """The step's record (checkpoint_record.py), None for a step Orbax wrote."""
+        if step not in self._records:
+            self._records[step] = self._read_record(step)
+        return self._records[step]
+
+    def _read_record(self, step: int) -> dict | None:
+        folder = self._folders.find().get(step)
+        if folder is not None and not self._folders.is_ours(folder) and \
+                step not in self._committed():
+            return None
+        capacity = self._record_bytes
+        try:
+            found = self._client.restore_leaves(
+                [checkpoint_record.TENSOR],
+                [jax.ShapeDtypeStruct((capacity,), np.uint8)], step, alone=True,
+                host={checkpoint_record.TENSOR})
+        except RestoreError as err:
+            if folder is not None and not self._folders.is_ours(folder):
+                return None
+            raise RestoreError(f"step {step}: its record could not be read: {err}") from None
+        return checkpoint_record.decode(found.state[0])
+
+    def delete(self, step: int, primary: bool) -> None:
+        """Forgets ``step`` and deletes it: this process's copies in its daemon's memory,
+        and (the primary process) its folder and the items saved for it."""
+        self._infos.pop(step, None)
+        self._pending.discard(step)
+        self._records.pop(step, None)
+        try:
+            self._client.session.call("DeleteSnapshots", pb.DeleteSnapshotsRequest(
+                job=self._client.job, steps=[step]))
+        except grpc.RpcError as err:
+            log.warning("step %d: could not delete it from the daemon's memory: %s: %s", step,
+                        err.code().name, err.details())
+        if primary:
+            self._folders.delete(step)

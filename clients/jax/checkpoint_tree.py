@@ -1,0 +1,277 @@
+"""One pytree item of a CheckpointManager step: arrays as tensors, every other leaf in the
+step record, and back into the types Orbax gives back for the same target.
+
+Saving flattens the pytree as Orbax does (``None`` and empty subtrees are
+leaves; custom nodes such as Flax's ``TrainState`` by their key paths): a
+``jax.Array`` or numpy array (NumPy scalars as 0-d arrays) becomes a tensor
+``<item>/<key>/<key>...`` of the snapshot; a Python scalar or string, a
+``None`` or an empty subtree is kept in the item's entry of the step record
+(``bubblesnap/checkpoint_record.py``), which also holds Orbax's
+``_METADATA`` entries of the whole tree, so the durable tier writes what
+Orbax writes and a restore with no target rebuilds the tree Orbax would.
+
+Restoring into a target follows Orbax's handlers: a ``jax.Array`` or
+``jax.ShapeDtypeStruct`` leaf gets a ``jax.Array`` in its sharding (or the
+sharding ``restore_args`` give), a numpy array a numpy array, a Python or
+NumPy scalar a Python scalar, a string a string, ``None`` and empty
+subtrees themselves.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+from orbax.checkpoint._src.metadata import empty_values
+from orbax.checkpoint._src.metadata import sharding as sharding_metadata
+from orbax.checkpoint._src.metadata import tree as tree_metadata
+from orbax.checkpoint._src.metadata.pytree_metadata_options import PYTREE_METADATA_OPTIONS
+from orbax.checkpoint._src.tree import utils as tree_utils
+
+from bubblesnap.clients.results import RestoreError
+
+#: Orbax's value types (``_METADATA``'s ``value_type``) of the leaves kept as tensors.
+JAX_ARRAY, NP_ARRAY, SCALAR, STRING = "jax.Array", "np.ndarray", "scalar", "string"
+
+
+def tensor_name(item: str, keypath) -> str:
+    """The tensor of the leaf at ``keypath`` of ``item``: its key names joined by "/",
+    a "/" or "%" inside a name escaped so the daemon can split the name back."""
+    parts = [str(tree_utils.get_key_name(k)).replace("%", "%25").replace("/", "%2F")
+             for k in keypath]
+    return "/".join([item, *parts])
+
+
+def _path_key(keypath) -> str:
+    """Orbax's key of a leaf in ``_METADATA`` (the tuple of its key names, as text)."""
+    return str(tuple(str(tree_utils.get_key_name(k)) for k in keypath))
+
+
+def _flatten(tree):
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_utils.is_empty_or_leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedItem:
+    """What one pytree item puts in a snapshot: ``names[i]`` is the tensor of
+    ``arrays[i]`` (a jax.Array or numpy array); ``entry`` its part of the record."""
+
+    names: list
+    arrays: list
+    entry: dict
+
+
+def save_item(item: str, tree, handler: str) -> SavedItem:
+    """Splits ``tree`` into its tensors and its record entry (TypeError for a leaf Orbax
+    cannot save either)."""
+    names, arrays, entries, leaves = [], [], {}, {}
+    for keypath, leaf in _flatten(tree)[0]:
+        key = _path_key(keypath)
+        value_type, stored = _classify(key, leaf)
+        entry = {"key_metadata": tree_metadata.KeyMetadataEntry.build(keypath).to_json(),
+                 "value_metadata": {"value_type": value_type,
+                                    "skip_deserialize": empty_values.is_empty_typestr(
+                                        value_type)}}
+        entries[key] = entry
+        if stored is None:
+            continue
+        if value_type in (JAX_ARRAY, NP_ARRAY):
+            name = tensor_name(item, keypath)
+            names.append(name)
+            arrays.append(stored)
+            leaves[key] = {"tensor": name, "shape": list(stored.shape),
+                           "dtype": np.dtype(stored.dtype).name,
+                           "sharding": _serialized_sharding(stored)}
+        else:
+            leaves[key] = stored
+    return SavedItem(names, arrays, {"kind": "pytree", "handler": handler, "tree": entries,
+                                     "leaves": leaves})
+
+
+def _classify(key: str, leaf):
+    """(Orbax's value type, what is kept: an array, a record value or None)."""
+    if isinstance(leaf, jax.Array):
+        return JAX_ARRAY, leaf
+    if isinstance(leaf, (np.ndarray, np.number, np.bool_)):
+        return NP_ARRAY, np.asarray(leaf)
+    if isinstance(leaf, (bool, int, float)):
+        if isinstance(leaf, int) and not isinstance(leaf, bool) and not -2**63 <= leaf < 2**63:
+            raise TypeError(f"leaf {key}: the int {leaf} does not fit int64, as Orbax saves "
+                            "Python ints")
+        return SCALAR, {"value": leaf, "type": type(leaf).__name__}
+    if isinstance(leaf, str):
+        return STRING, {"value": leaf, "type": "str"}
+    if leaf is None or empty_values.is_empty_container(leaf):
+        if tree_utils.isinstance_of_namedtuple(leaf):  # optax's EmptyState: Orbax says None
+            return empty_values.override_empty_value_typestr(
+                empty_values.RESTORE_TYPE_NAMED_TUPLE, PYTREE_METADATA_OPTIONS), None
+        return empty_values.get_empty_value_typestr(leaf, PYTREE_METADATA_OPTIONS), None
+    raise TypeError(f"leaf {key} is a {type(leaf).__name__}, which Orbax's PyTree handlers do "
+                    "not save: keep arrays, Python or NumPy scalars, strings and None in "
+                    "the state (or save it with an item of its own)")
+
+
+def _serialized_sharding(array) -> str | None:
+    if not isinstance(array, jax.Array):
+        return None
+    found = sharding_metadata.from_jax_sharding(array.sharding)
+    return found.to_serialized_string() if found is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """A tensor a restore asks for: into ``target`` (a jax.ShapeDtypeStruct with a
+    sharding), or as a numpy array when ``host``."""
+
+    name: str
+    target: jax.ShapeDtypeStruct
+    host: bool
+
+
+class RestorePlan:
+    """How one item of a step comes back: the tensors to ask the daemon for
+    (:attr:`wanted`) and :meth:`build`, which makes the restored tree of them.
+
+    ``target``: the tree to restore into (its structure and leaf types), or None
+    for the tree as saved (numpy and jax arrays, scalars, strings; dicts and lists
+    as Orbax rebuilds them). ``restore_args``: a matching tree of Orbax's
+    ``RestoreArgs`` / ``ArrayRestoreArgs`` (``construct_restore_args``), whose
+    ``sharding``, ``dtype`` and ``restore_type`` win over the target's.
+    ``saved_types``: the leaves come back as the types they were saved as, into
+    the target's structure and shardings (Orbax's PyTree handler without
+    ``restore_args``; its Standard handler restores the target's types).
+    """
+
+    def __init__(self, item: str, entry: dict, target=None, restore_args=None,
+                 saved_types: bool = False):
+        self.item, self._entry = item, entry
+        if target is None:
+            target = tree_utils.from_flattened_with_keypath(
+                [(tree_metadata.InternalTreeMetadataEntry.from_json(key, e).jax_keypath(),
+                  _saved_placeholder(entry, key)) for key, e in entry["tree"].items()])
+        flat, self._treedef = _flatten(target)
+        args = _flatten_args(restore_args, self._treedef, len(flat))
+        self._leaves = []  # (key, target leaf, restore args, Wanted or None)
+        self.wanted: list[Wanted] = []
+        for (keypath, leaf), arg in zip(flat, args, strict=True):
+            key = _path_key(keypath)
+            saved = entry["leaves"].get(key)
+            if key not in entry["tree"]:
+                raise RestoreError(f"item {item!r} has no leaf {key} to restore into the "
+                                   "target: restore into the structure it was saved with")
+            if saved_types and arg is None:
+                leaf = _as_saved(entry, key, leaf)
+            wanted = None
+            if isinstance(saved, dict) and "tensor" in saved:
+                wanted = self._want(key, saved, leaf, arg)
+                self.wanted.append(wanted)
+            self._leaves.append((key, leaf, arg, wanted))
+
+    def _want(self, key: str, saved: dict, leaf, arg) -> Wanted:
+        shape, dtype = tuple(saved["shape"]), np.dtype(numpy_dtype(saved["dtype"]))
+        if hasattr(leaf, "shape") and tuple(leaf.shape) != shape:
+            raise RestoreError(f"item {self.item!r}: leaf {key} was saved with shape {shape}; "
+                               f"the target has {tuple(leaf.shape)}")
+        restore_type = getattr(arg, "restore_type", None)
+        host = isinstance(leaf, (np.ndarray, np.number, np.bool_, bool, int, float,
+                                 _SavedNumpy)) or \
+            (restore_type is not None and restore_type is not jax.Array)
+        sharding = getattr(arg, "sharding", None) or getattr(leaf, "sharding", None)
+        if isinstance(sharding, sharding_metadata.ShardingMetadata):
+            sharding = sharding.to_jax_sharding()
+        return Wanted(saved["tensor"], jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
+                      host)
+
+    def build(self, restored: dict):
+        """The item's tree, from ``restored`` (tensor name -> jax.Array or numpy array)."""
+        out = []
+        for key, leaf, arg, wanted in self._leaves:
+            saved = self._entry["leaves"].get(key)
+            value = restored[wanted.name] if wanted is not None else \
+                saved["value"] if isinstance(saved, dict) else leaf
+            out.append(_as_target_type(key, value, leaf, arg))
+        return jax.tree_util.tree_unflatten(self._treedef, out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedNumpy:
+    """The target leaf of a numpy array restored with no target (a pytree leaf)."""
+
+    shape: tuple
+    dtype: np.dtype
+
+
+def _saved_placeholder(entry: dict, key: str):
+    """A target leaf that restores the saved leaf ``key`` as Orbax restores it with no
+    target: arrays as saved (a jax.Array in its saved sharding when this process has
+    those devices, else on the first local device), the rest as it was."""
+    value_type = entry["tree"][key]["value_metadata"]["value_type"]
+    saved = entry["leaves"].get(key)
+    if value_type == NP_ARRAY:
+        return _SavedNumpy(tuple(saved["shape"]), numpy_dtype(saved["dtype"]))
+    if value_type == JAX_ARRAY:
+        return jax.ShapeDtypeStruct(tuple(saved["shape"]), numpy_dtype(saved["dtype"]),
+                                    sharding=_saved_sharding(saved.get("sharding")))
+    if value_type in (SCALAR, STRING):
+        return {"bool": False, "int": 0, "float": 0.0}.get(saved["type"], "")
+    return empty_values.get_empty_value_from_typestr(value_type, PYTREE_METADATA_OPTIONS)
+
+
+def _as_saved(entry: dict, key: str, leaf):
+    """The target leaf for the saved leaf ``key``'s own type, in ``leaf``'s sharding."""
+    placeholder = _saved_placeholder(entry, key)
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None and isinstance(placeholder, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(placeholder.shape, placeholder.dtype, sharding=sharding)
+    return placeholder
+
+
+def _saved_sharding(serialized: str | None):
+    if serialized:
+        try:
+            return sharding_metadata.from_serialized_string(serialized).to_jax_sharding()
+        except Exception:  # the devices it names are not this process's
+            pass
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _flatten_args(restore_args, treedef, count: int) -> list:
+    if restore_args is None:
+        return [None] * count
+    try:
+        return treedef.flatten_up_to(restore_args)
+    except (ValueError, TypeError) as err:
+        raise RestoreError(f"restore_args do not match the target's structure: {err}") from None
+
+
+def _as_target_type(key: str, value, leaf, arg):
+    """``value`` (restored array, or record value) as the type the target leaf asks."""
+    restore_type = getattr(arg, "restore_type", None)
+    dtype = getattr(arg, "dtype", None)
+    if isinstance(value, (jax.Array, np.ndarray)) and dtype is not None and \
+            np.dtype(value.dtype) != np.dtype(dtype):
+        value = value.astype(dtype)
+    if leaf is None or empty_values.is_empty_container(leaf):
+        return leaf
+    if restore_type in (int, float, bool) or (
+            restore_type is None and isinstance(leaf, (bool, int, float, np.number, np.bool_))):
+        kind = restore_type or (type(leaf) if isinstance(leaf, (bool, int, float)) else None)
+        scalar = value.item() if isinstance(value, (jax.Array, np.ndarray)) else value
+        return kind(scalar) if kind is not None else scalar
+    if isinstance(leaf, str):
+        return str(value)
+    if restore_type is np.ndarray or (restore_type is None and
+                                      isinstance(leaf, (np.ndarray, _SavedNumpy))):
+        return np.asarray(value)
+    if isinstance(value, (bool, int, float)):  # a saved scalar into an array target
+        sharding = getattr(arg, "sharding", None) or getattr(leaf, "sharding", None)
+        array = np.asarray(value, dtype=getattr(leaf, "dtype", None))
+        return jax.device_put(array, sharding) if sharding is not None else jax.numpy.asarray(
+            array)
+    return value
+
+
+def numpy_dtype(name: str):
+    """The numpy dtype a layout's dtype name stands for (bfloat16 and float8 too)."""
+    import ml_dtypes  # bfloat16 and float8, which numpy lacks (a dependency of JAX)
+
+    return np.dtype(getattr(ml_dtypes, name, name))

@@ -1,0 +1,100 @@
+"""What one CheckpointManager ``save`` hands the daemon: the tensors and the step record.
+
+Each pytree item's arrays become tensors (checkpoint_tree.py; numpy values of a
+multi-process job one copy, the primary process's), JSON items and every
+other leaf go into the record (bubblesnap/checkpoint_record.py), which is
+the last tensor. Items no daemon can hold are saved by Orbax's own handlers
+into the manager's folder now: those of other args types, and any item too
+big for the record (largest first), each named in one warning.
+"""
+
+import time
+
+import jax
+import numpy as np
+
+from bubblesnap import checkpoint_record
+from bubblesnap.clients.jax import checkpoint_items, checkpoint_tree
+from bubblesnap.clients.jax._layout import HostValue
+
+
+class StepSnapshots:
+    """Builds the saves of one manager: its options, process, folders and warnings."""
+
+    def __init__(self, options, world_size: int, primary: bool, folders, warn_once):
+        self._options, self._world, self._primary = options, world_size, primary
+        self._folders, self._warn_once = folders, warn_once
+
+    def build(self, step: int, to_save, metrics, custom_metadata):
+        """(tensor names, leaves, record) of a save of ``to_save`` (SaveItems) as ``step``."""
+        entries, tensors = {}, {}
+        for item in to_save:
+            if item.kind == "pytree":
+                saved = checkpoint_tree.save_item(item.name, _cast(item.value, item.save_args),
+                                                  item.handler)
+                tensors[item.name] = (saved.names, [self._held(a) for a in saved.arrays])
+                entries[item.name] = saved.entry
+            elif item.kind == "json":
+                entries[item.name] = {"kind": "json", "handler": item.handler,
+                                      "value": item.value}
+            else:
+                entries[item.name] = self._save_with_orbax(step, item.name, item.value,
+                                                           item.handler)
+        record = {"format": checkpoint_record.FORMAT, "step": step, "time": time.time(),
+                  "naming": {"prefix": self._options.step_prefix,
+                             "fixed_length": self._options.step_format_fixed_length},
+                  "items": entries, "metrics": metrics, "custom_metadata": custom_metadata or {},
+                  "retention": "manager"}
+        data = self._encode(step, record, to_save)
+        names, leaves = [], []
+        for item in to_save:
+            if record["items"][item.name]["kind"] == "pytree":  # still held in memory
+                names += tensors[item.name][0]
+                leaves += tensors[item.name][1]
+        names.append(checkpoint_record.TENSOR)
+        leaves.append(HostValue(np.frombuffer(data, np.uint8), self._primary))
+        return names, leaves, record
+
+    def _held(self, array):
+        """A numpy value of a multi-process job is the job's, copied by the primary."""
+        if self._world > 1 and isinstance(array, np.ndarray):
+            return HostValue(array, self._primary)
+        return array
+
+    def _encode(self, step: int, record: dict, to_save) -> bytes:
+        capacity = self._options.record_bytes
+        while True:
+            try:
+                return checkpoint_record.encode(record, capacity)
+            except ValueError:
+                held = [i for i in to_save if record["items"][i.name]["kind"] != "orbax"]
+                if not held:
+                    raise
+                biggest = max(held, key=lambda i: len(repr(record["items"][i.name])))
+                self._warn_once("too-big", "item %r does not fit the %d bytes of the step "
+                                "record (CheckpointManagerOptions.record_bytes): it is saved by "
+                                "Orbax's own handler into the step's folder instead",
+                                biggest.name, capacity)
+                record["items"][biggest.name] = self._save_with_orbax(
+                    step, biggest.name, checkpoint_items.as_args(biggest), biggest.handler)
+
+    def _save_with_orbax(self, step: int, item: str, args, handler: str) -> dict:
+        self._warn_once(type(args).__name__, "%s items are saved by Orbax's own handler into "
+                        "the step's folder in %s, not held in memory", type(args).__name__,
+                        self._folders.directory)
+        self._folders.save_item(step, item, args)
+        return {"kind": "orbax", "handler": handler, "args": type(args).__name__}
+
+
+def _cast(tree, save_args):
+    """``tree`` with each array cast to its ``SaveArgs.dtype`` (Orbax's PyTreeSave)."""
+    if save_args is None:
+        return tree
+
+    def cast(leaf, args):
+        dtype = getattr(args, "dtype", None)
+        return leaf.astype(dtype) if dtype is not None and hasattr(leaf, "astype") else leaf
+    try:
+        return jax.tree.map(cast, tree, save_args)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"save_args do not match the item's structure: {err}") from None

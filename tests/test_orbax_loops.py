@@ -1,0 +1,128 @@
+"""Loops as public JAX projects write them for Orbax (tests/programs/orbax_loops.py) run
+with bubblesnap's manager: the import swapped, or nothing changed at all (the
+``BUBBLESNAP_ORBAX`` switch); each SIGKILLed mid-run and resumed, then compared with
+the same loops run by Orbax alone, bit for bit (state, resumed step, ``all_steps``,
+metadata); two of them in two processes under jax.distributed. And a run that
+switches mid-way: Orbax's steps resumed by bubblesnap's manager, bubblesnap's
+steps resumed by plain Orbax.
+
+The daemon keeps as many steps in memory as the loops' ``max_to_keep`` (``--keep 3``)
+so that ``all_steps`` can match Orbax's, which keeps them on disk.
+"""
+
+import os
+
+import pytest
+
+from bubblesnap import orbax_patch
+from bubblesnap.multihost import JaxJob, JobError
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.testing import DaemonProcess, wait_for
+from tests.helpers import ROOT
+
+LOOPS = str(ROOT / "tests" / "programs" / "orbax_loops.py") + ":train"
+ALL = ["flax_train_state", "flax_pytree", "composite_json", "framework_manager", "nnx_state",
+       "keep_three"]
+TWO = ["flax_train_state", "composite_json"]
+STEPS, KILL_AT = 7, 3
+#: The step each loop resumes from after the kill (the framework saves every other step).
+RESUMED = {name: 2 if name == "framework_manager" else KILL_AT for name in ALL}
+
+
+def run(processes: int, args: dict, env: dict | None = None, kill: bool = False):
+    job = JaxJob(LOOPS, processes, {"steps": STEPS, "kill_at": KILL_AT, "kill": kill, **args},
+                 env=env, timeout=300)
+    if not kill:
+        return job.results()
+    with pytest.raises(JobError):
+        job.results()
+    assert [p.returncode for p in job.procs] == [-9] * processes  # each killed itself
+    return None
+
+
+def switched_on(address: str) -> dict:
+    """The environment of a process whose unchanged code gets bubblesnap's manager."""
+    path = os.pathsep.join(filter(None, [orbax_patch.bootstrap_path(),
+                                         os.environ.get("PYTHONPATH")]))
+    return {"BUBBLESNAP_DAEMON": address, orbax_patch.ENV: "1", "PYTHONPATH": path}
+
+
+def without_resume(results: list[dict]) -> list[dict]:
+    return [{name: {k: v for k, v in loop.items() if k != "resumed_from"}
+             for name, loop in result.items()} for result in results]
+
+
+@pytest.fixture(scope="module")
+def durable(tmp_path_factory):
+    return tmp_path_factory.mktemp("durable")
+
+
+@pytest.fixture(scope="module")
+def daemon(durable):
+    with DaemonProcess("--durable-dir", str(durable), "--durable-every-steps", "1",
+                       "--keep", "3") as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The loops run by Orbax without a kill, by process count."""
+    root = tmp_path_factory.mktemp("reference")
+    return {1: run(1, {"manager": "orbax", "loops": ALL, "root": str(root), "prefix": "1-"}),
+            2: run(2, {"manager": "orbax", "loops": TWO, "root": str(root), "prefix": "2-"})}
+
+
+@pytest.fixture(scope="module")
+def resumed_orbax(tmp_path_factory, reference):
+    """The loops under Orbax, SIGKILLed and resumed: the loops' own behaviour, a real
+    resume that ends where the unkilled run does."""
+    orbax = {"manager": "orbax", "loops": ALL, "root": str(tmp_path_factory.mktemp("orbax"))}
+    run(1, orbax, kill=True)
+    resumed = run(1, orbax)
+    assert {n: loop["resumed_from"] for n, loop in resumed[0].items()} == RESUMED
+    for name, loop in resumed[0].items():
+        assert loop["digest"] == reference[1][0][name]["digest"], name
+    return resumed
+
+
+def test_the_loops_users_have_resume_bit_for_bit_as_with_orbax(resumed_orbax, daemon, durable):
+    swapped = {"manager": "bubblesnap", "loops": ALL, "root": str(durable), "prefix": "s-"}
+    env = {"BUBBLESNAP_DAEMON": daemon.address}
+    run(1, swapped, env, kill=True)
+    assert run(1, swapped, env) == resumed_orbax
+
+    unchanged = {"manager": "patched", "loops": ALL, "root": str(durable), "prefix": "u-"}
+    run(1, unchanged, switched_on(daemon.address), kill=True)
+    assert run(1, unchanged, switched_on(daemon.address)) == resumed_orbax
+
+
+def test_two_processes_under_jax_distributed_resume_as_with_orbax(reference, daemon, durable):
+    args = {"manager": "bubblesnap", "loops": TWO, "root": str(durable), "prefix": "d-"}
+    env = {"BUBBLESNAP_DAEMON": daemon.address}
+    run(2, args, env, kill=True)
+    resumed = run(2, args, env)
+    assert [{n: loop["resumed_from"] for n, loop in r.items()} for r in resumed] == \
+        [{n: RESUMED[n] for n in TWO}] * 2
+    assert without_resume(resumed) == without_resume(reference[2])
+
+
+def test_a_run_switches_mid_way_and_keeps_its_history(reference, resumed_orbax, daemon,
+                                                      durable):
+    """Orbax's steps resumed by bubblesnap's manager in the same folder; then bubblesnap's
+    steps (written by the daemon) resumed by plain Orbax."""
+    env = {"BUBBLESNAP_DAEMON": daemon.address}
+    orbax_first = {"manager": "orbax", "loops": ALL, "root": str(durable), "prefix": "o-"}
+    run(1, orbax_first, kill=True)
+    assert run(1, {**orbax_first, "manager": "bubblesnap"}, env) == resumed_orbax
+
+    ours_first = {"manager": "bubblesnap", "loops": ALL, "root": str(durable), "prefix": "b-"}
+    run(1, ours_first, env, kill=True)
+
+    def persisted(name: str) -> bool:
+        status = daemon.stub.Status(pb.StatusRequest(job=f"b-{name}"), timeout=10).jobs[0]
+        return bool(status.durable_steps)
+    wait_for(lambda: all(persisted(name) for name in ALL), "a step of each loop persisted")
+    by_orbax = run(1, {**ours_first, "manager": "orbax"})
+    for name, loop in by_orbax[0].items():
+        assert loop["resumed_from"] is not None and loop["resumed_from"] <= KILL_AT, name
+        assert loop["digest"] == reference[1][0][name]["digest"], name
