@@ -270,3 +270,42 @@ def train(args: dict) -> dict:
     if args.get("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
     return results
+
+
+def _sharded_state(step: int):
+    """A state sharded over every process's devices, with a Python int and a JSON-able
+    float, its value a function of ``step``."""
+    mesh = _mesh()
+    grid = jnp.arange(24 * 6, dtype=jnp.float32).reshape(24, 6)  # splits over 4 or 6
+    return {"w": jax.device_put(grid * (step + 1), NamedSharding(mesh, P("data"))),
+            "b": jax.device_put(jnp.ones((6,), jnp.bfloat16) * step, NamedSharding(mesh, P())),
+            "step": step, "lr": 0.5 / (step + 1)}
+
+
+def save_steps(args: dict) -> dict:
+    """Saves steps 1.. ``args["steps"]`` of :func:`_sharded_state`; their digests."""
+    from bubblesnap.clients.jax import CheckpointManager
+    digests = {}
+    with CheckpointManager(args["directory"]) as mngr:
+        for step in range(1, args["steps"] + 1):
+            state = _sharded_state(step)
+            mngr.save(step, args=ocp.args.StandardSave(state))
+            mngr.wait_until_finished()
+            digests[step] = digest(state)
+        mngr.check_for_errors()
+    return {"digests": digests}
+
+
+def resume_steps(args: dict) -> dict:
+    """A new run (possibly another process count) resumes from the latest step; or, with
+    nothing to restore, says what ``restore`` raises."""
+    from bubblesnap.clients.jax import CheckpointManager
+    with CheckpointManager(args["directory"]) as mngr:
+        latest, steps = mngr.latest_step(), list(mngr.all_steps())
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _sharded_state(0))
+        try:
+            state = mngr.restore(latest, args=ocp.args.StandardRestore(abstract))
+        except Exception as err:  # what a loop with nothing to resume from sees
+            return {"latest": latest, "all_steps": steps, "raised": type(err).__name__}
+        return {"latest": latest, "all_steps": steps, "digest": digest(state),
+                "types": [type(state["step"]).__name__, type(state["lr"]).__name__]}
