@@ -40,8 +40,9 @@ class StepInfo:
 class Steps:
     """The tracked steps of one manager, its daemon client and its StepFolders."""
 
-    def __init__(self, client, folders, record_bytes: int):
+    def __init__(self, client, folders, record_bytes: int, primary: bool):
         self._client, self._folders, self._record_bytes = client, folders, record_bytes
+        self._primary = primary  # the process that deletes the manager's files
         self._infos: dict[int, StepInfo] = {}
         self._pending: set[int] = set()  # saved here, no tier seen holding it yet
         self._records: dict[int, dict | None] = {}
@@ -73,8 +74,11 @@ class Steps:
         held = self._held()
         newest_held = max(held, default=-1)
         self._pending = {s for s in self._pending if s not in held and s > newest_held}
-        for step in [s for s in self._infos if s not in held and s not in self._pending]:
+        gone = [s for s in self._infos if s not in held and s not in self._pending]
+        for step in gone:
             del self._infos[step]
+        if gone and self._primary:  # items saved for steps no tier holds any more
+            self._folders.forget_items(keep=set(self._infos))
         return sorted(self._infos)
 
     def _held(self) -> set[int]:
@@ -125,7 +129,7 @@ class Steps:
             raise RestoreError(f"step {step}: its record could not be read: {err}") from None
         return checkpoint_record.decode(found.state[0])
 
-    def delete(self, step: int, primary: bool) -> None:
+    def delete(self, step: int) -> None:
         """Forgets ``step`` and deletes it: this process's copies in its daemon's memory,
         and (the primary process) its folder and the items saved for it."""
         self._infos.pop(step, None)
@@ -137,5 +141,5 @@ class Steps:
         except grpc.RpcError as err:
             log.warning("step %d: could not delete it from the daemon's memory: %s: %s", step,
                         err.code().name, err.details())
-        if primary:
+        if self._primary:
             self._folders.delete(step)

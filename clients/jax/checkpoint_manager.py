@@ -91,7 +91,8 @@ class CheckpointManager:
         self._make_directory()
         self._save_policy = save_decision_policy(self._options)
         self._keep_policy = preservation_policy(self._options)
-        self._steps = Steps(self._client, self._folders, self._options.record_bytes)
+        self._steps = Steps(self._client, self._folders, self._options.record_bytes,
+                            self._primary)
         self._errors: list[str] = []
         self._warned: set[str] = set()
         self._snapshots = StepSnapshots(self._options, self._world, self._primary,
@@ -300,7 +301,7 @@ class CheckpointManager:
             return
         if step not in self._steps.known():
             raise FileNotFoundError(f"Requested deleting a non-existent step: {step}.")
-        self._steps.delete(step, self._primary)
+        self._steps.delete(step)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job reached JAX's preemption sync point at ``step`` (a host was
@@ -355,7 +356,7 @@ class CheckpointManager:
             return  # tried again at the next save
         for step in dropped:
             if step < latest:
-                self._steps.delete(step, self._primary)
+                self._steps.delete(step)
 
     def _commit_timeout(self) -> float:
         timeout = getattr(self._options.async_options, "timeout_secs", None)

@@ -76,12 +76,15 @@ class StepSnapshots:
                                 "Orbax's own handler into the step's folder instead",
                                 biggest.name, capacity)
                 record["items"][biggest.name] = self._save_with_orbax(
-                    step, biggest.name, checkpoint_items.as_args(biggest), biggest.handler)
+                    step, biggest.name, checkpoint_items.as_args(biggest), biggest.handler,
+                    warn=False)
 
-    def _save_with_orbax(self, step: int, item: str, args, handler: str) -> dict:
-        self._warn_once(type(args).__name__, "%s items are saved by Orbax's own handler into "
-                        "the step's folder in %s, not held in memory", type(args).__name__,
-                        self._folders.directory)
+    def _save_with_orbax(self, step: int, item: str, args, handler: str,
+                         warn: bool = True) -> dict:
+        if warn:
+            self._warn_once(type(args).__name__, "%s items are saved by Orbax's own handler "
+                            "into the step's folder in %s, not held in memory",
+                            type(args).__name__, self._folders.directory)
         self._folders.save_item(step, item, args)
         return {"kind": "orbax", "handler": handler, "args": type(args).__name__}
 

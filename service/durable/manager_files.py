@@ -7,12 +7,13 @@ scalars (0-d arrays, as Orbax's ScalarHandler) with its regions; the
 finalizer then writes what Orbax's handlers write beside the arrays: each
 pytree item's ``_METADATA`` entries (the record's, with the chunk grids the
 daemons chose), ``_strings.json`` and ``_sharding``; each JSON item's
-``metadata`` file; and moves in the items Orbax's own handlers saved.
+``metadata`` file; and copies in the items Orbax's own handlers saved.
 """
 
 import base64
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -120,7 +121,8 @@ def json_items(record: dict) -> dict:
 
 def write_items(step_dir: str, record: dict, saved_items: str) -> None:
     """JSON items' files (``metadata``; the reserved item ``metrics``: ``metrics``), and
-    the items Orbax's handlers saved, moved in."""
+    the items Orbax's handlers saved, copied in (the manager reads them where it saved
+    them until the step has its folder; the writer removes them then)."""
     for item, value in json_items(record).items():
         folder = os.path.join(step_dir, item)
         name = METRICS_ITEM if item == METRICS_ITEM else "metadata"
@@ -134,7 +136,7 @@ def write_items(step_dir: str, record: dict, saved_items: str) -> None:
             if not os.path.isdir(source):
                 raise FailedPrecondition(f"item {item!r} was saved by its Orbax handler, but "
                                          f"{source} is missing; the step is not finalized")
-            os.rename(source, folder)
+            shutil.copytree(source, folder)
 
 
 def _param(meta: dict) -> str:

@@ -1,0 +1,136 @@
+"""Items the daemon cannot hold in memory are saved by Orbax's own handler into the step's
+folder, in the same step, with one warning, never an exception that stops training: a
+data loader's own handler (the shape of Grain's), Orbax's ArraySave, and a JSON item too
+big for the step record. Plain Orbax restores them from the daemon's persisted step.
+And a step record that is not one is refused by the durable writer, nothing written."""
+
+import dataclasses
+import json
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+
+from bubblesnap import checkpoint_record
+from bubblesnap.clients import ClientOptions, Session
+from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.durable import DurableReader
+from bubblesnap.testing import wait_for
+
+
+class IteratorHandler(ocp.CheckpointHandler):
+    """A data iterator's position, one file per process, as Grain's handler writes it."""
+
+    def save(self, directory: epath.Path, args: "IteratorSave"):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "process_0-of-1.json").write_text(json.dumps(args.position))
+
+    def restore(self, directory: epath.Path, args: "IteratorRestore | None" = None):
+        return json.loads((directory / "process_0-of-1.json").read_text())
+
+    def metadata(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+@ocp.args.register_with_handler(IteratorHandler, for_save=True)
+@dataclasses.dataclass
+class IteratorSave(ocp.args.CheckpointArgs):
+    position: dict
+
+
+@ocp.args.register_with_handler(IteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class IteratorRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+def save(manager, step: int, meta_size: int = 1) -> bool:
+    state = {"w": jnp.arange(6.0) * step, "step": step}
+    return manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        loader=IteratorSave({"next": step + 1, "shard": 3}),
+        bias=ocp.args.ArraySave(np.full((4,), step, np.float32)),
+        meta=ocp.args.JsonSave({"notes": "x" * meta_size, "step": step})))
+
+
+def restore(manager, step: int):
+    return manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore({"w": jnp.zeros(6), "step": 0}),
+        loader=IteratorRestore(), bias=ocp.args.ArrayRestore(),
+        meta=ocp.args.JsonRestore()))
+
+
+def as_plain(restored) -> dict:
+    return {"w": np.asarray(restored.state["w"]).tolist(), "step": restored.state["step"],
+            "loader": restored.loader, "bias": np.asarray(restored.bias).tolist(),
+            "meta": restored.meta}
+
+
+@pytest.mark.parametrize("meta_size", [1, 20_000])
+def test_items_no_daemon_holds_are_saved_by_orbax_in_the_same_step(start_daemon, tmp_path,
+                                                                    caplog, meta_size):
+    with ocp.CheckpointManager(tmp_path / "orbax", item_names=("state", "loader", "bias",
+                                                                "meta")) as theirs:
+        for step in range(3):
+            save(theirs, step, meta_size)
+        theirs.wait_until_finished()
+        expected = as_plain(restore(theirs, 2))
+
+    durable = tmp_path / "durable"
+    daemon = start_daemon("--durable-dir", str(durable), "--durable-every-steps", "2",
+                          "--keep", "3")
+    options = CheckpointManagerOptions(client=ClientOptions(daemon=daemon.address),
+                                       record_bytes=8192)
+    names = ("state", "loader", "bias", "meta")
+    with caplog.at_level(logging.WARNING, logger="bubblesnap.client"):
+        with CheckpointManager(durable / "job", item_names=names, options=options) as mine:
+            assert all(save(mine, step, meta_size) for step in range(3))
+            mine.wait_until_finished()
+            assert as_plain(restore(mine, 2)) == expected  # from memory, and the folder
+            assert mine.all_steps() == [0, 1, 2]
+    warned = [r.getMessage() for r in caplog.records if "Orbax's own handler" in r.getMessage()]
+    # once per kind: the loader's handler, ArraySave, and (too big) the JSON item
+    assert len(warned) == (3 if meta_size > 8192 else 2), warned
+
+    reader = DurableReader(str(durable))
+    wait_for(lambda: 2 in reader.steps("job"), "step 2 persisted")
+    with ocp.CheckpointManager(durable / "job", item_names=names,
+                               item_handlers={"loader": IteratorHandler()}) as plain:
+        assert as_plain(restore(plain, 2)) == expected
+    with CheckpointManager(durable / "job", item_names=names, options=options) as again:
+        assert as_plain(restore(again, 2)) == expected  # a new run reads them back
+
+
+def test_a_step_record_that_is_not_one_is_refused_and_nothing_is_written(start_daemon,
+                                                                          tmp_path):
+    durable = tmp_path / "durable"
+    daemon = start_daemon("--durable-dir", str(durable), "--durable-every-steps", "1",
+                          stderr=tmp_path / "daemon.log")
+    text = b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"
+    junk = np.frombuffer(text + bytes(4096 - len(text)), np.uint8)
+    specs = [pb.TensorSpec(name=checkpoint_record.TENSOR, dtype="uint8", global_shape=[4096],
+                           job_wide=True, shards=[pb.ShardSpec(
+                               index=[pb.Slice(start=0, stop=4096)], nbytes=4096)]),
+             pb.TensorSpec(name="default/w", dtype="float32", global_shape=[2],
+                           job_wide=True, shards=[pb.ShardSpec(
+                               index=[pb.Slice(start=0, stop=2)], nbytes=8)])]
+    session = Session("hostile", 0, 1, ClientOptions(daemon=daemon.address))
+    weights = np.ones(2, np.float32).view(np.uint8)
+    assert session.snapshot(0, specs, lambda: [junk, weights], wait="job").committed
+    wait_for(lambda: "step record is malformed" in daemon.stderr_text(), "the refusal logged")
+    assert DurableReader(str(durable)).steps("hostile") == []
+    assert daemon.healthy()
+    # the copy in memory is untouched and restorable as the bytes it was given
+    found = session.restore(0)
+    assert bytes(found.shards[(1, 0)]) == weights.tobytes()
+    session.close()
