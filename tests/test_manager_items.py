@@ -134,3 +134,31 @@ def test_a_step_record_that_is_not_one_is_refused_and_nothing_is_written(start_d
     found = session.restore(0)
     assert bytes(found.shards[(1, 0)]) == weights.tobytes()
     session.close()
+
+
+def legacy_history(Manager, root):
+    """Orbax's legacy API: checkpointers at construction, items= and save_kwargs."""
+    out = []
+    single = Manager(root / "single", ocp.Checkpointer(ocp.PyTreeCheckpointHandler()),
+                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    for step in range(3):
+        single.save(step, {"a": jnp.ones(2) * step, "n": step})
+    single.wait_until_finished()
+    restored = single.restore(2, items={"a": jnp.zeros(2), "n": 0})
+    out.append((single.all_steps(), restored["a"].tolist(), restored["n"]))
+    single.close()
+    named = Manager(root / "named", {"state": ocp.Checkpointer(ocp.PyTreeCheckpointHandler()),
+                                     "meta": ocp.Checkpointer(ocp.JsonCheckpointHandler())})
+    named.save(0, {"state": {"a": jnp.ones(2)}, "meta": {"x": 1}})
+    named.wait_until_finished()
+    restored = named.restore(0, items={"state": {"a": jnp.zeros(2)}, "meta": None})
+    out.append((restored["state"]["a"].tolist(), restored["meta"]))
+    named.close()
+    return out
+
+
+def test_orbax_legacy_items_form_works_as_in_orbax(start_daemon, tmp_path, monkeypatch):
+    expected = legacy_history(ocp.CheckpointManager, tmp_path / "orbax")
+    daemon = start_daemon("--keep", "3")
+    monkeypatch.setenv("BUBBLESNAP_DAEMON", daemon.address)
+    assert legacy_history(CheckpointManager, tmp_path / "ours") == expected

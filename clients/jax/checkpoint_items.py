@@ -137,8 +137,9 @@ def restore_items(args, items, restore_kwargs, single: bool, handlers: dict,
     if items is not None:  # the legacy form: targets (and restore_kwargs) per item
         pairs = [(DEFAULT_ITEM, items, restore_kwargs)] if single else [
             (name, value, (restore_kwargs or {}).get(name)) for name, value in items.items()]
-        return [_restore_item(name, ocp.args.PyTreeRestore(
-            value, restore_args=(kwargs or {}).get("restore_args")), saved)
+        return [_restore_item(name, ocp.args.JsonRestore() if saved.get(name, {}).get(
+            "kind") == "json" else ocp.args.PyTreeRestore(
+                value, restore_args=(kwargs or {}).get("restore_args")), saved)
             for name, value, kwargs in pairs]
     return [_default_restore(name, entry, handlers.get(name)) for name, entry in saved.items()]
 
