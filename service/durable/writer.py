@@ -196,6 +196,12 @@ class DurableWriter:
                                          f"{tensor.global_shape}): Orbax cannot save it")
             key = key_of(tensor, rank)
             item = key[0] if managed else ""
+            if item and item != orbax_layout.RECORD_ITEM:
+                try:  # the item becomes a folder of the step
+                    checkpoint_record.check_item_name(item)
+                except ValueError as err:
+                    raise FailedPrecondition(f"tensor {tensor.name!r}: {err}; not written") \
+                        from None
             boxes = [s.index for s in tensor.shards]
             if tensor.job_wide:
                 boxes += [s.index for lay in known.values() for t in lay.tensors
