@@ -15,11 +15,22 @@ A layout holding :data:`TENSOR` is a manager's: its other tensors are named
 files Orbax's CheckpointManager writes for the same step (``<step>/<item>/``
 checkpoints, JSON items, ``_CHECKPOINT_METADATA``), so plain Orbax reads it.
 
+A pytree item's entry lists its leaves in flatten order, each
+``[keys, key_types, value_type, info]``: its key names, their Orbax key
+types (one digit each: 1 a sequence index, 2 a dict key or attribute),
+Orbax's value type (``jax.Array``, ``np.ndarray``, ``scalar``, ``string``,
+or an empty value's ``None``/``Dict``/``List``/``Tuple``), and for an array
+``[shape, dtype, sharding]`` (an index into the entry's ``shardings``, -1:
+none), for a scalar or string its Python type name, whose value is in the
+entry's ``values`` under the leaf's index. An array leaf is the tensor
+:func:`tensor_name` names. :func:`leaves` reads them back.
+
 The bytes: 8 little-endian bytes giving the document's length, the UTF-8
 JSON, zeros up to the capacity. :func:`decode` refuses anything else with
 ValueError (the daemon decodes what a trainer wrote: never trusted).
 """
 
+import dataclasses
 import json
 import re
 import struct
@@ -29,9 +40,14 @@ import struct
 TENSOR = ".bubblesnap/record"
 #: The record's document format; a daemon writes the files of the formats it knows.
 FORMAT = "bubblesnap-record-1"
-#: Default capacity of the record tensor: room for JSON items, metadata and many
-#: scalars; an item that does not fit is saved by Orbax's own handler instead.
-DEFAULT_CAPACITY = 256 << 10
+#: Default capacity of the record tensor: room for JSON items, metadata and the
+#: leaves of pytrees of ~10,000 arrays; an item that does not fit is saved by
+#: Orbax's own handler instead.
+DEFAULT_CAPACITY = 1 << 20
+#: Orbax's value types of leaves held as tensors, of Python values, and of empty values.
+ARRAY_TYPES = ("jax.Array", "np.ndarray")
+VALUE_TYPES = {"scalar": ("int", "float", "bool"), "string": ("str",)}
+EMPTY_TYPES = ("None", "Dict", "List", "Tuple", "NamedTuple")
 #: Item kinds: a pytree held in memory (arrays as tensors, other leaves in the
 #: record), a JSON value (in the record), an item Orbax's own handler wrote to the
 #: step's folder in the durable tier (nothing of it in memory).
@@ -45,13 +61,23 @@ _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MAX_FIXED_LENGTH = 32
 
 
-def encode(record: dict, capacity: int) -> bytes:
-    """The record's bytes, ``capacity`` long; ValueError when it does not fit."""
-    data = json.dumps(record, separators=(",", ":"), allow_nan=True).encode()
+def encode(record: dict, capacity: int, texts: dict | None = None) -> bytes:
+    """The record's bytes, ``capacity`` long; ValueError when it does not fit.
+    ``texts``: item name -> its entry already as JSON text (a pytree's leaves are the
+    same save after save: their text is made once), used instead of ``record``'s."""
+    texts = texts or {}
+    items = ",".join(f"{json.dumps(name)}:" + (texts[name] if name in texts else _json(entry))
+                     for name, entry in record["items"].items())
+    rest = _json({k: v for k, v in record.items() if k != "items"})
+    data = f'{rest[:-1]}{"," if len(rest) > 2 else ""}"items":{{{items}}}}}'.encode()
     if _LENGTH.size + len(data) > capacity:
         raise ValueError(f"the step record needs {_LENGTH.size + len(data)} bytes; the "
                          f"record tensor holds {capacity}")
     return _LENGTH.pack(len(data)) + data + bytes(capacity - _LENGTH.size - len(data))
+
+
+def _json(value) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=True)
 
 
 def decode(data) -> dict:
@@ -85,9 +111,8 @@ def check(record) -> None:
         if not isinstance(item, dict) or item.get("kind") not in KINDS or \
                 not isinstance(item.get("handler"), str):
             raise ValueError(f"item {name!r} of the step record is malformed")
-        if item["kind"] == "pytree" and not (isinstance(item.get("tree"), dict)
-                                             and isinstance(item.get("values", {}), dict)):
-            raise ValueError(f"pytree item {name!r} of the step record has no tree")
+        if item["kind"] == "pytree":
+            leaves(item, name)  # checks each leaf
     naming = record.get("naming", {})
     if not isinstance(naming, dict):
         raise ValueError("the step record's naming is malformed")
@@ -95,6 +120,89 @@ def check(record) -> None:
     for key in ("custom_metadata", "metrics"):
         if record.get(key) is not None and not isinstance(record[key], dict):
             raise ValueError(f"the step record's {key} is not an object")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One leaf of a pytree item, as its record entry lists it (see the module's text):
+    ``value`` is the scalar or string (None for others)."""
+
+    index: int
+    keys: tuple[str, ...]
+    key_types: str
+    value_type: str
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    sharding: str | None = None
+    python_type: str = ""
+    value: object = None
+
+    @property
+    def path_key(self) -> str:
+        """Orbax's key of the leaf in ``_METADATA`` (its key names as a tuple, in text)."""
+        return str(self.keys)
+
+    @property
+    def param(self) -> str:
+        """Orbax's parameter name of the leaf (its key names joined by ".")."""
+        return ".".join(self.keys)
+
+    @property
+    def is_array(self) -> bool:
+        return self.value_type in ARRAY_TYPES
+
+    def metadata(self, write_shape=None) -> dict:
+        """The leaf's entry of Orbax's ``_METADATA`` (``write_shape``: a jax.Array's)."""
+        value = {"value_type": self.value_type,
+                 "skip_deserialize": self.value_type in EMPTY_TYPES}
+        if self.value_type == "jax.Array":
+            value["write_shape"] = list(write_shape or ())
+        return {"key_metadata": [{"key": k, "key_type": int(t)}
+                                 for k, t in zip(self.keys, self.key_types, strict=True)],
+                "value_metadata": value}
+
+
+def leaves(entry: dict, item: str = "") -> list[Leaf]:
+    """The leaves of a pytree item's entry; ValueError naming what is malformed."""
+    listed, shardings = entry.get("leaves"), entry.get("shardings", [])
+    values = entry.get("values", {})
+    if not isinstance(listed, list) or not isinstance(shardings, list) or \
+            not isinstance(values, dict):
+        raise ValueError(f"pytree item {item!r} of the step record has no leaves")
+    found = []
+    for index, raw in enumerate(listed):
+        try:
+            keys, key_types, value_type, info = raw
+            keys = tuple(keys)
+            if not all(isinstance(k, str) for k in keys) or len(key_types) != len(keys) or \
+                    set(key_types) - {"1", "2"}:
+                raise ValueError("keys")
+            if value_type in ARRAY_TYPES:
+                shape, dtype, sharding = info
+                if not all(isinstance(d, int) and d >= 0 for d in shape) or \
+                        not isinstance(dtype, str) or not -1 <= sharding < len(shardings):
+                    raise ValueError("array")
+                found.append(Leaf(index, keys, key_types, value_type, tuple(shape), dtype,
+                                  shardings[sharding] if sharding >= 0 else None))
+            elif value_type in VALUE_TYPES:
+                if info not in VALUE_TYPES[value_type] or str(index) not in values:
+                    raise ValueError("value")
+                found.append(Leaf(index, keys, key_types, value_type, python_type=info,
+                                  value=values[str(index)]))
+            elif value_type in EMPTY_TYPES and info is None:
+                found.append(Leaf(index, keys, key_types, value_type))
+            else:
+                raise ValueError("value type")
+        except (TypeError, ValueError):
+            raise ValueError(f"leaf {index} of pytree item {item!r} of the step record is "
+                             "malformed") from None
+    return found
+
+
+def tensor_name(item: str, keys) -> str:
+    """The tensor of the array leaf at ``keys`` of ``item``: the names joined by "/", a
+    "/" or "%" inside a name escaped ("%2F", "%25") so the daemon can split it back."""
+    return "/".join([item, *(k.replace("%", "%25").replace("/", "%2F") for k in keys)])
 
 
 def check_item_name(name) -> None:

@@ -18,6 +18,7 @@ subtrees themselves.
 """
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -27,23 +28,26 @@ from orbax.checkpoint._src.metadata import tree as tree_metadata
 from orbax.checkpoint._src.metadata.pytree_metadata_options import PYTREE_METADATA_OPTIONS
 from orbax.checkpoint._src.tree import utils as tree_utils
 
+from bubblesnap import checkpoint_record
 from bubblesnap.clients.results import RestoreError
 
 #: Orbax's value types (``_METADATA``'s ``value_type``) of the leaves kept as tensors.
 JAX_ARRAY, NP_ARRAY, SCALAR, STRING = "jax.Array", "np.ndarray", "scalar", "string"
+ARRAY_TYPES = checkpoint_record.ARRAY_TYPES
 
 
-def tensor_name(item: str, keypath) -> str:
-    """The tensor of the leaf at ``keypath`` of ``item``: its key names joined by "/",
-    a "/" or "%" inside a name escaped so the daemon can split the name back."""
-    parts = [str(tree_utils.get_key_name(k)).replace("%", "%25").replace("/", "%2F")
-             for k in keypath]
-    return "/".join([item, *parts])
+def _key_names(keypath) -> tuple[str, ...]:
+    return tuple(str(tree_utils.get_key_name(k)) for k in keypath)
 
 
 def _path_key(keypath) -> str:
     """Orbax's key of a leaf in ``_METADATA`` (the tuple of its key names, as text)."""
-    return str(tuple(str(tree_utils.get_key_name(k)) for k in keypath))
+    return str(_key_names(keypath))
+
+
+def _key_types(keypath) -> str:
+    return "".join(str(tree_metadata.KeyMetadataEntry.build((k,)).nested_key_metadata_entries[0]
+                       .key_type.value) for k in keypath)
 
 
 def _flatten(tree):
@@ -53,61 +57,84 @@ def _flatten(tree):
 @dataclasses.dataclass(frozen=True)
 class SavedItem:
     """What one pytree item puts in a snapshot: ``names[i]`` is the tensor of
-    ``arrays[i]`` (a jax.Array or numpy array); ``entry`` its part of the record."""
+    ``arrays[i]`` (a jax.Array or numpy array); ``entry`` its part of the record and
+    ``text`` that part as JSON."""
 
     names: list
     arrays: list
     entry: dict
+    text: str
 
 
-def save_item(item: str, tree, handler: str) -> SavedItem:
-    """Splits ``tree`` into its tensors and its record entry (TypeError for a leaf Orbax
-    cannot save either)."""
-    names, arrays, entries, leaves = [], [], {}, {}
-    for keypath, leaf in _flatten(tree)[0]:
-        key = _path_key(keypath)
-        value_type, stored = _classify(key, leaf)
-        entry = {"key_metadata": tree_metadata.KeyMetadataEntry.build(keypath).to_json(),
-                 "value_metadata": {"value_type": value_type,
-                                    "skip_deserialize": empty_values.is_empty_typestr(
-                                        value_type)}}
-        entries[key] = entry
-        if stored is None:
-            continue
-        if value_type in (JAX_ARRAY, NP_ARRAY):
-            name = tensor_name(item, keypath)
-            names.append(name)
-            arrays.append(stored)
-            leaves[key] = {"tensor": name, "shape": list(stored.shape),
-                           "dtype": np.dtype(stored.dtype).name,
-                           "sharding": _serialized_sharding(stored)}
+class ItemSaver:
+    """Splits pytree items into tensors and record entries. A tree's leaves (keys,
+    types, shapes, shardings) are the same save after save: their part of the entry
+    and its JSON text are made once per structure and kept."""
+
+    def __init__(self):
+        self._known: dict = {}  # structure -> (names, static entry, text before "values")
+
+    def save(self, item: str, tree, handler: str) -> SavedItem:
+        """TypeError for a leaf Orbax cannot save."""
+        flat, treedef = _flatten(tree)
+        kinds = [_classify(keypath, leaf) for keypath, leaf in flat]
+        arrays = [stored for value_type, stored in kinds if value_type in ARRAY_TYPES]
+        structure = (item, handler, treedef, tuple(
+            (t, stored.shape, str(stored.dtype), getattr(stored, "sharding", None))
+            if t in ARRAY_TYPES else (t, type(stored).__name__) for t, stored in kinds))
+        if structure not in self._known:
+            self._known[structure] = _structure(item, handler, flat, kinds)
+            if len(self._known) > 64:  # a loop whose tree keeps changing
+                self._known.pop(next(iter(self._known)))
+        names, entry, text = self._known[structure]
+        values = {str(i): stored for i, (t, stored) in enumerate(kinds)
+                  if t in checkpoint_record.VALUE_TYPES}
+        values_text = json.dumps(values, separators=(",", ":"), allow_nan=True)
+        return SavedItem(names, arrays, {**entry, "values": values},
+                         f'{text},"values":{values_text}}}')
+
+
+def _structure(item: str, handler: str, flat, kinds):
+    names, leaves, shardings = [], [], {}
+    for (keypath, _), (value_type, stored) in zip(flat, kinds, strict=True):
+        keys = list(_key_names(keypath))
+        if value_type in ARRAY_TYPES:
+            names.append(checkpoint_record.tensor_name(item, keys))
+            sharding = _serialized_sharding(stored)
+            index = -1 if sharding is None else shardings.setdefault(sharding, len(shardings))
+            info = [list(stored.shape), np.dtype(stored.dtype).name, index]
+        elif value_type in checkpoint_record.VALUE_TYPES:
+            info = type(stored).__name__
         else:
-            leaves[key] = stored
-    return SavedItem(names, arrays, {"kind": "pytree", "handler": handler, "tree": entries,
-                                     "leaves": leaves})
+            info = None
+        leaves.append([keys, _key_types(keypath), value_type, info])
+    entry = {"kind": "pytree", "handler": handler, "leaves": leaves,
+             "shardings": list(shardings)}
+    text = json.dumps(entry, separators=(",", ":"))[:-1]
+    return names, entry, text
 
 
-def _classify(key: str, leaf):
-    """(Orbax's value type, what is kept: an array, a record value or None)."""
+def _classify(keypath, leaf):
+    """(Orbax's value type, what is kept: an array, a Python value or None)."""
     if isinstance(leaf, jax.Array):
         return JAX_ARRAY, leaf
     if isinstance(leaf, (np.ndarray, np.number, np.bool_)):
         return NP_ARRAY, np.asarray(leaf)
     if isinstance(leaf, (bool, int, float)):
         if isinstance(leaf, int) and not isinstance(leaf, bool) and not -2**63 <= leaf < 2**63:
-            raise TypeError(f"leaf {key}: the int {leaf} does not fit int64, as Orbax saves "
-                            "Python ints")
-        return SCALAR, {"value": leaf, "type": type(leaf).__name__}
+            raise TypeError(f"leaf {_path_key(keypath)}: the int {leaf} does not fit int64, "
+                            "as Orbax saves Python ints")
+        return SCALAR, leaf
     if isinstance(leaf, str):
-        return STRING, {"value": leaf, "type": "str"}
+        return STRING, leaf
     if leaf is None or empty_values.is_empty_container(leaf):
         if tree_utils.isinstance_of_namedtuple(leaf):  # optax's EmptyState: Orbax says None
             return empty_values.override_empty_value_typestr(
                 empty_values.RESTORE_TYPE_NAMED_TUPLE, PYTREE_METADATA_OPTIONS), None
         return empty_values.get_empty_value_typestr(leaf, PYTREE_METADATA_OPTIONS), None
-    raise TypeError(f"leaf {key} is a {type(leaf).__name__}, which Orbax's PyTree handlers do "
-                    "not save: keep arrays, Python or NumPy scalars, strings and None in "
-                    "the state (or save it with an item of its own)")
+    raise TypeError(f"leaf {_path_key(keypath)} is a {type(leaf).__name__}, which Orbax's "
+                    "PyTree handlers do not save: keep arrays, Python or NumPy scalars, "
+                    "strings and None in the state (or save it with an item of its own)")
 
 
 def _serialized_sharding(array) -> str | None:
@@ -143,34 +170,33 @@ class RestorePlan:
 
     def __init__(self, item: str, entry: dict, target=None, restore_args=None,
                  saved_types: bool = False):
-        self.item, self._entry = item, entry
+        self.item = item
+        self._saved = {leaf.path_key: leaf for leaf in checkpoint_record.leaves(entry, item)}
         if target is None:
             target = tree_utils.from_flattened_with_keypath(
-                [(tree_metadata.InternalTreeMetadataEntry.from_json(key, e).jax_keypath(),
-                  _saved_placeholder(entry, key)) for key, e in entry["tree"].items()])
+                [(keypath_of(leaf), _saved_placeholder(leaf)) for leaf in self._saved.values()])
         flat, self._treedef = _flatten(target)
         args = _flatten_args(restore_args, self._treedef, len(flat))
-        self._leaves = []  # (key, target leaf, restore args, Wanted or None)
+        self._leaves = []  # (saved leaf, target leaf, restore args, Wanted or None)
         self.wanted: list[Wanted] = []
         for (keypath, leaf), arg in zip(flat, args, strict=True):
-            key = _path_key(keypath)
-            saved = entry["leaves"].get(key)
-            if key not in entry["tree"]:
-                raise RestoreError(f"item {item!r} has no leaf {key} to restore into the "
-                                   "target: restore into the structure it was saved with")
+            saved = self._saved.get(_path_key(keypath))
+            if saved is None:
+                raise RestoreError(f"item {item!r} has no leaf {_path_key(keypath)} to restore "
+                                   "into the target: restore into the structure it was saved "
+                                   "with")
             if saved_types and arg is None:
-                leaf = _as_saved(entry, key, leaf)
-            wanted = None
-            if isinstance(saved, dict) and "tensor" in saved:
-                wanted = self._want(key, saved, leaf, arg)
+                leaf = _as_saved(saved, leaf)
+            wanted = self._want(saved, leaf, arg) if saved.is_array else None
+            if wanted is not None:
                 self.wanted.append(wanted)
-            self._leaves.append((key, leaf, arg, wanted))
+            self._leaves.append((saved, leaf, arg, wanted))
 
-    def _want(self, key: str, saved: dict, leaf, arg) -> Wanted:
-        shape, dtype = tuple(saved["shape"]), np.dtype(numpy_dtype(saved["dtype"]))
+    def _want(self, saved, leaf, arg) -> Wanted:
+        shape, dtype = saved.shape, np.dtype(numpy_dtype(saved.dtype))
         if hasattr(leaf, "shape") and tuple(leaf.shape) != shape:
-            raise RestoreError(f"item {self.item!r}: leaf {key} was saved with shape {shape}; "
-                               f"the target has {tuple(leaf.shape)}")
+            raise RestoreError(f"item {self.item!r}: leaf {saved.path_key} was saved with "
+                               f"shape {shape}; the target has {tuple(leaf.shape)}")
         restore_type = getattr(arg, "restore_type", None)
         host = isinstance(leaf, (np.ndarray, np.number, np.bool_, bool, int, float,
                                  _SavedNumpy)) or \
@@ -178,18 +204,23 @@ class RestorePlan:
         sharding = getattr(arg, "sharding", None) or getattr(leaf, "sharding", None)
         if isinstance(sharding, sharding_metadata.ShardingMetadata):
             sharding = sharding.to_jax_sharding()
-        return Wanted(saved["tensor"], jax.ShapeDtypeStruct(shape, dtype, sharding=sharding),
-                      host)
+        name = checkpoint_record.tensor_name(self.item, saved.keys)
+        return Wanted(name, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), host)
 
     def build(self, restored: dict):
         """The item's tree, from ``restored`` (tensor name -> jax.Array or numpy array)."""
         out = []
-        for key, leaf, arg, wanted in self._leaves:
-            saved = self._entry["leaves"].get(key)
+        for saved, leaf, arg, wanted in self._leaves:
             value = restored[wanted.name] if wanted is not None else \
-                saved["value"] if isinstance(saved, dict) else leaf
-            out.append(_as_target_type(key, value, leaf, arg))
+                saved.value if saved.value_type in checkpoint_record.VALUE_TYPES else leaf
+            out.append(_as_target_type(value, leaf, arg))
         return jax.tree_util.tree_unflatten(self._treedef, out)
+
+
+def keypath_of(leaf) -> tuple:
+    """The jax key path of a record leaf (checkpoint_record.Leaf)."""
+    return tuple(jax.tree_util.SequenceKey(int(k)) if t == "1" else jax.tree_util.DictKey(k)
+                 for k, t in zip(leaf.keys, leaf.key_types, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,25 +231,23 @@ class _SavedNumpy:
     dtype: np.dtype
 
 
-def _saved_placeholder(entry: dict, key: str):
-    """A target leaf that restores the saved leaf ``key`` as Orbax restores it with no
-    target: arrays as saved (a jax.Array in its saved sharding when this process has
-    those devices, else on the first local device), the rest as it was."""
-    value_type = entry["tree"][key]["value_metadata"]["value_type"]
-    saved = entry["leaves"].get(key)
-    if value_type == NP_ARRAY:
-        return _SavedNumpy(tuple(saved["shape"]), numpy_dtype(saved["dtype"]))
-    if value_type == JAX_ARRAY:
-        return jax.ShapeDtypeStruct(tuple(saved["shape"]), numpy_dtype(saved["dtype"]),
-                                    sharding=_saved_sharding(saved.get("sharding")))
-    if value_type in (SCALAR, STRING):
-        return {"bool": False, "int": 0, "float": 0.0}.get(saved["type"], "")
-    return empty_values.get_empty_value_from_typestr(value_type, PYTREE_METADATA_OPTIONS)
+def _saved_placeholder(saved):
+    """A target leaf that restores ``saved`` as Orbax restores it with no target: an
+    array as saved (a jax.Array in its saved sharding when this process has those
+    devices, else on the first local device), the rest as it was."""
+    if saved.value_type == NP_ARRAY:
+        return _SavedNumpy(saved.shape, numpy_dtype(saved.dtype))
+    if saved.value_type == JAX_ARRAY:
+        return jax.ShapeDtypeStruct(saved.shape, numpy_dtype(saved.dtype),
+                                    sharding=_saved_sharding(saved.sharding))
+    if saved.value_type in checkpoint_record.VALUE_TYPES:
+        return {"bool": False, "int": 0, "float": 0.0}.get(saved.python_type, "")
+    return empty_values.get_empty_value_from_typestr(saved.value_type, PYTREE_METADATA_OPTIONS)
 
 
-def _as_saved(entry: dict, key: str, leaf):
-    """The target leaf for the saved leaf ``key``'s own type, in ``leaf``'s sharding."""
-    placeholder = _saved_placeholder(entry, key)
+def _as_saved(saved, leaf):
+    """The target leaf for ``saved``'s own type, in ``leaf``'s sharding."""
+    placeholder = _saved_placeholder(saved)
     sharding = getattr(leaf, "sharding", None)
     if sharding is not None and isinstance(placeholder, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(placeholder.shape, placeholder.dtype, sharding=sharding)
@@ -243,7 +272,7 @@ def _flatten_args(restore_args, treedef, count: int) -> list:
         raise RestoreError(f"restore_args do not match the target's structure: {err}") from None
 
 
-def _as_target_type(key: str, value, leaf, arg):
+def _as_target_type(value, leaf, arg):
     """``value`` (restored array, or record value) as the type the target leaf asks."""
     restore_type = getattr(arg, "restore_type", None)
     dtype = getattr(arg, "dtype", None)

@@ -16,10 +16,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
+from orbax.checkpoint._src.metadata import empty_values
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.metadata import tree as tree_metadata
+from orbax.checkpoint._src.metadata.pytree_metadata_options import PYTREE_METADATA_OPTIONS
 from orbax.checkpoint._src.tree import utils as tree_utils
 
+from bubblesnap import checkpoint_record
 from bubblesnap.clients.jax import checkpoint_tree
 
 
@@ -52,35 +55,26 @@ def _item_metadata(entry: dict, directory: str):
     if entry["kind"] != "pytree":
         return None
     path = epath.Path(directory)
-    leaves = []
-    for key, saved_entry in entry["tree"].items():
-        keypath = tree_metadata.InternalTreeMetadataEntry.from_json(key, saved_entry).jax_keypath()
-        leaves.append((keypath, _leaf_metadata(keypath, saved_entry, entry["leaves"].get(key),
-                                               path)))
-    tree = tree_utils.from_flattened_with_keypath(leaves)
-    return tree_metadata.TreeMetadata.build(tree, custom_metadata=None)
+    leaves = [(checkpoint_tree.keypath_of(leaf), _leaf_metadata(leaf, path))
+              for leaf in checkpoint_record.leaves(entry)]
+    return tree_metadata.TreeMetadata.build(tree_utils.from_flattened_with_keypath(leaves),
+                                            custom_metadata=None)
 
 
-def _leaf_metadata(keypath, saved_entry: dict, saved, directory):
-    name = tree_utils.param_name_from_keypath(keypath)
-    value_type = saved_entry["value_metadata"]["value_type"]
-    if value_type in (checkpoint_tree.JAX_ARRAY, checkpoint_tree.NP_ARRAY):
+def _leaf_metadata(leaf, directory):
+    if leaf.is_array:
         sharding = None
-        if saved.get("sharding"):
-            sharding = sharding_metadata.from_serialized_string(saved["sharding"])
-        shape = tuple(saved["shape"])
+        if leaf.sharding:
+            sharding = sharding_metadata.from_serialized_string(leaf.sharding)
         return ocp.metadata.ArrayMetadata(
-            name=name, directory=directory, shape=shape, sharding=sharding,
-            dtype=np.dtype(checkpoint_tree.numpy_dtype(saved["dtype"])),
-            storage=ocp.metadata.StorageMetadata(chunk_shape=shape, write_shape=shape))
-    if value_type == checkpoint_tree.SCALAR:
-        dtype = {"int": np.int64, "float": np.float64, "bool": np.bool_}[saved["type"]]
-        return ocp.metadata.ScalarMetadata(name=name, directory=directory,
+            name=leaf.param, directory=directory, shape=leaf.shape, sharding=sharding,
+            dtype=np.dtype(checkpoint_tree.numpy_dtype(leaf.dtype)),
+            storage=ocp.metadata.StorageMetadata(chunk_shape=leaf.shape,
+                                                 write_shape=leaf.shape))
+    if leaf.value_type == checkpoint_tree.SCALAR:
+        dtype = {"int": np.int64, "float": np.float64, "bool": np.bool_}[leaf.python_type]
+        return ocp.metadata.ScalarMetadata(name=leaf.param, directory=directory,
                                            dtype=np.dtype(dtype))
-    if value_type == checkpoint_tree.STRING:
-        return ocp.metadata.StringMetadata(name=name, directory=directory)
-    from orbax.checkpoint._src.metadata import empty_values
-    from orbax.checkpoint._src.metadata.pytree_metadata_options import (
-        PYTREE_METADATA_OPTIONS,
-    )
-    return empty_values.get_empty_value_from_typestr(value_type, PYTREE_METADATA_OPTIONS)
+    if leaf.value_type == checkpoint_tree.STRING:
+        return ocp.metadata.StringMetadata(name=leaf.param, directory=directory)
+    return empty_values.get_empty_value_from_typestr(leaf.value_type, PYTREE_METADATA_OPTIONS)

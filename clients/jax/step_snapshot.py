@@ -24,16 +24,17 @@ class StepSnapshots:
     def __init__(self, options, world_size: int, primary: bool, folders, warn_once):
         self._options, self._world, self._primary = options, world_size, primary
         self._folders, self._warn_once = folders, warn_once
+        self._saver = checkpoint_tree.ItemSaver()
 
     def build(self, step: int, to_save, metrics, custom_metadata):
         """(tensor names, leaves, record) of a save of ``to_save`` (SaveItems) as ``step``."""
-        entries, tensors = {}, {}
+        entries, tensors, texts = {}, {}, {}
         for item in to_save:
             if item.kind == "pytree":
-                saved = checkpoint_tree.save_item(item.name, _cast(item.value, item.save_args),
-                                                  item.handler)
+                saved = self._saver.save(item.name, _cast(item.value, item.save_args),
+                                         item.handler)
                 tensors[item.name] = (saved.names, [self._held(a) for a in saved.arrays])
-                entries[item.name] = saved.entry
+                entries[item.name], texts[item.name] = saved.entry, saved.text
             elif item.kind == "json":
                 entries[item.name] = {"kind": "json", "handler": item.handler,
                                       "value": item.value}
@@ -45,7 +46,7 @@ class StepSnapshots:
                              "fixed_length": self._options.step_format_fixed_length},
                   "items": entries, "metrics": metrics, "custom_metadata": custom_metadata or {},
                   "retention": "manager"}
-        data = self._encode(step, record, to_save)
+        data = self._encode(step, record, to_save, texts)
         names, leaves = [], []
         for item in to_save:
             if record["items"][item.name]["kind"] == "pytree":  # still held in memory
@@ -61,16 +62,19 @@ class StepSnapshots:
             return HostValue(array, self._primary)
         return array
 
-    def _encode(self, step: int, record: dict, to_save) -> bytes:
+    def _encode(self, step: int, record: dict, to_save, texts: dict) -> bytes:
         capacity = self._options.record_bytes
         while True:
             try:
-                return checkpoint_record.encode(record, capacity)
+                return checkpoint_record.encode(record, capacity, {
+                    name: text for name, text in texts.items()
+                    if record["items"][name]["kind"] == "pytree"})
             except ValueError:
                 held = [i for i in to_save if record["items"][i.name]["kind"] != "orbax"]
                 if not held:
                     raise
-                biggest = max(held, key=lambda i: len(repr(record["items"][i.name])))
+                biggest = max(held, key=lambda i: len(texts.get(i.name) or
+                                                      repr(record["items"][i.name])))
                 self._warn_once("too-big", "item %r does not fit the %d bytes of the step "
                                 "record (CheckpointManagerOptions.record_bytes): it is saved by "
                                 "Orbax's own handler into the step's folder instead",

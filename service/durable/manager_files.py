@@ -60,47 +60,31 @@ def read_record(step_dir: str) -> dict | None:
 def scalars(record: dict) -> list[tuple[str, str, np.ndarray]]:
     """The pytrees' Python scalars as the 0-d arrays Orbax writes for them: (item,
     parameter name, array)."""
-    parts = []
-    for item, entry in record["items"].items():
-        if entry["kind"] != "pytree":
-            continue
-        for key, meta in entry["tree"].items():
-            value = entry["leaves"].get(key)
-            if meta["value_metadata"]["value_type"] != "scalar" or not isinstance(value, dict):
-                continue
-            dtype = np.dtype(_SCALAR_DTYPES.get(value.get("type"), np.float64))
-            parts.append((item, _param(meta), np.asarray(value["value"], dtype)))
-    return parts
+    return [(item, leaf.param, np.asarray(leaf.value, _SCALAR_DTYPES[leaf.python_type]))
+            for item, entry in record["items"].items() if entry["kind"] == "pytree"
+            for leaf in checkpoint_record.leaves(entry, item) if leaf.value_type == "scalar"]
 
 
 def item_metadata(entry: dict, written: dict[int, WrittenRank], item: str,
                   template: dict) -> dict:
-    """A pytree item's ``_METADATA``: the record's entries, each array's write shape the
+    """A pytree item's ``_METADATA``: the record's leaves, each array's write shape the
     chunk grid its daemons wrote with."""
     chunks = {orbax_layout.param_name(t.key[1:]): list(t.chunks)
               for w in written.values() for t in w.tensors if t.item == item and t.regions}
-    tree = {}
-    for key, meta in entry["tree"].items():
-        value = dict(meta["value_metadata"])
-        if value["value_type"] == "jax.Array":
-            value["write_shape"] = chunks.get(_param(meta), [])
-        tree[key] = {"key_metadata": meta["key_metadata"], "value_metadata": value}
-    return {**template, "tree_metadata": tree}
+    return {**template, "tree_metadata": {
+        leaf.path_key: leaf.metadata(chunks.get(leaf.param))
+        for leaf in checkpoint_record.leaves(entry, item)}}
 
 
 def write_pytree_extras(folder: str, entry: dict) -> None:
     """``_strings.json`` (string leaves) and ``_sharding`` (arrays' shardings) of a pytree
     item, as Orbax's StringHandler and ArrayHandler write them, and its commit file."""
     strings, shardings = {}, {}
-    for key, meta in entry["tree"].items():
-        value = entry["leaves"].get(key)
-        if not isinstance(value, dict):
-            continue
-        if meta["value_metadata"]["value_type"] == "string":
-            strings[_param(meta)] = value.get("value")
-        elif value.get("sharding"):
-            name = base64.urlsafe_b64encode(_param(meta).encode()).decode()
-            shardings[name] = value["sharding"]
+    for leaf in checkpoint_record.leaves(entry):
+        if leaf.value_type == "string":
+            strings[leaf.param] = leaf.value
+        elif leaf.sharding:
+            shardings[base64.urlsafe_b64encode(leaf.param.encode()).decode()] = leaf.sharding
     if strings:
         fmt.write_json(os.path.join(folder, "_strings.json"), strings)
     if shardings:
@@ -137,8 +121,3 @@ def write_items(step_dir: str, record: dict, saved_items: str) -> None:
                 raise FailedPrecondition(f"item {item!r} was saved by its Orbax handler, but "
                                          f"{source} is missing; the step is not finalized")
             shutil.copytree(source, folder)
-
-
-def _param(meta: dict) -> str:
-    """Orbax's parameter name of a ``_METADATA`` entry (its keys joined by ".")."""
-    return ".".join(str(k["key"]) for k in meta["key_metadata"])
