@@ -22,6 +22,7 @@ import json
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import empty_values
 from orbax.checkpoint._src.metadata import sharding as sharding_metadata
 from orbax.checkpoint._src.metadata import tree as tree_metadata
@@ -34,6 +35,7 @@ from bubblesnap.clients.results import RestoreError
 #: Orbax's value types (``_METADATA``'s ``value_type``) of the leaves kept as tensors.
 JAX_ARRAY, NP_ARRAY, SCALAR, STRING = "jax.Array", "np.ndarray", "scalar", "string"
 ARRAY_TYPES = checkpoint_record.ARRAY_TYPES
+_STANDARD = ocp.StandardCheckpointHandler.typestr()
 
 
 def _key_names(keypath) -> tuple[str, ...]:
@@ -77,7 +79,8 @@ class ItemSaver:
     def save(self, item: str, tree, handler: str) -> SavedItem:
         """TypeError for a leaf Orbax cannot save."""
         flat, treedef = _flatten(tree)
-        kinds = [_classify(keypath, leaf) for keypath, leaf in flat]
+        numpy_scalars = handler != _STANDARD  # Orbax's PyTree handler takes them as scalars
+        kinds = [_classify(keypath, leaf, numpy_scalars) for keypath, leaf in flat]
         arrays = [stored for value_type, stored in kinds if value_type in ARRAY_TYPES]
         structure = (item, handler, treedef, tuple(
             (t, stored.shape, str(stored.dtype), getattr(stored, "sharding", None))
@@ -114,11 +117,15 @@ def _structure(item: str, handler: str, flat, kinds):
     return names, entry, text
 
 
-def _classify(keypath, leaf):
-    """(Orbax's value type, what is kept: an array, a Python value or None)."""
+def _classify(keypath, leaf, numpy_scalars: bool):
+    """(Orbax's value type, what is kept: an array, a Python value or None).
+    ``numpy_scalars``: a NumPy scalar is a scalar (Orbax's PyTree handler), else a 0-d
+    numpy array (its Standard handler)."""
     if isinstance(leaf, jax.Array):
         return JAX_ARRAY, leaf
-    if isinstance(leaf, (np.ndarray, np.number, np.bool_)):
+    if numpy_scalars and isinstance(leaf, (np.number, np.bool_)):
+        leaf = leaf.item()
+    elif isinstance(leaf, (np.ndarray, np.number, np.bool_)):
         return NP_ARRAY, np.asarray(leaf)
     if isinstance(leaf, (bool, int, float)):
         if isinstance(leaf, int) and not isinstance(leaf, bool) and not -2**63 <= leaf < 2**63:
