@@ -1,0 +1,70 @@
+"""``python -m bubblesnap.run train.py`` runs a program that builds Orbax's manager itself,
+unchanged, with bubblesnap's manager behind ``orbax.checkpoint.CheckpointManager``; the
+processes it starts inherit the switch; one log line says what was patched. Without the
+switch nothing changes."""
+
+import json
+import os
+import subprocess
+import sys
+
+from bubblesnap import orbax_patch
+from bubblesnap.testing import DaemonProcess
+from tests.helpers import ROOT
+
+SCRIPT = str(ROOT / "tests" / "programs" / "framework_train.py")
+
+
+def run(*command: str, env: dict) -> tuple[int, str, str]:
+    done = subprocess.run([sys.executable, *command], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return done.returncode, done.stdout, done.stderr
+
+
+def answer(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_bubblesnap_run_puts_its_manager_behind_orbax_in_an_unchanged_program(tmp_path):
+    expected_code, out, _ = run(SCRIPT, str(tmp_path / "orbax" / "job"), "6", env={})
+    assert expected_code == 0 and "manager: orbax.checkpoint" in out
+    expected = answer(out)
+
+    durable = tmp_path / "durable"
+    with DaemonProcess("--durable-dir", str(durable), "--durable-every-steps", "1",
+                       "--keep", "2") as daemon:
+        env = {"BUBBLESNAP_DAEMON": daemon.address}
+        directory = str(durable / "job")
+        code, out, err = run("-m", "bubblesnap.run", SCRIPT, directory, "6", "2", env=env)
+        assert code == -9 and "manager: bubblesnap.clients.jax.checkpoint_manager" in out
+        patched = [line for line in err.splitlines() if "CheckpointManager is now" in line]
+        assert len(patched) == 1 and "BUBBLESNAP_ORBAX" in patched[0]
+        code, out, _ = run("-m", "bubblesnap.run", "--daemon", daemon.address, SCRIPT,
+                           directory, "6", env={})
+        assert code == 0
+        assert answer(out) == {**expected, "resumed_from": 2}
+
+
+def test_the_switch_is_inherited_and_off_by_default(tmp_path):
+    code, out, _ = run("-m", "bubblesnap.run", "--pythonpath", env={})
+    assert code == 0 and out.strip() == orbax_patch.bootstrap_path()
+    probe = "import orbax.checkpoint as ocp; print(ocp.CheckpointManager.__module__)"
+    path = os.pathsep.join(filter(None, [orbax_patch.bootstrap_path(),
+                                         os.environ.get("PYTHONPATH")]))
+    code, out, _ = run("-c", probe, env={"PYTHONPATH": path})
+    assert code == 0 and out.strip().startswith("orbax.")  # on the path, switch off
+    code, out, _ = run("-c", probe, env={"PYTHONPATH": path, orbax_patch.ENV: "1"})
+    assert code == 0 and out.strip() == "bubblesnap.clients.jax.checkpoint_manager"
+    # a process the program starts (a launcher's worker) is patched too
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {probe!r}])"
+    script = tmp_path / "launcher.py"
+    script.write_text(child)
+    code, out, _ = run("-m", "bubblesnap.run", str(script), env={})
+    assert code == 0 and out.strip() == "bubblesnap.clients.jax.checkpoint_manager"
+
+
+def test_bubblesnap_run_explains_itself():
+    code, out, _ = run("-m", "bubblesnap.run", "--help", env={})
+    assert code == 0 and "orbax.checkpoint.CheckpointManager" in out and "PYTHONPATH" in out
+    code, _, err = run("-m", "bubblesnap.run", env={})
+    assert code == 2 and "give the program to run" in err
