@@ -3,8 +3,8 @@
 Each process stands for one host: it runs ``python -m bubblesnap.multihost
 FILE:FUNCTION ARGS``, joins the job with ``jax.distributed.initialize`` (a
 coordinator on a free loopback port), sees ``devices`` forced CPU devices of
-its own, calls ``FUNCTION(args)`` from FILE and prints the JSON of what it
-returns as its last line. On the way it may print events (:func:`event`)
+its own, calls ``FUNCTION(args)`` from FILE and writes the JSON of what it
+returns to a file the parent reads. On the way it may print events (:func:`event`)
 the parent waits for, e.g. to SIGKILL every process at a chosen moment::
 
     from bubblesnap.multihost import JaxJob
@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from bubblesnap.testing import free_port
 
-_RESULT = "BUBBLESNAP_RESULT "
+_RESULT_FILE = "BUBBLESNAP_RESULT_FILE"
 _EVENT = "BUBBLESNAP_EVENT "
 
 
@@ -41,8 +41,10 @@ class JobError(RuntimeError):
 
 
 def event(**fields) -> None:
-    """Prints one event (JSON-able fields) for the parent's :meth:`JaxJob.wait_event`."""
-    print(_EVENT + json.dumps(fields), flush=True)
+    """Prints one event (JSON-able fields) for the parent's :meth:`JaxJob.wait_event`: one
+    write of the whole line, so another writer's output cannot land inside it."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (_EVENT + json.dumps(fields) + "\n").encode())
 
 
 class JaxJob:
@@ -59,7 +61,9 @@ class JaxJob:
         self.target, self.count, self.timeout = target, processes, timeout
         self._deadline = time.monotonic() + timeout
         self._events: queue.Queue = queue.Queue()
-        self._results: dict[int, object] = {}
+        # Each process writes its result into a file of its own: on stdout the C++ side
+        # (Gloo's "connected to peer" lines) can land inside a line Python writes.
+        self._results_dir = tempfile.TemporaryDirectory(prefix="bubblesnap-multihost-")
         self._stdout_tail: dict[int, list[str]] = {}
         # Appending: the child writes through the same file offset the parent reads with.
         self._stderr = [tempfile.TemporaryFile(mode="a+") for _ in range(processes)]
@@ -73,7 +77,8 @@ class JaxJob:
         for index in range(processes):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bubblesnap.multihost", target, json.dumps(args or {})],
-                env={**base, "BUBBLESNAP_PROCESS": str(index)}, stdout=subprocess.PIPE,
+                env={**base, "BUBBLESNAP_PROCESS": str(index),
+                     _RESULT_FILE: self._result_path(index)}, stdout=subprocess.PIPE,
                 stderr=self._stderr[index], text=True)
             self.procs.append(proc)
             reader = threading.Thread(target=self._read, args=(index, proc), daemon=True)
@@ -83,12 +88,24 @@ class JaxJob:
     def _read(self, index: int, proc: subprocess.Popen) -> None:
         tail = self._stdout_tail.setdefault(index, [])
         for line in proc.stdout:
-            if line.startswith(_RESULT):
-                self._results[index] = json.loads(line[len(_RESULT):])
-            elif line.startswith(_EVENT):
-                self._events.put((index, json.loads(line[len(_EVENT):])))
-            else:
-                tail[:] = [*tail[-20:], line.rstrip()]
+            if line.startswith(_EVENT):
+                try:
+                    self._events.put((index, json.loads(line[len(_EVENT):])))
+                    continue
+                except ValueError:  # another writer's bytes inside the line
+                    pass
+            tail[:] = [*tail[-20:], line.rstrip()]
+
+    def _result_path(self, index: int) -> str:
+        return os.path.join(self._results_dir.name, f"result_{index}.json")
+
+    def _result(self, index: int):
+        """What process ``index`` returned; KeyError when it wrote nothing."""
+        try:
+            with open(self._result_path(index)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            raise KeyError(index) from None
 
     def __enter__(self) -> "JaxJob":
         return self
@@ -126,11 +143,16 @@ class JaxJob:
             except subprocess.TimeoutExpired:
                 self._fail(f"timed out after {self.timeout:.0f} s (process {index} still runs)")
             self._readers[index].join(timeout=10)
-        failed = [i for i, p in enumerate(self.procs)
-                  if p.returncode != 0 or i not in self._results]
+        results = {}
+        for index in range(self.count):
+            try:
+                results[index] = self._result(index)
+            except KeyError:
+                pass
+        failed = [i for i, p in enumerate(self.procs) if p.returncode != 0 or i not in results]
         if failed:
             self._fail(f"process {failed[0]} failed")
-        return [self._results[i] for i in range(self.count)]
+        return [results[i] for i in range(self.count)]
 
     def kill(self) -> None:
         """SIGKILLs every process still running and reaps it."""
@@ -178,8 +200,11 @@ def _main(argv: list[str]) -> int:
                                int(os.environ["BUBBLESNAP_PROCESSES"]),
                                int(os.environ["BUBBLESNAP_PROCESS"]),
                                initialization_timeout=120)
-    result = _load(target)(args)
-    print(_RESULT + json.dumps(result), flush=True)
+    result = json.dumps(_load(target)(args))
+    path = os.environ[_RESULT_FILE]
+    with open(f"{path}.tmp", "w") as f:
+        f.write(result)
+    os.replace(f"{path}.tmp", path)  # whole or absent
     return 0
 
 

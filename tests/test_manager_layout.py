@@ -34,7 +34,8 @@ def rich_tree(pytree: bool) -> dict:
 def describe(tree) -> list:
     """Every leaf's path, type and value, in a form two runs can be compared by."""
     found = []
-    empty = (lambda x: x is None or (isinstance(x, (dict, list, tuple)) and not x))
+    def empty(x):
+        return (x is None or (isinstance(x, (dict, list, tuple)) and not x))
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=empty)[0]:
         value = np.asarray(leaf).tolist() if hasattr(leaf, "dtype") else leaf
         found.append((jax.tree_util.keystr(path), type(leaf).__name__,
