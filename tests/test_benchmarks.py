@@ -1,6 +1,6 @@
 """Every benchmark still runs: each one, as a program, with --quick --json.
 
-The reports carry the keys README.md's "Measuring" section documents, every
+The reports carry the keys docs/development/benchmarks.md documents, every
 ratio is a finite number and every correctness check inside a benchmark
 holds. No timing is asserted: --quick numbers mean nothing.
 """
@@ -256,7 +256,7 @@ CHECKS = {"adoption": check_adoption, "datapath": check_datapath,
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
-def test_benchmark_runs_quick_and_reports_what_the_readme_documents(name, quick_runs):
+def test_benchmark_runs_quick_and_reports_what_the_docs_document(name, quick_runs):
     report = report_of(quick_runs[name])
     assert report["benchmark"] == name
     CHECKS[name](report)
