@@ -43,9 +43,10 @@ def describe(tree) -> list:
     return found
 
 
-def tree_metadata(path) -> dict:
+def tree_metadata(path) -> tuple:
     with open(os.path.join(path, "_METADATA")) as f:
-        return json.load(f)["tree_metadata"]
+        found = json.load(f)
+    return found["tree_metadata"], found["custom_metadata"]
 
 
 @pytest.mark.parametrize("pytree", [False, True])
@@ -53,7 +54,7 @@ def test_the_persisted_step_is_orbax_s_for_the_same_tree(start_daemon, tmp_path,
     save = ocp.args.PyTreeSave if pytree else ocp.args.StandardSave
     tree = rich_tree(pytree)
     with ocp.CheckpointManager(tmp_path / "orbax") as theirs:
-        theirs.save(0, args=save(tree))
+        theirs.save(0, args=save(tree, custom_metadata={"model": "mlp"}))
         theirs.wait_until_finished()
         expected = describe(theirs.restore(0))
 
@@ -61,7 +62,7 @@ def test_the_persisted_step_is_orbax_s_for_the_same_tree(start_daemon, tmp_path,
     daemon = start_daemon("--durable-dir", str(durable), "--durable-every-steps", "1")
     with CheckpointManager(durable / "job", options=CheckpointManagerOptions(
             client=ClientOptions(daemon=daemon.address))) as mine:
-        mine.save(0, args=save(tree))
+        mine.save(0, args=save(tree, custom_metadata={"model": "mlp"}))
         mine.wait_until_finished()
         assert describe(mine.restore(0)) == expected  # from memory
     wait_for(lambda: DurableReader(str(durable)).steps("job") == [0], "step 0 persisted")

@@ -40,6 +40,7 @@ class SaveItem:
     handler: str
     value: object
     save_args: object = None
+    custom_metadata: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class RestoreItem:
     restore_args: object = None
     args: object = None
     saved_types: bool = False
+    fallback_sharding: object = None
 
 
 def typestr(handler) -> str:
@@ -107,7 +109,7 @@ def _save_item(name: str, args) -> SaveItem:
         handler = ocp.StandardCheckpointHandler if isinstance(args, ocp.args.StandardSave) \
             else ocp.PyTreeCheckpointHandler
         return SaveItem(name, "pytree", typestr(handler), args.item,
-                        getattr(args, "save_args", None))
+                        getattr(args, "save_args", None), getattr(args, "custom_metadata", None))
     if isinstance(args, ocp.args.JsonSave):
         return SaveItem(name, "json", typestr(ocp.JsonCheckpointHandler), args.item)
     return SaveItem(name, "orbax", typestr(ocp.args.get_registered_handler_cls(args)), args)
@@ -119,8 +121,10 @@ def as_args(item: SaveItem):
         return ocp.args.JsonSave(item.value)
     if item.kind == "pytree":
         if item.handler == typestr(ocp.StandardCheckpointHandler):
-            return ocp.args.StandardSave(item.value, save_args=item.save_args)
-        return ocp.args.PyTreeSave(item.value, save_args=item.save_args)
+            return ocp.args.StandardSave(item.value, save_args=item.save_args,
+                                         custom_metadata=item.custom_metadata)
+        return ocp.args.PyTreeSave(item.value, save_args=item.save_args,
+                                   custom_metadata=item.custom_metadata)
     return item.value
 
 
@@ -149,10 +153,16 @@ def _restore_item(name: str, args, saved: dict) -> RestoreItem:
     if entry is None:
         raise KeyError(f"restore: the step has no item {name!r}; it holds {sorted(saved)}")
     if isinstance(args, _PYTREE_RESTORES) and entry["kind"] == "pytree":
+        if getattr(args, "transforms", None) is not None or \
+                getattr(args, "legacy_transform_fn", None) is not None:
+            raise ValueError(f"restore: item {name!r}: PyTreeRestore transforms are not "
+                             "supported by bubblesnap's manager; restore into the structure "
+                             "the item was saved with and transform the result")
         restore_args = getattr(args, "restore_args", None)
         return RestoreItem(name, "pytree", args.item, restore_args,
                            saved_types=isinstance(args, ocp.args.PyTreeRestore)
-                           and restore_args is None)
+                           and restore_args is None,
+                           fallback_sharding=getattr(args, "fallback_sharding", None))
     if isinstance(args, ocp.args.JsonRestore) and entry["kind"] == "json":
         return RestoreItem(name, "json")
     if entry["kind"] == "orbax" or isinstance(args, (*_PYTREE_RESTORES, ocp.args.JsonRestore)):

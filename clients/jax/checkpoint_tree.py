@@ -76,8 +76,9 @@ class ItemSaver:
     def __init__(self):
         self._known: dict = {}  # structure -> (names, static entry, text before "values")
 
-    def save(self, item: str, tree, handler: str) -> SavedItem:
-        """TypeError for a leaf Orbax cannot save."""
+    def save(self, item: str, tree, handler: str, custom_metadata=None) -> SavedItem:
+        """TypeError for a leaf Orbax cannot save. ``custom_metadata``: the item's own
+        (Orbax keeps it in the item's ``_METADATA``)."""
         flat, treedef = _flatten(tree)
         numpy_scalars = handler != _STANDARD  # Orbax's PyTree handler takes them as scalars
         kinds = [_classify(keypath, leaf, numpy_scalars) for keypath, leaf in flat]
@@ -93,7 +94,12 @@ class ItemSaver:
         values = {str(i): stored for i, (t, stored) in enumerate(kinds)
                   if t in checkpoint_record.VALUE_TYPES}
         values_text = json.dumps(values, separators=(",", ":"), allow_nan=True)
-        return SavedItem(names, arrays, {**entry, "values": values},
+        dynamic = {"values": values}
+        if custom_metadata is not None:
+            dynamic["custom_metadata"] = custom_metadata
+            values_text += ',"custom_metadata":' + json.dumps(custom_metadata,
+                                                              separators=(",", ":"))
+        return SavedItem(names, arrays, {**entry, **dynamic},
                          f'{text},"values":{values_text}}}')
 
 
@@ -173,11 +179,13 @@ class RestorePlan:
     ``saved_types``: the leaves come back as the types they were saved as, into
     the target's structure and shardings (Orbax's PyTree handler without
     ``restore_args``; its Standard handler restores the target's types).
+    ``fallback_sharding``: for an array leaf whose target has none (StandardRestore's).
+    A target may hold fewer leaves than the item (Orbax's partial restore).
     """
 
     def __init__(self, item: str, entry: dict, target=None, restore_args=None,
-                 saved_types: bool = False):
-        self.item = item
+                 saved_types: bool = False, fallback_sharding=None):
+        self.item, self._fallback_sharding = item, fallback_sharding
         self._saved = {leaf.path_key: leaf for leaf in checkpoint_record.leaves(entry, item)}
         if target is None:
             target = tree_utils.from_flattened_with_keypath(
@@ -208,7 +216,8 @@ class RestorePlan:
         host = isinstance(leaf, (np.ndarray, np.number, np.bool_, bool, int, float,
                                  _SavedNumpy)) or \
             (restore_type is not None and restore_type is not jax.Array)
-        sharding = getattr(arg, "sharding", None) or getattr(leaf, "sharding", None)
+        sharding = getattr(arg, "sharding", None) or getattr(leaf, "sharding", None) or \
+            self._fallback_sharding
         if isinstance(sharding, sharding_metadata.ShardingMetadata):
             sharding = sharding.to_jax_sharding()
         name = checkpoint_record.tensor_name(self.item, saved.keys)

@@ -26,9 +26,8 @@ policies = ocp.checkpoint_managers
 #: daemon writes and the folders are Orbax's standard ones, so they change nothing.
 NO_MEANING = ("cleanup_tmp_directories", "single_host_load_and_broadcast", "todelete_subdir",
               "todelete_full_path", "enable_background_delete", "num_deletion_threads",
-              "file_options", "atomicity_options", "save_root_metadata",
-              "temporary_path_class", "enable_per_process_directory_creation",
-              "lightweight_initialize")
+              "file_options", "atomicity_options", "temporary_path_class",
+              "enable_per_process_directory_creation", "lightweight_initialize")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +59,7 @@ class CheckpointManagerOptions:
       multiprocessing_options: ``primary_host`` is the process that writes and
         deletes the manager's folders (JSON and Orbax-handler items, retired steps).
       prevent_write_metrics: metrics are not kept with the step.
+      save_root_metadata: the constructor's ``metadata`` is written once, as Orbax's.
       enable_should_save_is_saving_in_progress_check: as Orbax (a save is in
         progress until the daemon committed it).
       The rest (``NO_MEANING``) is accepted and named in one warning.

@@ -58,7 +58,7 @@ def _item_metadata(entry: dict, directory: str):
     leaves = [(checkpoint_tree.keypath_of(leaf), _leaf_metadata(leaf, path))
               for leaf in checkpoint_record.leaves(entry)]
     return tree_metadata.TreeMetadata.build(tree_utils.from_flattened_with_keypath(leaves),
-                                            custom_metadata=None)
+                                            custom_metadata=entry.get("custom_metadata"))
 
 
 def _leaf_metadata(leaf, directory):

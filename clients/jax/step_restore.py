@@ -14,7 +14,8 @@ def restore_items(client, folders, handlers: dict, record: dict, wanted, step: i
     """item name -> restored value of each ``wanted`` (checkpoint_items.RestoreItem).
     ``alone``: later steps stay (an older step is read; Orbax keeps later steps)."""
     plans = {w.name: checkpoint_tree.RestorePlan(w.name, record["items"][w.name], w.target,
-                                                 w.restore_args, w.saved_types)
+                                                 w.restore_args, w.saved_types,
+                                                 w.fallback_sharding)
              for w in wanted if w.kind == "pytree"}
     tensors = [t for plan in plans.values() for t in plan.wanted]
     restored = {}

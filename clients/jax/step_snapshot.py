@@ -32,7 +32,7 @@ class StepSnapshots:
         for item in to_save:
             if item.kind == "pytree":
                 saved = self._saver.save(item.name, _cast(item.value, item.save_args),
-                                         item.handler)
+                                         item.handler, item.custom_metadata)
                 tensors[item.name] = (saved.names, [self._held(a) for a in saved.arrays])
                 entries[item.name], texts[item.name] = saved.entry, saved.text
             elif item.kind == "json":

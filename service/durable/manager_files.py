@@ -71,7 +71,7 @@ def item_metadata(entry: dict, written: dict[int, WrittenRank], item: str,
     chunk grid its daemons wrote with."""
     chunks = {orbax_layout.param_name(t.key[1:]): list(t.chunks)
               for w in written.values() for t in w.tensors if t.item == item and t.regions}
-    return {**template, "tree_metadata": {
+    return {**template, "custom_metadata": entry.get("custom_metadata"), "tree_metadata": {
         leaf.path_key: leaf.metadata(chunks.get(leaf.param))
         for leaf in checkpoint_record.leaves(entry, item)}}
 
