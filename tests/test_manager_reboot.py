@@ -43,3 +43,22 @@ def test_a_rebooted_host_resumes_from_the_durable_tier_onto_another_process_coun
         nothing = JaxJob(PROGRAM + ":resume_steps", 1, {"directory": str(durable / "none")},
                          env=env, timeout=240).results()
     assert nothing == [{"latest": None, "all_steps": [], "raised": "FileNotFoundError"}]
+
+
+def test_with_no_daemon_at_all_the_persisted_steps_are_listed_and_read_by_orbax(tmp_path):
+    """A host whose daemon is down still resumes: the manager lists the folders the
+    daemons wrote and Orbax reads the step (the record from its folder)."""
+    durable = tmp_path / "durable"
+    directory = str(durable / "away")
+    with DaemonProcess("--durable-dir", str(durable), "--durable-every-steps", "1") as daemon:
+        [saved] = JaxJob(PROGRAM + ":save_steps", 1, {"directory": directory, "steps": 2},
+                         env={"BUBBLESNAP_DAEMON": daemon.address}, timeout=240).results()
+        reader = DurableReader(str(durable))
+        wait_for(lambda: reader.steps("away"), "a whole step in the durable tier")
+    whole = reader.steps("away")
+    gone = {"BUBBLESNAP_DAEMON": f"unix://{tmp_path}/no-daemon.sock"}
+    [resumed] = JaxJob(PROGRAM + ":resume_steps", 1, {"directory": directory}, env=gone,
+                       timeout=240).results()
+    assert resumed["latest"] == whole[-1] and resumed["all_steps"] == whole
+    assert resumed["digest"] == saved["digests"][str(whole[-1])]
+    assert resumed["types"] == ["int", "float"]

@@ -126,6 +126,10 @@ class Steps:
         except RestoreError as err:
             if folder is not None and not self._folders.is_ours(folder):
                 return None
+            if folder is not None:  # the daemon is away, or does not write this folder
+                log.warning("step %d: the daemon could not read its record (%s); reading it "
+                            "from %s", step, err, folder)
+                return self._folders.record(folder)
             raise RestoreError(f"step {step}: its record could not be read: {err}") from None
         return checkpoint_record.decode(found.state[0])
 

@@ -41,6 +41,7 @@ from bubblesnap.clients.jax._manager_steps import StepInfo, Steps
 from bubblesnap.clients.jax.client import SnapshotClient
 from bubblesnap.clients.jax.manager_options import (
     CheckpointManagerOptions,
+    asks_saving_in_progress,
     preservation_policy,
     resolve,
     save_decision_policy,
@@ -90,6 +91,8 @@ class CheckpointManager:
                                     self._options.step_name_format)
         self._make_directory()
         self._save_policy = save_decision_policy(self._options)
+        self._progress_matters = self._options.enable_should_save_is_saving_in_progress_check \
+            and asks_saving_in_progress(self._save_policy)
         self._keep_policy = preservation_policy(self._options)
         self._steps = Steps(self._client, self._folders, self._options.record_bytes,
                             self._primary)
@@ -160,8 +163,7 @@ class CheckpointManager:
         if infos and infos[-1].step >= step:
             return False
         context = ocp.checkpoint_managers.DecisionContext(
-            is_saving_in_progress=self._options.enable_should_save_is_saving_in_progress_check
-            and self.is_saving_in_progress(),
+            is_saving_in_progress=self._progress_matters and self.is_saving_in_progress(),
             reached_preemption=self.reached_preemption(step),
             multiprocessing_options=self._options.multiprocessing_options)
         return bool(self._save_policy.should_save(StepInfo.now(step), previous_steps=infos,
@@ -264,8 +266,18 @@ class CheckpointManager:
                                                     self._handlers)
         wanted = checkpoint_items.restore_items(args, items, restore_kwargs, single,
                                                 self._handlers, record["items"])
-        out = step_restore.restore_items(self._client, self._folders, self._handlers, record,
-                                         wanted, step, alone=step != self.latest_step())
+        try:
+            out = step_restore.restore_items(self._client, self._folders, self._handlers,
+                                             record, wanted, step,
+                                             alone=step != self.latest_step())
+        except RestoreError as err:
+            folder = self._folders.find().get(step)
+            if folder is None:
+                raise
+            log.warning("step %d: the daemon could not restore it (%s); Orbax reads it from "
+                        "%s", step, err, folder)
+            return self._folders.restore_with_orbax(step, args, self._item_names,
+                                                    self._handlers)
         self._uncommitted = None
         if single:
             return out[checkpoint_items.DEFAULT_ITEM]

@@ -207,3 +207,11 @@ def preservation_policy(options: CheckpointManagerOptions):
     else:
         chosen.append(policies.LatestN(n=options.max_to_keep))
     return policies.AnyPreservationPolicy(chosen)
+
+
+def asks_saving_in_progress(policy) -> bool:
+    """Whether a save decision policy reads ``is_saving_in_progress`` (continuous
+    checkpointing; the manager asks the daemon only then)."""
+    if isinstance(policy, policies.AnySavePolicy):
+        return any(asks_saving_in_progress(p) for p in policy.policies)
+    return isinstance(policy, policies.ContinuousCheckpointingPolicy)

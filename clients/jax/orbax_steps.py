@@ -28,6 +28,7 @@ log = logging.getLogger("bubblesnap.client")
 
 #: The daemon's marker of a whole step it wrote (service/durable/format.py).
 MARKER = os.path.join(".bubblesnap", "complete.json")
+RECORD = os.path.join(".bubblesnap", "record.json")
 ITEMS_DIR = os.path.join(".bubblesnap", "items")
 ROOT_METADATA = os.path.join("metadata", "_ROOT_METADATA")
 
@@ -69,6 +70,14 @@ class StepFolders:
     def is_ours(path: str) -> bool:
         """Whether the folder is a step the daemon wrote whole."""
         return os.path.exists(os.path.join(path, MARKER))
+
+    @staticmethod
+    def record(path: str) -> dict:
+        """The step record of a step the daemon wrote (its ``.bubblesnap/record.json``)."""
+        with open(os.path.join(path, RECORD)) as f:
+            found = json.load(f)
+        checkpoint_record.check(found)
+        return found
 
     def metadata(self, step: int) -> dict | None:
         """The step's ``_CHECKPOINT_METADATA`` (item handlers, metrics, custom metadata,
