@@ -21,7 +21,8 @@ types (one digit each: 1 a sequence index, 2 a dict key or attribute),
 Orbax's value type (``jax.Array``, ``np.ndarray``, ``scalar``, ``string``,
 or an empty value's ``None``/``Dict``/``List``/``Tuple``), and for an array
 ``[shape, dtype, sharding]`` (an index into the entry's ``shardings``, -1:
-none), for a scalar or string its Python type name, whose value is in the
+none; a JAX PRNG key adds its implementation's name, and its tensor is its
+key data, as Orbax stores keys), for a scalar or string its Python type name, whose value is in the
 entry's ``values`` under the leaf's index. An array leaf is the tensor
 :func:`tensor_name` names. :func:`leaves` reads them back.
 
@@ -136,6 +137,7 @@ class Leaf:
     sharding: str | None = None
     python_type: str = ""
     value: object = None
+    key_impl: str = ""
 
     @property
     def path_key(self) -> str:
@@ -178,12 +180,14 @@ def leaves(entry: dict, item: str = "") -> list[Leaf]:
                     set(key_types) - {"1", "2"}:
                 raise ValueError("keys")
             if value_type in ARRAY_TYPES:
-                shape, dtype, sharding = info
+                shape, dtype, sharding, *key_impl = info
                 if not all(isinstance(d, int) and d >= 0 for d in shape) or \
-                        not isinstance(dtype, str) or not -1 <= sharding < len(shardings):
+                        not isinstance(dtype, str) or not -1 <= sharding < len(shardings) or \
+                        len(key_impl) > 1 or not all(isinstance(k, str) for k in key_impl):
                     raise ValueError("array")
                 found.append(Leaf(index, keys, key_types, value_type, tuple(shape), dtype,
-                                  shardings[sharding] if sharding >= 0 else None))
+                                  shardings[sharding] if sharding >= 0 else None,
+                                  key_impl="".join(key_impl)))
             elif value_type in VALUE_TYPES:
                 if info not in VALUE_TYPES[value_type] or str(index) not in values:
                     raise ValueError("value")

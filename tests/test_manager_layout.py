@@ -1,4 +1,5 @@
-"""A step bubblesnap's manager saves is the step Orbax's manager saves for the same tree:
+"""A step bubblesnap's manager saves is the step Orbax's manager saves for the same tree
+(with typed PRNG keys):
 the daemon's persisted ``_METADATA`` equals Orbax's leaf for leaf (keys, key types, value
 types), a restore with no target gives the same tree of the same types, from our manager
 and from plain Orbax reading the daemon's step."""
@@ -25,7 +26,8 @@ def rich_tree(pytree: bool) -> dict:
                                           tx=optax.adam(1e-3))
     tree = {"state": state, "count": 7, "lr": 0.125, "flag": True, "none": None, "empty": {},
             "nothing": [], "seq": [jnp.ones(2, jnp.bfloat16), 3], "pair": (1.5, np.arange(3)),
-            "np": np.arange(6, dtype=np.int16).reshape(2, 3), "npscalar": np.float32(2.5)}
+            "np": np.arange(6, dtype=np.int16).reshape(2, 3), "npscalar": np.float32(2.5),
+            "key": jax.random.key(5), "keys": jax.random.split(jax.random.key(1), 3)}
     if pytree:
         tree["name"] = "run-7"  # strings: Orbax's PyTree handler only
     return tree
@@ -37,6 +39,9 @@ def describe(tree) -> list:
     def empty(x):
         return (x is None or (isinstance(x, (dict, list, tuple)) and not x))
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=empty)[0]:
+        if hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)  # a typed PRNG key, by its key data
+            found.append(("key", jax.tree_util.keystr(path)))
         value = np.asarray(leaf).tolist() if hasattr(leaf, "dtype") else leaf
         found.append((jax.tree_util.keystr(path), type(leaf).__name__,
                       str(getattr(leaf, "dtype", "")), value))

@@ -82,12 +82,15 @@ class ItemSaver:
         flat, treedef = _flatten(tree)
         numpy_scalars = handler != _STANDARD  # Orbax's PyTree handler takes them as scalars
         kinds = [_classify(keypath, leaf, numpy_scalars) for keypath, leaf in flat]
+        keys = {i: str(jax.random.key_impl(leaf)) for i, (_, leaf) in enumerate(flat)
+                if _is_key(leaf)}
         arrays = [stored for value_type, stored in kinds if value_type in ARRAY_TYPES]
         structure = (item, handler, treedef, tuple(
-            (t, stored.shape, str(stored.dtype), getattr(stored, "sharding", None))
-            if t in ARRAY_TYPES else (t, type(stored).__name__) for t, stored in kinds))
+            (t, stored.shape, str(stored.dtype), getattr(stored, "sharding", None), keys.get(i))
+            if t in ARRAY_TYPES else (t, type(stored).__name__)
+            for i, (t, stored) in enumerate(kinds)))
         if structure not in self._known:
-            self._known[structure] = _structure(item, handler, flat, kinds)
+            self._known[structure] = _structure(item, handler, flat, kinds, keys)
             if len(self._known) > 64:  # a loop whose tree keeps changing
                 self._known.pop(next(iter(self._known)))
         names, entry, text = self._known[structure]
@@ -103,30 +106,39 @@ class ItemSaver:
                          f'{text},"values":{values_text}}}')
 
 
-def _structure(item: str, handler: str, flat, kinds):
+def _structure(item: str, handler: str, flat, kinds, keys: dict):
     names, leaves, shardings = [], [], {}
-    for (keypath, _), (value_type, stored) in zip(flat, kinds, strict=True):
-        keys = list(_key_names(keypath))
+    for at, ((keypath, _), (value_type, stored)) in enumerate(zip(flat, kinds, strict=True)):
+        key_names = list(_key_names(keypath))
         if value_type in ARRAY_TYPES:
-            names.append(checkpoint_record.tensor_name(item, keys))
+            names.append(checkpoint_record.tensor_name(item, key_names))
             sharding = _serialized_sharding(stored)
             index = -1 if sharding is None else shardings.setdefault(sharding, len(shardings))
             info = [list(stored.shape), np.dtype(stored.dtype).name, index]
+            if at in keys:  # a PRNG key: its key data is the tensor
+                info.append(keys[at])
         elif value_type in checkpoint_record.VALUE_TYPES:
             info = type(stored).__name__
         else:
             info = None
-        leaves.append([keys, _key_types(keypath), value_type, info])
+        leaves.append([key_names, _key_types(keypath), value_type, info])
     entry = {"kind": "pytree", "handler": handler, "leaves": leaves,
              "shardings": list(shardings)}
     text = json.dumps(entry, separators=(",", ":"))[:-1]
     return names, entry, text
 
 
+def _is_key(leaf) -> bool:
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype,
+                                                                 jax.dtypes.prng_key)
+
+
 def _classify(keypath, leaf, numpy_scalars: bool):
     """(Orbax's value type, what is kept: an array, a Python value or None).
     ``numpy_scalars``: a NumPy scalar is a scalar (Orbax's PyTree handler), else a 0-d
     numpy array (its Standard handler)."""
+    if _is_key(leaf):
+        return JAX_ARRAY, jax.random.key_data(leaf)  # as Orbax stores a key
     if isinstance(leaf, jax.Array):
         return JAX_ARRAY, leaf
     if numpy_scalars and isinstance(leaf, (np.number, np.bool_)):
@@ -209,7 +221,8 @@ class RestorePlan:
 
     def _want(self, saved, leaf, arg) -> Wanted:
         shape, dtype = saved.shape, np.dtype(numpy_dtype(saved.dtype))
-        if hasattr(leaf, "shape") and tuple(leaf.shape) != shape:
+        logical = shape[:len(shape) - _key_axes(saved)]
+        if hasattr(leaf, "shape") and tuple(leaf.shape) not in (shape, logical):
             raise RestoreError(f"item {self.item!r}: leaf {saved.path_key} was saved with "
                                f"shape {shape}; the target has {tuple(leaf.shape)}")
         restore_type = getattr(arg, "restore_type", None)
@@ -220,6 +233,10 @@ class RestorePlan:
             self._fallback_sharding
         if isinstance(sharding, sharding_metadata.ShardingMetadata):
             sharding = sharding.to_jax_sharding()
+        if saved.key_impl and isinstance(sharding, jax.sharding.NamedSharding):
+            trailing = [None] * (len(shape) - len(sharding.spec))  # the key data's own axes
+            sharding = jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec, *trailing))
         name = checkpoint_record.tensor_name(self.item, saved.keys)
         return Wanted(name, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), host)
 
@@ -229,8 +246,19 @@ class RestorePlan:
         for saved, leaf, arg, wanted in self._leaves:
             value = restored[wanted.name] if wanted is not None else \
                 saved.value if saved.value_type in checkpoint_record.VALUE_TYPES else leaf
+            if saved.key_impl and isinstance(value, jax.Array):
+                value = jax.random.wrap_key_data(value, impl=saved.key_impl)
             out.append(_as_target_type(value, leaf, arg))
         return jax.tree_util.tree_unflatten(self._treedef, out)
+
+
+def _key_axes(saved) -> int:
+    """The trailing axes a PRNG key's data has beyond the key's own shape."""
+    if not saved.key_impl:
+        return 0
+    return len(jax.eval_shape(jax.random.key_data,
+                              jax.ShapeDtypeStruct((), jax.random.key(0, impl=saved.key_impl)
+                                                   .dtype)).shape)
 
 
 def keypath_of(leaf) -> tuple:
@@ -293,7 +321,7 @@ def _as_target_type(value, leaf, arg):
     restore_type = getattr(arg, "restore_type", None)
     dtype = getattr(arg, "dtype", None)
     if isinstance(value, (jax.Array, np.ndarray)) and dtype is not None and \
-            np.dtype(value.dtype) != np.dtype(dtype):
+            not _is_key(value) and np.dtype(value.dtype) != np.dtype(dtype):
         value = value.astype(dtype)
     if leaf is None or empty_values.is_empty_container(leaf):
         return leaf

@@ -187,11 +187,12 @@ def finalize(step_dir: str, written: dict[int, WrittenRank], finalizer: int,
             path, ts_context=ts_utils.get_ts_context(use_ocdbt=True), use_zarr3=False))
         entry = (record or {}).get("items", {}).get(item)
         value_type = _RECORD_VALUE_TYPE if item == orbax_layout.RECORD_ITEM else _VALUE_TYPE
+        chunks = manager_files.chunk_grids(written, item)
         metadata = _tree_metadata(path, written, item, value_type) if entry is None else \
-            manager_files.item_metadata(entry, written, item, _empty_tree_metadata())
+            manager_files.item_metadata(entry, chunks, _empty_tree_metadata())
         fmt.write_bytes(f"{folder}/_METADATA", json.dumps(metadata).encode())
         if entry is not None:
-            manager_files.write_pytree_extras(folder, entry)
+            manager_files.write_pytree_extras(folder, entry, chunks)
     if record is not None:
         manager_files.write_items(step_dir, record, saved_items)
     fmt.write_bytes(f"{step_dir}/_CHECKPOINT_METADATA",

@@ -26,6 +26,8 @@ from bubblesnap.service.errors import FailedPrecondition
 _COMMIT_TEXT = "Checkpoint commit was successful to {}"
 #: Orbax's CheckpointManager keeps a step's metrics as this item (JSON file of that name).
 METRICS_ITEM = "metrics"
+#: Orbax's array metadata key naming a PRNG key's implementation (array_metadata.py).
+_KEY_IMPL = "random_key_impl"
 #: Python scalars as Orbax's ScalarHandler stores them.
 _SCALAR_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 
@@ -65,30 +67,43 @@ def scalars(record: dict) -> list[tuple[str, str, np.ndarray]]:
             for leaf in checkpoint_record.leaves(entry, item) if leaf.value_type == "scalar"]
 
 
-def item_metadata(entry: dict, written: dict[int, WrittenRank], item: str,
-                  template: dict) -> dict:
+def chunk_grids(written: dict[int, WrittenRank], item: str) -> dict[str, list]:
+    """parameter name -> the chunk grid the daemons wrote each array of ``item`` with."""
+    return {orbax_layout.param_name(t.key[1:]): list(t.chunks)
+            for w in written.values() for t in w.tensors if t.item == item and t.regions}
+
+
+def item_metadata(entry: dict, chunks: dict, template: dict) -> dict:
     """A pytree item's ``_METADATA``: the record's leaves, each array's write shape the
     chunk grid its daemons wrote with."""
-    chunks = {orbax_layout.param_name(t.key[1:]): list(t.chunks)
-              for w in written.values() for t in w.tensors if t.item == item and t.regions}
     return {**template, "custom_metadata": entry.get("custom_metadata"), "tree_metadata": {
         leaf.path_key: leaf.metadata(chunks.get(leaf.param))
-        for leaf in checkpoint_record.leaves(entry, item)}}
+        for leaf in checkpoint_record.leaves(entry)}}
 
 
-def write_pytree_extras(folder: str, entry: dict) -> None:
-    """``_strings.json`` (string leaves) and ``_sharding`` (arrays' shardings) of a pytree
-    item, as Orbax's StringHandler and ArrayHandler write them, and its commit file."""
-    strings, shardings = {}, {}
+def write_pytree_extras(folder: str, entry: dict, chunks: dict) -> None:
+    """What Orbax's handlers write beside a pytree item's arrays: ``_strings.json``
+    (string leaves), ``_sharding`` (arrays' shardings), ``array_metadatas/`` (their
+    chunk grids, and each PRNG key's implementation, which Orbax needs to give keys
+    back), and the item's commit file."""
+    strings, shardings, arrays = {}, {}, []
     for leaf in checkpoint_record.leaves(entry):
         if leaf.value_type == "string":
             strings[leaf.param] = leaf.value
-        elif leaf.sharding:
+        if leaf.sharding:
             shardings[base64.urlsafe_b64encode(leaf.param.encode()).decode()] = leaf.sharding
+        if leaf.value_type == "jax.Array":
+            grid = chunks.get(leaf.param, list(leaf.shape))
+            arrays.append({"array_metadata": {
+                "param_name": leaf.param, "write_shape": grid, "chunk_shape": grid,
+                "ext_metadata": {_KEY_IMPL: leaf.key_impl} if leaf.key_impl else None}})
     if strings:
         fmt.write_json(os.path.join(folder, "_strings.json"), strings)
     if shardings:
         fmt.write_json(os.path.join(folder, "_sharding"), shardings)
+    if arrays:
+        fmt.write_json(os.path.join(folder, "array_metadatas", "process_0"),
+                       {"array_metadatas": arrays})
     fmt.write_bytes(os.path.join(folder, "commit_success.txt"),
                     _COMMIT_TEXT.format(folder).encode())
 

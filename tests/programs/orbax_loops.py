@@ -68,6 +68,9 @@ def digest(tree) -> str:
     """SHA-256 of every leaf's global value (gathered from every process)."""
     found = hashlib.sha256()
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype,
+                                                                 jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)  # a typed PRNG key, by its key data
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
             leaf = multihost_utils.process_allgather(leaf, tiled=True)
         value = np.asarray(leaf)
@@ -210,11 +213,22 @@ def framework_manager(Manager, Options, directory: str, args: dict):
             "all_steps": list(checkpointer.manager.all_steps()), "custom_metadata": custom}
 
 
+class _NnxNet(nnx.Module):
+    """A layer and a dropout that keeps its own RNG stream (a typed PRNG key in the state)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(8, 8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.linear(x))
+
+
 def nnx_state(Manager, Options, directory: str, args: dict):
     """``nnx.state((model, optimizer))`` with StandardSave, restored into a fresh model's
     state and put back with ``nnx.update``."""
     def fresh():
-        model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+        model = _NnxNet(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     model, optimizer = fresh()
 
