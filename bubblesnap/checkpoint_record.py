@@ -36,6 +36,20 @@ import json
 import re
 import struct
 
+#: The folder names a manager and the daemons share in a job's folder: bubblesnap's own
+#: state (in a step: sidecars, the record, the completion marker), the steps being
+#: written, the items a manager
+#: saved with Orbax's handlers before the daemon persisted their step, and the steps a
+#: manager deleted (a daemon must not publish them after).
+STATE_DIR = ".bubblesnap"
+MARKER_FILE = "complete.json"
+RECORD_FILE = "record.json"
+PARTIAL_DIR = f"{STATE_DIR}/partial"
+ITEMS_DIR = f"{STATE_DIR}/items"
+DELETED_DIR = f"{STATE_DIR}/deleted"
+#: Names of a step's own files, which no item may take.
+RESERVED_ITEMS = ("_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA")
+
 #: The tensor a manager's step record travels in (rank 0 copies it; every rank
 #: declares it, job-wide, so any process count restores it).
 TENSOR = ".bubblesnap/record"
@@ -49,6 +63,8 @@ DEFAULT_CAPACITY = 1 << 20
 ARRAY_TYPES = ("jax.Array", "np.ndarray")
 VALUE_TYPES = {"scalar": ("int", "float", "bool"), "string": ("str",)}
 EMPTY_TYPES = ("None", "Dict", "List", "Tuple", "NamedTuple")
+#: What JSON gives back for a value of each Python type (a float may read back as an int).
+_JSON_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str"}
 #: Item kinds: a pytree held in memory (arrays as tensors, other leaves in the
 #: record), a JSON value (in the record), an item Orbax's own handler wrote to the
 #: step's folder in the durable tier (nothing of it in memory).
@@ -93,8 +109,8 @@ def decode(data) -> dict:
                          "follow")
     try:
         record = json.loads(bytes(view[_LENGTH.size:_LENGTH.size + length]))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"the step record is not JSON: {err}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ValueError(f"the step record is not JSON: {str(err)[:200]}") from None
     check(record)
     return record
 
@@ -121,6 +137,9 @@ def check(record) -> None:
     for key in ("custom_metadata", "metrics"):
         if record.get(key) is not None and not isinstance(record[key], dict):
             raise ValueError(f"the step record's {key} is not an object")
+    if not isinstance(record.get("time", 0), (int, float)) or isinstance(record.get("time"),
+                                                                         bool):
+        raise ValueError("the step record's time is not a number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +208,8 @@ def leaves(entry: dict, item: str = "") -> list[Leaf]:
                                   shardings[sharding] if sharding >= 0 else None,
                                   key_impl="".join(key_impl)))
             elif value_type in VALUE_TYPES:
-                if info not in VALUE_TYPES[value_type] or str(index) not in values:
+                if info not in VALUE_TYPES[value_type] or str(index) not in values or \
+                        type(values[str(index)]).__name__ != _JSON_TYPES[info]:
                     raise ValueError("value")
                 found.append(Leaf(index, keys, key_types, value_type, python_type=info,
                                   value=values[str(index)]))
@@ -211,9 +231,10 @@ def tensor_name(item: str, keys) -> str:
 
 def check_item_name(name) -> None:
     """ValueError unless ``name`` may name an item (a folder of the step)."""
-    if not isinstance(name, str) or not _ITEM_NAME.fullmatch(name):
+    if not isinstance(name, str) or not _ITEM_NAME.fullmatch(name) or name in RESERVED_ITEMS:
         raise ValueError(f"item name {str(name)[:80]!r} is not allowed: use 1-128 characters "
-                         "from A-Z a-z 0-9 . _ - not starting with '.' or '-'")
+                         "from A-Z a-z 0-9 . _ - not starting with '.' or '-', and none of "
+                         f"{', '.join(RESERVED_ITEMS)}")
 
 
 def step_dir_name(step: int, prefix: str | None = None, fixed_length: int | None = None) -> str:

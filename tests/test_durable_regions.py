@@ -23,7 +23,7 @@ from bubblesnap.clients import ClientOptions
 from bubblesnap.clients.session import Session
 from bubblesnap.multihost import JaxJob
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.service.durable import DurableReader
+from bubblesnap.service.durable import DurableReader, finalizer
 from bubblesnap.service.durable import checkpoint as durable_checkpoint
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.errors import DataLoss
@@ -34,12 +34,11 @@ from tests.programs.regions_state import JOB, WORLD, global_state, rank_specs
 RESTORE = str(ROOT / "tests" / "programs" / "orbax_restore.py") + ":check"
 FLAGS = ("--durable-every-steps", "1")
 FINALIZE = """if True:
-    import os, sys
-    from bubblesnap.service.durable import DurableReader, checkpoint, format as fmt
-    reader = DurableReader(sys.argv[1])
-    partial = fmt.partial_path(sys.argv[1], "regions", 3)
-    checkpoint.finalize(partial, reader.sidecars("regions", 3), int(sys.argv[2]))
-    assert fmt.publish(partial, os.path.join(sys.argv[1], "regions", "step_3")) is None
+    import sys
+    from bubblesnap.service.durable import DurableReader
+    from bubblesnap.service.durable.finalizer import Finalizer
+    why = Finalizer(sys.argv[1], DurableReader(sys.argv[1])).finish("regions", 3, int(sys.argv[2]))
+    assert why in (None, "another daemon is finalizing it"), why
 """
 
 
@@ -119,15 +118,27 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
     _, checksums = reader.load(JOB, 1, 3, copies[1].layout)
     assert checksums == copies[1].checksums
 
-    # Two daemons that see the step whole at once both finalize it: harmless.
-    os.unlink(fmt.marker_path(str(step_dir)))
-    os.rename(step_dir, fmt.partial_path(str(durable), JOB, 3))
+    # Two daemons that see the step whole at once: one finalizes and publishes it, the
+    # other leaves it (the finalizing lock); one folder, whole.
+    partial = fmt.partial_path(str(durable), JOB, 3)
+    os.rename(step_dir, partial)
+    finalizer.reopen(partial)
     assert reader.steps(JOB) == []
     finalizers = [subprocess.Popen([sys.executable, "-c", FINALIZE, str(durable), str(r)],
                                    cwd=ROOT) for r in range(WORLD)]
     assert [p.wait(timeout=120) for p in finalizers] == [0, 0]
-    assert reader.steps(JOB) == [3]
+    assert reader.steps(JOB) == [3] and not os.path.exists(partial)
+    assert sorted(os.listdir(durable / JOB)) == [".bubblesnap", "step_3"]
     JaxJob(RESTORE, 1, {"checkpoint": str(step_dir), "step": 3}, devices=4).results()
+
+    # A daemon dies between finalizing the step and renaming it: the next daemon on the
+    # tier publishes it as it starts.
+    daemon.kill()
+    os.rename(step_dir, partial)  # finalized (marked) but not renamed
+    assert reader.steps(JOB) == []
+    start_daemon("--durable-dir", str(durable), *FLAGS)
+    wait_for(lambda: reader.steps(JOB) == [3], "the finalized step published")
+    assert_plain_orbax_restores(step_dir, 3)
 
     # A region whose bytes changed on disk (still valid zarr) is refused.
     array = ts.open(durable_checkpoint.open_array(str(step_dir), "params.w",

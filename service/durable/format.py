@@ -35,19 +35,20 @@ import uuid
 
 import numpy as np
 
+from bubblesnap import checkpoint_record
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import DataLoss, NotFound
 
 #: A step folder's name: Orbax's ``<prefix>_<step>`` (zero padded or not) or the bare number.
 _STEP_DIR = re.compile(r"(?:.+_)?(\d+)")
 _SIDECAR = re.compile(r"rank_(\d+)\.json")
-STATE_DIR = ".bubblesnap"
-MARKER = "complete.json"
-RECORD = "record.json"
+STATE_DIR = checkpoint_record.STATE_DIR
+MARKER = checkpoint_record.MARKER_FILE
+RECORD = checkpoint_record.RECORD_FILE
 #: Where a job's steps are written until they are whole, and where a CheckpointManager
-#: saves the items of its steps Orbax's own handlers write (moved into the step then).
-PARTIAL_DIR = os.path.join(STATE_DIR, "partial")
-ITEMS_DIR = os.path.join(STATE_DIR, "items")
+#: saves the items of its steps Orbax's own handlers write (copied into the step then).
+PARTIAL_DIR = checkpoint_record.PARTIAL_DIR
+ITEMS_DIR = checkpoint_record.ITEMS_DIR
 #: Orbax's prefix of a per-process OCDBT database (ocdbt_process_spec.PROCESS_PREFIX).
 CHILD_PREFIX = "ocdbt.process_"
 
@@ -67,14 +68,44 @@ def items_path(directory: str, job: str, step: int) -> str:
 
 def finalized_steps(directory: str, job: str) -> dict[int, str]:
     """step -> folder of every finalized step of ``job`` (marked whole; its name is
-    Orbax's for that job's naming)."""
-    found = {}
+    Orbax's for that job's naming). The folder's listing is read again only when it
+    changed (its mtime), each marker is looked at every time."""
     root = job_path(directory, job)
-    for name in _listdir(root):
-        match = _STEP_DIR.fullmatch(name)
-        if match and is_finalized(os.path.join(root, name)):
-            found.setdefault(int(match[1]), os.path.join(root, name))
+    try:
+        changed = os.stat(root).st_mtime_ns
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    cached = _LISTINGS.get(root)
+    if cached is None or cached[0] != changed:
+        names = {}
+        for name in _listdir(root):
+            match = _STEP_DIR.fullmatch(name)
+            if match:
+                names.setdefault(int(match[1]), []).append(os.path.join(root, name))
+        cached = _LISTINGS[root] = (changed, names)
+        if len(_LISTINGS) > 4096:
+            _LISTINGS.clear()
+    found = {}
+    for step, paths in cached[1].items():
+        marked = [p for p in sorted(paths) if is_finalized(p)]
+        if marked:
+            found[step] = marked[0]
     return found
+
+
+#: job folder -> (its mtime, step -> folders named for it): finalized_steps' listing.
+_LISTINGS: dict[str, tuple[int, dict[int, list[str]]]] = {}
+
+
+def jobs(directory: str) -> list[str]:
+    """The jobs with a folder in the tier."""
+    return sorted(n for n in _listdir(directory) if os.path.isdir(os.path.join(directory, n)))
+
+
+def partial_steps(directory: str, job: str) -> list[int]:
+    """Steps being written (or finalized, not yet renamed), oldest first."""
+    return sorted(int(n) for n in _listdir(os.path.join(job_path(directory, job), PARTIAL_DIR))
+                  if n.isdigit())
 
 
 def step_path(directory: str, job: str, step: int) -> str:
@@ -84,9 +115,7 @@ def step_path(directory: str, job: str, step: int) -> str:
 
 def step_numbers(directory: str, job: str) -> list[int]:
     """Steps with a folder, finalized or being written, oldest first."""
-    partial = {int(n) for n in _listdir(os.path.join(job_path(directory, job), PARTIAL_DIR))
-               if n.isdigit()}
-    return sorted(partial | set(finalized_steps(directory, job)))
+    return sorted(set(partial_steps(directory, job)) | set(finalized_steps(directory, job)))
 
 
 def publish(partial: str, target: str) -> str | None:

@@ -135,4 +135,7 @@ def write_items(step_dir: str, record: dict, saved_items: str) -> None:
             if not os.path.isdir(source):
                 raise FailedPrecondition(f"item {item!r} was saved by its Orbax handler, but "
                                          f"{source} is missing; the step is not finalized")
-            shutil.copytree(source, folder)
+            copying = f"{folder}.{os.getpid()}.copying"
+            shutil.rmtree(copying, ignore_errors=True)
+            shutil.copytree(source, copying)
+            os.rename(copying, folder)  # whole or absent

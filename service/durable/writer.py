@@ -20,8 +20,9 @@ import time
 from bubblesnap import checkpoint_record
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.background import CoalescingWorker
-from bubblesnap.service.durable import checkpoint, manager_files, orbax_layout, policy
+from bubblesnap.service.durable import checkpoint, finalizer, manager_files, orbax_layout, policy
 from bubblesnap.service.durable import format as fmt
+from bubblesnap.service.durable.finalizer import Finalizer
 from bubblesnap.service.durable.reader import DurableReader
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
 from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition
@@ -62,12 +63,13 @@ class DurableWriter:
         self._unfinished: dict[tuple[str, int, int], str] = {}
         self._worker = CoalescingWorker("durable", self._write_batch, tick=self._recheck,
                                         every_seconds=_RECHECK_SECONDS, discard=store.unpin)
+        self._finalizer = Finalizer(options.directory, reader)
         os.makedirs(options.directory, exist_ok=True)
         fmt.orbax()  # JAX and Orbax take seconds to import: at startup, not in the first write
         logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax logs every file at INFO
 
     def start(self) -> None:
-        self._worker.start()
+        self._worker.start()  # its first tick publishes what a daemon finalized, then died
 
     def stop(self) -> None:
         """Finishes the write in progress, drops the ones still waiting."""
@@ -92,11 +94,13 @@ class DurableWriter:
         self._worker.drop(lambda key, pinned: key[0] != job or pinned.step <= step)
 
     def discard_after(self, job: str, step: int) -> int:
-        """Deletes written steps of ``job`` newer than ``step`` (an abandoned run's)."""
+        """Deletes written steps of ``job`` newer than ``step`` (an abandoned run's), and
+        the items a manager saved for them."""
         dropped = 0
         for later in fmt.step_numbers(self.options.directory, job):
             if later > step:
                 _delete_step(fmt.step_path(self.options.directory, job, later))
+                fmt.remove(fmt.items_path(self.options.directory, job, later))
                 dropped += 1
         return dropped
 
@@ -127,11 +131,7 @@ class DurableWriter:
             if self._reader.written_slots(job, rank, step) == list(pinned.checksums):
                 written = None  # this very copy is on disk already
             else:
-                final = fmt.finalized_steps(self.options.directory, job).get(step)
-                if final is not None:
-                    log.warning("durable: step %d of %s was finalized with another copy of "
-                                "rank %d; it is written again", step, job, rank)
-                    _delete_step(final)
+                self._reopen(job, step, rank, step_dir)
                 written = self._write_regions(step_dir, pinned)
         finally:
             self._store.unpin(pinned)
@@ -196,6 +196,9 @@ class DurableWriter:
                                          f"{tensor.global_shape}): Orbax cannot save it")
             key = key_of(tensor, rank)
             item = key[0] if managed else ""
+            if item == orbax_layout.RECORD_ITEM and tensor.name != checkpoint_record.TENSOR:
+                raise FailedPrecondition(f"tensor {tensor.name!r}: only the step record lives "
+                                         f"under {item}/; not written")
             if item and item != orbax_layout.RECORD_ITEM:
                 try:  # the item becomes a folder of the step
                     checkpoint_record.check_item_name(item)
@@ -229,52 +232,39 @@ class DurableWriter:
                       for item, param, array in manager_files.scalars(record)]
         return parts, tensors, record
 
-    def _finish(self, job: str, step: int, rank: int) -> None:
-        """Finalizes the step if its sidecars are whole, then gives it its folder; forgets
-        it once it is there."""
-        directory = self.options.directory
-        partial = fmt.partial_path(directory, job, step)
-        if step in fmt.finalized_steps(directory, job) or not os.path.isdir(partial):
-            fmt.remove(partial)  # a second finalizer's leftovers, if any
-            self._unfinished.pop((job, step, rank), None)
+    def _reopen(self, job: str, step: int, rank: int, partial: str) -> None:
+        """A step finalized with another copy of this rank is taken back into its partial
+        folder (the other ranks' writes stay) to be written again."""
+        final = fmt.finalized_steps(self.options.directory, job).get(step)
+        if final is None and not fmt.is_finalized(partial):
             return
-        written = self._reader.sidecars(job, step)
-        why = None if fmt.is_finalized(partial) else policy.incomplete(written)
-        if why is None:
-            try:
-                record = manager_files.read_record(partial)
-                if not fmt.is_finalized(partial):  # else finalized, its rename cut short
-                    checkpoint.finalize(partial, written, rank, record,
-                                        fmt.items_path(directory, job, step))
-                why = self._publish(job, step, partial, record)
-            except Exception as err:  # tried again at the next recheck
-                why = f"finalizing failed: {err!r}"
-        if why is not None:
-            if self._unfinished.get((job, step, rank)) != why:  # each reason once
-                log.info("durable: step %d of %s is not whole yet: %s", step, job, why)
-                self._unfinished[(job, step, rank)] = why
-            return
-        self._unfinished.pop((job, step, rank), None)
-        log.info("durable: step %d of %s is one Orbax checkpoint (ranks %s), finalized here",
-                 step, job, sorted(written))
+        log.warning("durable: step %d of %s was finalized with another copy of rank %d; it "
+                    "is written again", step, job, rank)
+        if final is not None:
+            if os.path.isdir(partial):
+                _delete_step(final)  # a newer write of the step is under way already
+            else:
+                fmt.remove(fmt.marker_path(final))  # unlisted first, then moved back
+                os.rename(final, partial)
+        finalizer.reopen(partial)
 
-    def _publish(self, job: str, step: int, partial: str, record: dict | None) -> str | None:
-        """Renames a finalized step to its folder (Orbax's name for the job's naming);
-        None once it is there, else why not."""
-        naming = (record or {}).get("naming") or {"prefix": "step"}
-        name = checkpoint_record.step_dir_name(step, naming.get("prefix"),
-                                               naming.get("fixed_length"))
-        target = os.path.join(fmt.job_path(self.options.directory, job), name)
-        why = fmt.publish(partial, target)
-        if why is not None and os.path.isdir(target):
-            log.warning("durable: step %d of %s stays unlisted: %s", step, job, why)
-            return None
-        fmt.remove(fmt.items_path(self.options.directory, job, step))  # moved in, if any
-        return why
+    def _finish(self, job: str, step: int, rank: int) -> None:
+        """Finalizes the step if its sidecars are whole and gives it its folder; forgets
+        it once it is there."""
+        try:
+            why = self._finalizer.finish(job, step, rank)
+        except Exception as err:  # tried again at the next recheck
+            why = f"finalizing failed: {err!r}"
+        if why is None:
+            self._unfinished.pop((job, step, rank), None)
+        elif self._unfinished.get((job, step, rank)) != why:  # each reason once
+            log.info("durable: step %d of %s is not whole yet: %s", step, job, why)
+            self._unfinished[(job, step, rank)] = why
 
     def _recheck(self) -> None:
         for job, step, rank in sorted(self._unfinished):
             self._finish(job, step, rank)
+        self._finalizer.publish_unpublished()
 
     def _retire(self, job: str) -> None:
         """Deletes steps (finished or not) older than the ``keep`` newest finalized ones,
