@@ -288,7 +288,9 @@ def daemon_options(args):
 
 
 def _run_daemon(args) -> int:
+    from bubblesnap import orbax_patch
     from bubblesnap.service import DaemonStartError, run
+    orbax_patch.uninstall()  # a switch inherited from a launcher is the trainers', not ours
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -49,7 +49,22 @@ def install() -> None:
         sys.meta_path.insert(0, _OrbaxFinder())
 
 
+def uninstall() -> None:
+    """Takes the import hook away and the switch off, in this process and those it starts
+    (the daemon: it imports Orbax for its durable tier and never the clients)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _OrbaxFinder)]
+    os.environ.pop(ENV, None)
+
+
 def _patch() -> None:
+    try:
+        _swap()
+    except Exception:  # the user's import of Orbax must not fail for it
+        log.exception("bubblesnap: could not put its CheckpointManager behind Orbax's; "
+                      "Orbax's own is used")
+
+
+def _swap() -> None:
     import orbax.checkpoint as ocp
 
     from bubblesnap.clients.jax.checkpoint_manager import CheckpointManager

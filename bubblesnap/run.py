@@ -38,8 +38,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this command's arguments, the program's): the program's begin after the program
+    file or ``-m MODULE``, whatever they look like (as for ``python`` itself)."""
+    taking_value = {"--daemon", "-m"}
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg in taking_value:
+            index += 2
+            if arg == "-m":
+                return argv[:index], argv[index:]
+            continue
+        if arg.startswith("--daemon=") or (arg.startswith("-") and arg != "-"):
+            index += 1
+            continue
+        return argv[:index + 1], argv[index + 1:]
+    return argv, []
+
+
 def main(argv=None) -> int:
-    parsed = _parser().parse_args(argv)
+    ours, theirs = _split(list(sys.argv[1:] if argv is None else argv))
+    parsed = _parser().parse_args(ours)
+    parsed.args = theirs
     if parsed.pythonpath:
         print(orbax_patch.bootstrap_path())
         return 0

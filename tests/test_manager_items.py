@@ -162,3 +162,15 @@ def test_orbax_legacy_items_form_works_as_in_orbax(start_daemon, tmp_path, monke
     daemon = start_daemon("--keep", "3")
     monkeypatch.setenv("BUBBLESNAP_DAEMON", daemon.address)
     assert legacy_history(CheckpointManager, tmp_path / "ours") == expected
+
+
+def test_a_job_saved_with_another_record_size_is_still_read(start_daemon, tmp_path):
+    daemon = start_daemon("--keep", "3")
+    client = ClientOptions(daemon=daemon.address)
+    small = CheckpointManagerOptions(client=client, record_bytes=8192)
+    with CheckpointManager(tmp_path / "resized", options=small) as first:
+        first.save(0, args=ocp.args.StandardSave({"x": jnp.ones(3), "n": 4}))
+    with CheckpointManager(tmp_path / "resized",
+                           options=CheckpointManagerOptions(client=client)) as second:
+        assert second.all_steps() == [0]
+        assert second.restore(0)["n"] == 4

@@ -4,6 +4,7 @@ the daemon's persisted ``_METADATA`` equals Orbax's leaf for leaf (keys, key typ
 types), a restore with no target gives the same tree of the same types, from our manager
 and from plain Orbax reading the daemon's step."""
 
+import enum
 import json
 import os
 
@@ -20,6 +21,10 @@ from bubblesnap.service.durable import DurableReader
 from bubblesnap.testing import wait_for
 
 
+class Phase(enum.IntEnum):
+    TRAIN = 1
+
+
 def rich_tree(pytree: bool) -> dict:
     params = {"dense": {"kernel": jnp.arange(12.0).reshape(3, 4), "bias": jnp.zeros(4)}}
     state = train_state.TrainState.create(apply_fn=lambda *a: None, params=params,
@@ -28,8 +33,10 @@ def rich_tree(pytree: bool) -> dict:
             "nothing": [], "seq": [jnp.ones(2, jnp.bfloat16), 3], "pair": (1.5, np.arange(3)),
             "np": np.arange(6, dtype=np.int16).reshape(2, 3), "npscalar": np.float32(2.5),
             "key": jax.random.key(5), "keys": jax.random.split(jax.random.key(1), 3)}
+    tree["phase"] = Phase.TRAIN  # an int subclass: saved and given back as an int
     if pytree:
         tree["name"] = "run-7"  # strings: Orbax's PyTree handler only
+        tree["label"] = np.str_("np-string")
     return tree
 
 

@@ -118,6 +118,25 @@ def test_orbax_options_object_and_folder_names(daemon, tmp_path):
         assert reader.restore(step, args=ocp.args.StandardRestore({"x": jnp.zeros(2)}))
 
 
+def test_an_evaluator_restoring_an_older_step_leaves_the_trainer_s_steps(daemon):
+    """A read-only manager (or one whose view is older) restoring a step drops nothing:
+    Orbax never deletes on restore."""
+    with ours(daemon, "evaluated") as trainer:
+        trainer.save(1, args=ocp.args.StandardSave({"x": jnp.ones(2)}))
+        evaluator = ours(daemon, "evaluated", read_only=True, save_interval_steps=0)
+        trainer.save(2, args=ocp.args.StandardSave({"x": jnp.ones(2) * 2}))
+        trainer.wait_until_finished()
+        assert evaluator.latest_step() == 1  # its view is the one it loaded
+        assert evaluator.restore(1)["x"].tolist() == [1.0, 1.0]
+        stale = ours(daemon, "evaluated")
+        trainer.save(3, args=ocp.args.StandardSave({"x": jnp.ones(2) * 3}))
+        trainer.wait_until_finished()
+        assert stale.restore(2)["x"].tolist() == [2.0, 2.0]  # not the newest a tier holds
+        assert trainer.all_steps() == [1, 2, 3]
+        evaluator.close()
+        stale.close()
+
+
 def test_read_only_saves_and_deletes_nothing(daemon, caplog):
     with ours(daemon, "ro") as writer:
         writer.save(0, args=ocp.args.StandardSave({"x": jnp.zeros(2)}))

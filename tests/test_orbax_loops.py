@@ -108,12 +108,13 @@ def test_two_processes_under_jax_distributed_resume_as_with_orbax(reference, dae
 
 def test_a_run_switches_mid_way_and_keeps_its_history(reference, resumed_orbax, daemon,
                                                       durable):
-    """Orbax's steps resumed by bubblesnap's manager in the same folder; then bubblesnap's
-    steps (written by the daemon) resumed by plain Orbax."""
+    """Orbax's steps resumed, with nothing changed, by bubblesnap's manager in the same
+    folder; then bubblesnap's steps (written by the daemon) resumed by plain Orbax."""
     env = {"BUBBLESNAP_DAEMON": daemon.address}
     orbax_first = {"manager": "orbax", "loops": ALL, "root": str(durable), "prefix": "o-"}
     run(1, orbax_first, kill=True)
-    assert run(1, {**orbax_first, "manager": "bubblesnap"}, env) == resumed_orbax
+    assert run(1, {**orbax_first, "manager": "patched"},
+               switched_on(daemon.address)) == resumed_orbax
 
     ours_first = {"manager": "bubblesnap", "loops": ALL, "root": str(durable), "prefix": "b-"}
     run(1, ours_first, env, kill=True)

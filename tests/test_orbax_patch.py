@@ -68,3 +68,33 @@ def test_bubblesnap_run_explains_itself():
     assert code == 0 and "orbax.checkpoint.CheckpointManager" in out and "PYTHONPATH" in out
     code, _, err = run("-m", "bubblesnap.run", env={})
     assert code == 2 and "give the program to run" in err
+
+
+def test_a_module_takes_its_own_flags_and_the_bootstrap_may_be_on_the_path_twice(tmp_path):
+    (tmp_path / "flagged.py").write_text(
+        "import sys, orbax.checkpoint as ocp\n"
+        "print(sys.argv[1:], ocp.CheckpointManager.__module__)\n")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
+                                                       os.environ.get("PYTHONPATH")]))}
+    code, out, err = run("-m", "bubblesnap.run", "-m", "flagged", "--config", "x.yml", "-v",
+                         env=env)
+    assert code == 0, err
+    assert out.strip() == "['--config', 'x.yml', '-v'] bubblesnap.clients.jax.checkpoint_manager"
+    link = tmp_path / "bootstrap-link"
+    link.symlink_to(orbax_patch.bootstrap_path())
+    twice = os.pathsep.join(filter(None, [orbax_patch.bootstrap_path(), str(link),
+                                          os.environ.get("PYTHONPATH")]))
+    code, out, err = run("-c", "import orbax.checkpoint as o; print(o.CheckpointManager."
+                         "__module__)", env={"PYTHONPATH": twice, orbax_patch.ENV: "1"})
+    assert code == 0 and "Error in sitecustomize" not in err
+    assert out.strip() == "bubblesnap.clients.jax.checkpoint_manager"
+
+
+def test_a_daemon_started_with_the_switch_is_not_patched(tmp_path):
+    path = os.pathsep.join(filter(None, [orbax_patch.bootstrap_path(),
+                                         os.environ.get("PYTHONPATH")]))
+    with DaemonProcess("--durable-dir", str(tmp_path / "d"), "--durable-every-steps", "1",
+                       env={orbax_patch.ENV: "1", "PYTHONPATH": path}, log_level="INFO",
+                       stderr=tmp_path / "daemon.log") as daemon:
+        assert daemon.healthy()
+        assert "CheckpointManager is now" not in daemon.stderr_text()

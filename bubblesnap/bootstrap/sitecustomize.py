@@ -12,9 +12,12 @@ import sys
 
 
 def _chain() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
+    if getattr(sys, "_bubblesnap_sitecustomize_chained", False):
+        return  # this folder is on the path twice (a link to it): run the next one once
+    sys._bubblesnap_sitecustomize_chained = True
+    here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
     for entry in sys.path:
-        if not entry or os.path.abspath(entry) == here:
+        if not entry or os.path.realpath(entry) == here:
             continue
         candidate = os.path.join(entry, "sitecustomize.py")
         if os.path.isfile(candidate):

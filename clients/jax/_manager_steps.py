@@ -11,6 +11,7 @@ retention freed from every tier is no longer listed. Each step's record
 import dataclasses
 import datetime
 import logging
+import re
 
 import grpc
 import jax
@@ -22,6 +23,9 @@ from bubblesnap.clients.results import RestoreError
 from bubblesnap.protos import daemon_pb2 as pb
 
 log = logging.getLogger("bubblesnap.client")
+#: How the daemon refuses a tensor asked with another size than it was saved with.
+_SAVED_SIZE = re.compile(re.escape(repr(checkpoint_record.TENSOR)) +
+                         r" was saved as uint8\[(\d+)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,44 +65,51 @@ class Steps:
 
     def reload(self) -> None:
         """Tracks what the tiers hold now (a new manager, or ``reload``)."""
-        held = self._held()
+        self._records.clear()
         folders = self._folders.find()
-        self._infos = {}
-        for step in sorted(held):
-            self._infos[step] = self._info_of(step, folders.get(step))
+        held = (self._committed() or set()) | set(folders) | self._folders.being_written()
+        self._infos = {step: self._info_of(step, folders.get(step)) for step in sorted(held)}
         self._pending.clear()
 
     def restorable(self) -> list[int]:
         """Tracked steps some tier holds (or just saved here), oldest first; steps no tier
-        holds any more are dropped."""
-        held = self._held()
+        holds any more are dropped, and (the primary) the items saved for them. While
+        the daemon cannot be asked nothing is dropped."""
+        committed = self._committed()
+        if committed is None:
+            return sorted(self._infos)
+        held = committed | set(self._folders.find()) | self._folders.being_written()
         newest_held = max(held, default=-1)
         self._pending = {s for s in self._pending if s not in held and s > newest_held}
         gone = [s for s in self._infos if s not in held and s not in self._pending]
         for step in gone:
             del self._infos[step]
-        if gone and self._primary:  # items saved for steps no tier holds any more
-            self._folders.forget_items(keep=set(self._infos))
+            self._records.pop(step, None)
+        if gone and self._primary:
+            self._folders.forget_items(keep=held | set(self._infos))
         return sorted(self._infos)
 
-    def _held(self) -> set[int]:
-        """Steps committed in the daemons' memory or whole on disk."""
-        return self._committed() | set(self._folders.find())
+    def newest_held(self) -> int | None:
+        """The newest step a tier holds now (asked afresh, not the tracked steps)."""
+        return max((self._committed() or set()) | set(self._folders.find()), default=None)
 
-    def _committed(self) -> set[int]:
+    def _committed(self) -> set[int] | None:
+        """Steps committed in the daemons' memory; None when the daemon cannot be asked."""
         try:
             status = self._client.status()
         except grpc.RpcError as err:
-            if err.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
-                                  grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise
-            return set()  # the daemon knows no such job (yet), or is away: the disk tells
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return set()  # the daemon knows no such job (yet): the disk tells
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return None
+            raise
         return {s.step for s in status.steps if s.committed}
 
     def _info_of(self, step: int, folder: str | None) -> StepInfo:
-        metadata = self._folders.metadata(step) if folder is not None else None
-        if metadata is not None and not self._folders.is_ours(folder):
-            nanos = metadata.get("commit_timestamp_nsecs") or 0
+        metadata = self._folders.metadata_at(folder) if folder is not None else None
+        if metadata is not None:  # Orbax's, or the daemon's (saved at its init time)
+            nanos = metadata.get("init_timestamp_nsecs" if self._folders.is_ours(folder)
+                                 else "commit_timestamp_nsecs") or 0
             return StepInfo(step, datetime.datetime.fromtimestamp(
                 nanos / 1e9, tz=datetime.timezone.utc), metadata.get("metrics") or None)
         record = self.record(step)
@@ -115,23 +126,30 @@ class Steps:
     def _read_record(self, step: int) -> dict | None:
         folder = self._folders.find().get(step)
         if folder is not None and not self._folders.is_ours(folder) and \
-                step not in self._committed():
+                step not in (self._committed() or set()):
             return None
         capacity = self._record_bytes
-        try:
-            found = self._client.restore_leaves(
-                [checkpoint_record.TENSOR],
-                [jax.ShapeDtypeStruct((capacity,), np.uint8)], step, alone=True,
-                host={checkpoint_record.TENSOR})
-        except RestoreError as err:
-            if folder is not None and not self._folders.is_ours(folder):
-                return None
-            if folder is not None:  # the daemon is away, or does not write this folder
-                log.warning("step %d: the daemon could not read its record (%s); reading it "
-                            "from %s", step, err, folder)
-                return self._folders.record(folder)
-            raise RestoreError(f"step {step}: its record could not be read: {err}") from None
-        return checkpoint_record.decode(found.state[0])
+        for _ in range(2):
+            try:
+                found = self._client.restore_leaves(
+                    [checkpoint_record.TENSOR],
+                    [jax.ShapeDtypeStruct((capacity,), np.uint8)], step, alone=True,
+                    host={checkpoint_record.TENSOR})
+                return checkpoint_record.decode(found.state[0])
+            except RestoreError as err:
+                saved = _SAVED_SIZE.search(str(err))
+                if saved is not None and int(saved[1]) != capacity:
+                    capacity = int(saved[1])  # the job was saved with another record_bytes
+                    continue
+                if folder is not None and not self._folders.is_ours(folder):
+                    return None
+                if folder is not None:  # the daemon is away, or does not write this folder
+                    log.warning("step %d: the daemon could not read its record (%s); reading "
+                                "it from %s", step, err, folder)
+                    return self._folders.record(folder)
+                raise RestoreError(f"step {step}: its record could not be read: {err}") \
+                    from None
+        raise RestoreError(f"step {step}: its record could not be read")
 
     def delete(self, step: int) -> None:
         """Forgets ``step`` and deletes it: this process's copies in its daemon's memory,
@@ -142,8 +160,9 @@ class Steps:
         try:
             self._client.session.call("DeleteSnapshots", pb.DeleteSnapshotsRequest(
                 job=self._client.job, steps=[step]))
-        except grpc.RpcError as err:
-            log.warning("step %d: could not delete it from the daemon's memory: %s: %s", step,
-                        err.code().name, err.details())
+        except grpc.RpcError as err:  # NOT_FOUND: held on disk only, or by another process
+            (log.debug if err.code() == grpc.StatusCode.NOT_FOUND else log.warning)(
+                "step %d: could not delete it from the daemon's memory: %s: %s", step,
+                err.code().name, err.details())
         if self._primary:
             self._folders.delete(step)

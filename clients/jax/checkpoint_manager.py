@@ -45,9 +45,10 @@ from bubblesnap.clients.jax.manager_options import (
     preservation_policy,
     resolve,
     save_decision_policy,
+    step_naming,
 )
 from bubblesnap.clients.jax.orbax_steps import StepFolders
-from bubblesnap.clients.jax.step_snapshot import StepSnapshots
+from bubblesnap.clients.jax.step_snapshot import RecordTooBig, StepSnapshots
 from bubblesnap.clients.results import RestoreError
 
 log = logging.getLogger("bubblesnap.client")
@@ -86,10 +87,10 @@ class CheckpointManager:
         primary = self._options.multiprocessing_options.primary_host
         self._primary = rank == (primary or 0)
         self._client = SnapshotClient(job, rank, self._world, options=self._options.client)
-        self._folders = StepFolders(self._directory, self._options.step_prefix,
-                                    self._options.step_format_fixed_length,
+        self._folders = StepFolders(self._directory, *step_naming(self._options),
                                     self._options.step_name_format)
-        self._make_directory()
+        self._folders.prepare(create=self._options.create,
+                              writer=self._primary and not self._options.read_only)
         self._save_policy = save_decision_policy(self._options)
         self._progress_matters = self._options.enable_should_save_is_saving_in_progress_check \
             and asks_saving_in_progress(self._save_policy)
@@ -186,7 +187,13 @@ class CheckpointManager:
             raise StepAlreadyExistsError(f"Checkpoint for step {step} already exists.")
         if self._options.best_fn is None or self._options.prevent_write_metrics:
             metrics = None  # Orbax keeps metrics only to track the best steps
-        names, leaves, record = self._snapshots.build(step, to_save, metrics, custom_metadata)
+        try:
+            names, leaves, record = self._snapshots.build(step, to_save, metrics,
+                                                          custom_metadata)
+        except RecordTooBig as err:  # never an exception that stops training
+            log.error("%s", err)
+            self._errors.append(str(err))
+            return False
         wait = False if self._options.enable_async_checkpointing else "job"
         result = self._client.snapshot_leaves(step, names, leaves, wait=wait)
         if self._failed(result):
@@ -249,8 +256,7 @@ class CheckpointManager:
         from the fastest tier that holds them. FileNotFoundError when there is no
         such step, as Orbax."""
         if directory is not None and os.path.abspath(os.fspath(directory)) != self._directory:
-            other = StepFolders(os.fspath(directory), self._options.step_prefix,
-                                self._options.step_format_fixed_length,
+            other = StepFolders(os.fspath(directory), *step_naming(self._options),
                                 self._options.step_name_format)
             return other.restore_with_orbax(step, args, self._item_names, self._handlers)
         if step is None:
@@ -267,9 +273,11 @@ class CheckpointManager:
         wanted = checkpoint_items.restore_items(args, items, restore_kwargs, single,
                                                 self._handlers, record["items"])
         try:
+            # Restoring the newest step any tier holds resumes the job from it; any other
+            # step, or a read-only manager's (an evaluator), leaves every step as it is.
+            alone = self._options.read_only or step != self._steps.newest_held()
             out = step_restore.restore_items(self._client, self._folders, self._handlers,
-                                             record, wanted, step,
-                                             alone=step != self.latest_step())
+                                             record, wanted, step, alone=alone)
         except RestoreError as err:
             folder = self._folders.find().get(step)
             if folder is None:
@@ -373,14 +381,6 @@ class CheckpointManager:
     def _commit_timeout(self) -> float:
         timeout = getattr(self._options.async_options, "timeout_secs", None)
         return float(timeout) if timeout else self._options.client.commit_timeout_seconds
-
-    def _make_directory(self) -> None:
-        if os.path.isdir(self._directory):
-            return
-        if not self._options.create:
-            raise FileNotFoundError(f"{self._directory} does not exist (create=False)")
-        if self._primary and not self._options.read_only:
-            os.makedirs(self._directory, exist_ok=True)
 
     def _failed(self, result) -> bool:
         """Whether ``result`` (None: nothing was pending) is a snapshot not taken; kept for

@@ -145,13 +145,15 @@ def _classify(keypath, leaf, numpy_scalars: bool):
         leaf = leaf.item()
     elif isinstance(leaf, (np.ndarray, np.number, np.bool_)):
         return NP_ARRAY, np.asarray(leaf)
-    if isinstance(leaf, (bool, int, float)):
+    if isinstance(leaf, (bool, int, float)):  # subclasses (an IntEnum) as their base type
+        leaf = bool(leaf) if isinstance(leaf, bool) else \
+            int(leaf) if isinstance(leaf, int) else float(leaf)
         if isinstance(leaf, int) and not isinstance(leaf, bool) and not -2**63 <= leaf < 2**63:
             raise TypeError(f"leaf {_path_key(keypath)}: the int {leaf} does not fit int64, "
                             "as Orbax saves Python ints")
         return SCALAR, leaf
-    if isinstance(leaf, str):
-        return STRING, leaf
+    if isinstance(leaf, str):  # numpy's str_ too
+        return STRING, str(leaf)
     if leaf is None or empty_values.is_empty_container(leaf):
         if tree_utils.isinstance_of_namedtuple(leaf):  # optax's EmptyState: Orbax says None
             return empty_values.override_empty_value_typestr(

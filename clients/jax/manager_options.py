@@ -215,3 +215,20 @@ def asks_saving_in_progress(policy) -> bool:
     if isinstance(policy, policies.AnySavePolicy):
         return any(asks_saving_in_progress(p) for p in policy.policies)
     return isinstance(policy, policies.ContinuousCheckpointingPolicy)
+
+
+def step_naming(options: CheckpointManagerOptions) -> tuple[str | None, int | None]:
+    """(prefix, fixed length) of the step folders: ``step_name_format``'s when it is
+    Orbax's standard one, else ``step_prefix`` and ``step_format_fixed_length`` (the
+    daemon names its steps with these; another format is named in a warning)."""
+    name_format = options.step_name_format
+    if name_format is None:
+        return options.step_prefix, options.step_format_fixed_length
+    if hasattr(name_format, "step_prefix") and hasattr(name_format,
+                                                       "step_format_fixed_length"):
+        return name_format.step_prefix, name_format.step_format_fixed_length
+    log.warning("CheckpointManagerOptions.step_name_format %s is not Orbax's standard one: "
+                "the daemon names the steps it writes with step_prefix=%r and "
+                "step_format_fixed_length=%r", type(name_format).__name__,
+                options.step_prefix, options.step_format_fixed_length)
+    return options.step_prefix, options.step_format_fixed_length

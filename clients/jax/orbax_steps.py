@@ -20,6 +20,7 @@ import uuid
 import grpc
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint import checkpoint_manager as orbax_manager
 
 from bubblesnap import checkpoint_record
 from bubblesnap.protos import daemon_pb2 as pb
@@ -27,9 +28,9 @@ from bubblesnap.protos import daemon_pb2 as pb
 log = logging.getLogger("bubblesnap.client")
 
 #: The daemon's marker of a whole step it wrote (service/durable/format.py).
-MARKER = os.path.join(".bubblesnap", "complete.json")
-RECORD = os.path.join(".bubblesnap", "record.json")
-ITEMS_DIR = os.path.join(".bubblesnap", "items")
+MARKER = os.path.join(checkpoint_record.STATE_DIR, checkpoint_record.MARKER_FILE)
+RECORD = os.path.join(checkpoint_record.STATE_DIR, checkpoint_record.RECORD_FILE)
+ITEMS_DIR = checkpoint_record.ITEMS_DIR
 ROOT_METADATA = os.path.join("metadata", "_ROOT_METADATA")
 
 
@@ -79,12 +80,15 @@ class StepFolders:
         checkpoint_record.check(found)
         return found
 
-    def metadata(self, step: int) -> dict | None:
-        """The step's ``_CHECKPOINT_METADATA`` (item handlers, metrics, custom metadata,
-        timestamps); None when the step has no folder or no readable file."""
-        path = self.find().get(step)
-        if path is None:
-            return None
+    def being_written(self) -> set[int]:
+        """Steps the daemons are writing (or renaming) into this directory."""
+        partial = os.path.join(self.directory, checkpoint_record.PARTIAL_DIR)
+        return {int(n) for n in _listdir(partial) if n.isdigit()}
+
+    @staticmethod
+    def metadata_at(path: str) -> dict | None:
+        """The ``_CHECKPOINT_METADATA`` of the step folder ``path`` (item handlers, metrics,
+        custom metadata, timestamps); None when it has no readable one."""
         try:
             with open(os.path.join(path, "_CHECKPOINT_METADATA")) as f:
                 found = json.load(f)
@@ -115,11 +119,13 @@ class StepFolders:
 
     def restore_item(self, step: int, item: str, args, handler=None):
         """Restores an item Orbax's handler saved (``args`` None: the handler's defaults)."""
-        path = epath.Path(self.item_path(step, item))
         if handler is None:
             handler = ocp.args.get_registered_handler_cls(args)()
         with ocp.Checkpointer(handler) as checkpointer:
-            return checkpointer.restore(path, args=args)
+            try:
+                return checkpointer.restore(epath.Path(self.item_path(step, item)), args=args)
+            except FileNotFoundError:  # the daemon published the step meanwhile
+                return checkpointer.restore(epath.Path(self.item_path(step, item)), args=args)
 
     def forget_items(self, keep) -> None:
         """Removes saved items of steps not in ``keep`` (deleted, or persisted by the
@@ -142,7 +148,7 @@ class StepFolders:
 
     def _orbax(self, item_names, item_handlers):
         if self._orbax_manager is None:
-            self._orbax_manager = ocp.CheckpointManager(
+            self._orbax_manager = orbax_manager.CheckpointManager(  # Orbax's own, even patched
                 self.directory, item_names=item_names or None,
                 item_handlers=item_handlers or None,
                 options=ocp.CheckpointManagerOptions(
@@ -177,10 +183,16 @@ class StepFolders:
 
     def delete(self, step: int) -> None:
         """Removes the step's folder (renamed aside first, so no reader sees half of it)
-        and the items saved for it."""
+        and the items saved for it; a tombstone tells the daemons not to publish a write
+        of the step still under way."""
+        tombstone = os.path.join(self.directory, checkpoint_record.DELETED_DIR, str(step))
+        os.makedirs(os.path.dirname(tombstone), exist_ok=True)
+        with open(tombstone, "w"):
+            pass
         path = self.find().get(step)
         if path is not None:
-            aside = os.path.join(self.directory, ".bubblesnap", f"deleting-{uuid.uuid4().hex}")
+            aside = os.path.join(self.directory, checkpoint_record.STATE_DIR,
+                                 f"deleting-{uuid.uuid4().hex}")
             os.makedirs(os.path.dirname(aside), exist_ok=True)
             try:
                 os.rename(path, aside)
@@ -189,6 +201,22 @@ class StepFolders:
                 return
             shutil.rmtree(aside, ignore_errors=True)
         shutil.rmtree(os.path.join(self.directory, ITEMS_DIR, str(step)), ignore_errors=True)
+
+    def prepare(self, create: bool, writer: bool) -> None:
+        """Makes the directory if it is missing and ``create`` (else FileNotFoundError,
+        as Orbax's ``create=False``); ``writer`` (the primary, not read-only) also
+        removes what an interrupted delete left behind."""
+        if not os.path.isdir(self.directory):
+            if not create:
+                raise FileNotFoundError(f"{self.directory} does not exist (create=False)")
+            if writer:
+                os.makedirs(self.directory, exist_ok=True)
+        if not writer:
+            return
+        state = os.path.join(self.directory, checkpoint_record.STATE_DIR)
+        for name in _listdir(state):
+            if name.startswith("deleting-"):
+                shutil.rmtree(os.path.join(state, name), ignore_errors=True)
 
     def write_root_metadata(self, custom_metadata: dict) -> None:
         """Orbax's ``metadata/_ROOT_METADATA``, written once: a later run keeps the first."""

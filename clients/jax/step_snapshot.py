@@ -18,6 +18,10 @@ from bubblesnap.clients.jax import checkpoint_items, checkpoint_tree
 from bubblesnap.clients.jax._layout import HostValue
 
 
+class RecordTooBig(ValueError):
+    """A step's record does not fit its tensor and no item of it can go elsewhere."""
+
+
 class StepSnapshots:
     """Builds the saves of one manager: its options, process, folders and warnings."""
 
@@ -25,6 +29,7 @@ class StepSnapshots:
         self._options, self._world, self._primary = options, world_size, primary
         self._folders, self._warn_once = folders, warn_once
         self._saver = checkpoint_tree.ItemSaver()
+        self._zeros = b""
 
     def build(self, step: int, to_save, metrics, custom_metadata):
         """(tensor names, leaves, record) of a save of ``to_save`` (SaveItems) as ``step``."""
@@ -41,12 +46,13 @@ class StepSnapshots:
             else:
                 entries[item.name] = self._save_with_orbax(step, item.name, item.value,
                                                            item.handler)
+        prefix, fixed_length = self._folders.prefix, self._folders.fixed_length
         record = {"format": checkpoint_record.FORMAT, "step": step, "time": time.time(),
-                  "naming": {"prefix": self._options.step_prefix,
-                             "fixed_length": self._options.step_format_fixed_length},
+                  "naming": {"prefix": prefix, "fixed_length": fixed_length},
                   "items": entries, "metrics": metrics, "custom_metadata": custom_metadata or {},
                   "retention": "manager"}
-        data = self._encode(step, record, to_save, texts)
+        data = self._encode(step, record, to_save, texts) if self._primary else \
+            self._placeholder()
         names, leaves = [], []
         for item in to_save:
             if record["items"][item.name]["kind"] == "pytree":  # still held in memory
@@ -62,6 +68,13 @@ class StepSnapshots:
             return HostValue(array, self._primary)
         return array
 
+    def _placeholder(self) -> bytes:
+        """What a process that is not the primary declares as the record (it copies none:
+        the primary's is the job's, as Orbax's primary host alone saves JSON)."""
+        if len(self._zeros) != self._options.record_bytes:
+            self._zeros = bytes(self._options.record_bytes)
+        return self._zeros
+
     def _encode(self, step: int, record: dict, to_save, texts: dict) -> bytes:
         capacity = self._options.record_bytes
         while True:
@@ -71,8 +84,12 @@ class StepSnapshots:
                     if record["items"][name]["kind"] == "pytree"})
             except ValueError:
                 held = [i for i in to_save if record["items"][i.name]["kind"] != "orbax"]
-                if not held:
-                    raise
+                if not held or self._world > 1:
+                    # Processes must agree on which items Orbax's handler saves (its saves
+                    # are collective): in a job of several the primary alone cannot decide.
+                    raise RecordTooBig(f"step {step} not saved: its record does not fit "
+                                       f"CheckpointManagerOptions.record_bytes={capacity}; "
+                                       "raise it (the same in every process)") from None
                 biggest = max(held, key=lambda i: len(texts.get(i.name) or
                                                       repr(record["items"][i.name])))
                 self._warn_once("too-big", "item %r does not fit the %d bytes of the step "
