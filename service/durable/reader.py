@@ -38,10 +38,11 @@ class DurableReader:
     def steps(self, job: str, world_size: int | None = None) -> list[int]:
         """Finalized steps of ``job``, oldest first; with ``world_size``, only those
         written under it (a rank's copy means nothing under another)."""
-        steps = sorted(fmt.finalized_steps(self.directory, job))
+        found = fmt.finalized_steps(self.directory, job)
         if world_size is None:
-            return steps
-        return [step for step in steps if self._marker_world(job, step) == world_size]
+            return sorted(found)
+        return [step for step, path in sorted(found.items())
+                if _world_of(path) == world_size]
 
     def world_size(self, job: str, step: int | None = None) -> int:
         """The world size of ``step`` (default: the newest finalized step); 0: none."""
@@ -282,10 +283,15 @@ class DurableReader:
         return written.tensors[index]
 
     def _marker_world(self, job: str, step: int) -> int:
-        try:
-            return int(fmt.read_json(fmt.marker_path(self._step_dir(job, step)))["world_size"])
-        except (DaemonError, KeyError, TypeError, ValueError):
-            return 0
+        return _world_of(self._step_dir(job, step))
 
     def _step_dir(self, job: str, step: int) -> str:
         return fmt.step_path(self.directory, job, step)
+
+
+def _world_of(step_dir: str) -> int:
+    """The world size a finalized step's marker names (0: none readable)."""
+    try:
+        return int(fmt.read_json(fmt.marker_path(step_dir))["world_size"])
+    except (DaemonError, KeyError, TypeError, ValueError):
+        return 0
