@@ -82,6 +82,13 @@ def encode(record: dict, capacity: int, texts: dict | None = None) -> bytes:
     """The record's bytes, ``capacity`` long; ValueError when it does not fit.
     ``texts``: item name -> its entry already as JSON text (a pytree's leaves are the
     same save after save: their text is made once), used instead of ``record``'s."""
+    data = encode_head(record, capacity, texts)
+    return data + bytes(capacity - len(data))
+
+
+def encode_head(record: dict, capacity: int, texts: dict | None = None) -> bytes:
+    """The record's bytes without the zeros after them (:func:`encode`'s first part: a
+    caller that keeps a zeroed buffer writes only these)."""
     texts = texts or {}
     items = ",".join(f"{json.dumps(name)}:" + (texts[name] if name in texts else _json(entry))
                      for name, entry in record["items"].items())
@@ -90,7 +97,7 @@ def encode(record: dict, capacity: int, texts: dict | None = None) -> bytes:
     if _LENGTH.size + len(data) > capacity:
         raise ValueError(f"the step record needs {_LENGTH.size + len(data)} bytes; the "
                          f"record tensor holds {capacity}")
-    return _LENGTH.pack(len(data)) + data + bytes(capacity - _LENGTH.size - len(data))
+    return _LENGTH.pack(len(data)) + data
 
 
 def _json(value) -> str:

@@ -151,18 +151,20 @@ class Steps:
                     from None
         raise RestoreError(f"step {step}: its record could not be read")
 
-    def delete(self, step: int) -> None:
-        """Forgets ``step`` and deletes it: this process's copies in its daemon's memory,
-        and (the primary process) its folder and the items saved for it."""
-        self._infos.pop(step, None)
-        self._pending.discard(step)
-        self._records.pop(step, None)
+    def delete(self, *steps: int) -> None:
+        """Forgets ``steps`` and deletes them: this process's copies in its daemon's memory
+        (one call), and (the primary process) their folders and the items saved for them."""
+        for step in steps:
+            self._infos.pop(step, None)
+            self._pending.discard(step)
+            self._records.pop(step, None)
         try:
             self._client.session.call("DeleteSnapshots", pb.DeleteSnapshotsRequest(
-                job=self._client.job, steps=[step]))
+                job=self._client.job, steps=steps))
         except grpc.RpcError as err:  # NOT_FOUND: held on disk only, or by another process
             (log.debug if err.code() == grpc.StatusCode.NOT_FOUND else log.warning)(
-                "step %d: could not delete it from the daemon's memory: %s: %s", step,
-                err.code().name, err.details())
+                "steps %s: could not delete them from the daemon's memory: %s: %s",
+                list(steps), err.code().name, err.details())
         if self._primary:
-            self._folders.delete(step)
+            for step in steps:
+                self._folders.delete(step)

@@ -103,6 +103,7 @@ class CheckpointManager:
                                         self._folders, self._warn_once)
         self._uncommitted: int | None = None  # the newest save not known committed yet
         self._closed: list[int] | None = None  # all_steps() when closed
+        self._since_retire = 0  # saves since the last deletions
         if metadata is not None and self._primary and not self._options.read_only \
                 and self._options.save_root_metadata:
             self._folders.write_root_metadata(metadata)
@@ -368,15 +369,16 @@ class CheckpointManager:
         newer step is committed (never the newest one a tier holds), a few at a time:
         one Status call per batch, not one per save. They are not listed meanwhile."""
         dropped = [info.step for info, keep in self._preserved() if not keep]
-        if len(dropped) < _RETIRE_BATCH and not (dropped and self._uncommitted is None):
+        self._since_retire += 1
+        if not dropped or (self._since_retire < _RETIRE_BATCH and self._uncommitted is not None):
             return
+        self._since_retire = 0
         try:
             latest = self._client.status().latest_committed_step
         except grpc.RpcError:
             return  # tried again at the next save
-        for step in dropped:
-            if step < latest:
-                self._steps.delete(step)
+        if any(step < latest for step in dropped):
+            self._steps.delete(*(step for step in dropped if step < latest))
 
     def _commit_timeout(self) -> float:
         timeout = getattr(self._options.async_options, "timeout_secs", None)

@@ -189,8 +189,9 @@ class StepFolders:
         os.makedirs(os.path.dirname(tombstone), exist_ok=True)
         with open(tombstone, "w"):
             pass
-        path = self.find().get(step)
-        if path is not None:
+        path = os.path.join(self.directory, checkpoint_record.step_dir_name(
+            step, self.prefix, self.fixed_length))  # no listing: a delete per few saves
+        if os.path.isdir(path):
             aside = os.path.join(self.directory, checkpoint_record.STATE_DIR,
                                  f"deleting-{uuid.uuid4().hex}")
             os.makedirs(os.path.dirname(aside), exist_ok=True)

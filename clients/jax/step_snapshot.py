@@ -29,7 +29,8 @@ class StepSnapshots:
         self._options, self._world, self._primary = options, world_size, primary
         self._folders, self._warn_once = folders, warn_once
         self._saver = checkpoint_tree.ItemSaver()
-        self._zeros = b""
+        self._record = np.zeros(0, np.uint8)
+        self._used = 0  # bytes of the record's buffer not zero
 
     def build(self, step: int, to_save, metrics, custom_metadata):
         """(tensor names, leaves, record) of a save of ``to_save`` (SaveItems) as ``step``."""
@@ -51,15 +52,19 @@ class StepSnapshots:
                   "naming": {"prefix": prefix, "fixed_length": fixed_length},
                   "items": entries, "metrics": metrics, "custom_metadata": custom_metadata or {},
                   "retention": "manager"}
-        data = self._encode(step, record, to_save, texts) if self._primary else \
-            self._placeholder()
+        buffer = self._buffer()
+        if self._primary:  # the record's bytes into the kept buffer, zeros behind them
+            head = self._encode(step, record, to_save, texts)
+            buffer[:len(head)] = np.frombuffer(head, np.uint8)
+            buffer[len(head):self._used] = 0
+            self._used = len(head)
         names, leaves = [], []
         for item in to_save:
             if record["items"][item.name]["kind"] == "pytree":  # still held in memory
                 names += tensors[item.name][0]
                 leaves += tensors[item.name][1]
         names.append(checkpoint_record.TENSOR)
-        leaves.append(HostValue(np.frombuffer(data, np.uint8), self._primary))
+        leaves.append(HostValue(buffer, self._primary))
         return names, leaves, record
 
     def _held(self, array):
@@ -68,18 +73,21 @@ class StepSnapshots:
             return HostValue(array, self._primary)
         return array
 
-    def _placeholder(self) -> bytes:
-        """What a process that is not the primary declares as the record (it copies none:
-        the primary's is the job's, as Orbax's primary host alone saves JSON)."""
-        if len(self._zeros) != self._options.record_bytes:
-            self._zeros = bytes(self._options.record_bytes)
-        return self._zeros
+    def _buffer(self) -> np.ndarray:
+        """The record tensor's bytes, kept from save to save (each save copies them into
+        the daemon's memory before it returns). A process that is not the primary
+        declares it and copies none: the primary's record is the job's, as Orbax's
+        primary host alone saves JSON."""
+        if len(self._record) != self._options.record_bytes:
+            self._record = np.zeros(self._options.record_bytes, np.uint8)
+            self._used = 0
+        return self._record
 
     def _encode(self, step: int, record: dict, to_save, texts: dict) -> bytes:
         capacity = self._options.record_bytes
         while True:
             try:
-                return checkpoint_record.encode(record, capacity, {
+                return checkpoint_record.encode_head(record, capacity, {
                     name: text for name, text in texts.items()
                     if record["items"][name]["kind"] == "pytree"})
             except ValueError:
