@@ -52,7 +52,7 @@ class Replicator:
         self._since: dict[tuple[str, int], float] = {}
         self._lock = threading.Lock()
         self._worker = CoalescingWorker("replicator", self._replicate_batch,
-                                        tick=lambda: self._refresh(None),
+                                        tick=self._tick,
                                         every_seconds=group.options.refresh_seconds)
 
     def start(self) -> None:
@@ -156,6 +156,10 @@ class Replicator:
         except grpc.RpcError:
             return False
 
+    def _tick(self) -> None:
+        self._group.announce(silent_only=True)  # liveness is known even while no job runs
+        self._refresh(None)
+
     def _refresh(self, only_job: str | None) -> None:
         # Every job, not only those with copies here: a daemon whose ranks are all
         # held through other daemons' copiers still reports what the group committed.
@@ -189,8 +193,8 @@ class Replicator:
                 worlds = group_view.step_worlds(holdings, world)
                 committed = [s for s in committed if worlds.get(s) != world]
             self._store.set_group_committed(job, committed)
-            if only_job:
-                continue
+            if only_job or self._group.unanswered(job):
+                continue  # a peer that is not dead never answered: its copies are unknown
             kept = committed[-self._store.options.keep_steps:]
             work = group_view.re_replication(self._group.index, self._group.size,
                                              self._group.not_dead(), holdings, wanted,
