@@ -137,9 +137,10 @@ def snapshot(daemon, step: int) -> None:
 
 @pytest.mark.parametrize("paced", [True, False])
 def test_replication_goes_inside_the_bubbles_a_stage_reports(start_ring, paced):
-    """A stage in a 0.6 s bubble every 1.5 s; a step committed just after one ended.
-    Paced, its push waits for the next and lies inside it; unpaced it goes at once,
-    outside (which is what the paced assertion would see without the feature)."""
+    """A stage in a 0.6 s bubble every 1.5 s (the stage's timeline is scripted in real
+    time); a step committed just after one ended. Paced, its push waits for the next
+    window and every byte goes inside one, as the daemon judged it; unpaced it is not
+    held back. No timing is asserted: a late test process only moves the commit."""
     flags = ("--pace-replication", "--pace-max-wait", "5") if paced else ()
     ring = start_ring(2, "--replicas", "1", *flags)
     snapshot(ring.daemons[0], 1)  # registers the rank (bubbles need it) and warms up
@@ -166,29 +167,28 @@ def test_replication_goes_inside_the_bubbles_a_stage_reports(start_ring, paced):
     shown = format_status(ring.daemons[0].stub.Status(pb.StatusRequest(job=JOB), timeout=10))
     assert ("replication (paced into bubbles)" if paced else "replication (not paced)") in shown
     if paced:
-        assert 0.4 < push.waited_seconds < 1.5, push
         assert push.idle_bytes == push.nbytes, push
         assert push.copies_seconds >= push.waited_seconds + push.push_seconds * 0.99
     else:
-        assert push.waited_seconds == 0 and push.idle_bytes == 0, push
+        assert push.waited_seconds == 0, push
 
 
 def test_the_wait_bound_is_honoured_when_no_bubbles_come(start_ring):
     """A stage announced a bubble and then none came (its iteration length not known):
-    the push waits for one up to --pace-max-wait, then goes."""
+    the push waits for one up to --pace-max-wait, then goes: not before the bound,
+    by the daemon's own clock (the record's time from commit to acknowledgement)."""
     ring = start_ring(2, "--replicas", "1", "--pace-replication", "--pace-max-wait", "1")
     snapshot(ring.daemons[0], 1)
-    stream = Bubbles(ring.daemons[0])
-    try:
-        stream.send(pb.BubbleEvent.START)
-        stream.send(pb.BubbleEvent.END, measured_seconds=0.05)
-        time.sleep(0.3)
-        snapshot(ring.daemons[0], 2)
-        push = pushed(ring.daemons[0], 2)
-    finally:
-        stream.close()
+    # a call of its own: it ends once the daemon has taken both events
+    assert list(ring.daemons[0].stub.Bubbles(iter([
+        pb.BubbleEvent(job=JOB, rank=0, kind=kind, iteration=0, position=1, **fields)
+        for kind, fields in ((pb.BubbleEvent.START, {}),
+                             (pb.BubbleEvent.END, {"measured_seconds": 0.05}))]),
+        timeout=30)) == []
+    snapshot(ring.daemons[0], 2)
+    push = pushed(ring.daemons[0], 2)
     assert push.paced and push.peers == 1
-    assert 0.8 < push.waited_seconds < 1.6, push
+    assert push.copies_seconds >= 1.0, push  # the bound, from the commit on
     assert push.idle_bytes == 0, push
 
 
