@@ -128,7 +128,7 @@ class PeerGroup:
                                   self.address)
         self._joining: set[int] = set()  # silent peers a Join is on its way to
         self._last_holdings: dict[tuple[int, str], list[Holding]] = {}
-        self._unknown: dict[str, set[int]] = {}  # job -> peers whose holdings are not known
+        self._missed: dict[str, tuple[set[int], set[int]]] = {}  # job -> (silent, unknown)
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max(1, len(self._addresses)),
                                          thread_name_prefix="peer-call")
@@ -253,7 +253,8 @@ class PeerGroup:
             silent: set[int] = set()
             found = self._gather(job, own, silent)
             with self._lock:
-                self._unknown[job] = {i for i in silent if (i, job) not in self._last_holdings}
+                self._missed[job] = (silent, {i for i in silent
+                                              if (i, job) not in self._last_holdings})
             return found
         self._etcd.publish(job, own)
         try:
@@ -265,11 +266,11 @@ class PeerGroup:
             self._last_holdings[(-1, job)] = theirs
         return theirs
 
-    def unanswered(self, job: str) -> set[int]:
-        """Peers not dead that did not answer the last gathering of ``job`` and never
-        answered it before: what they hold is not known (re-replication waits)."""
+    def unanswered(self, job: str, ever: bool = False) -> set[int]:
+        """Peers not dead that did not answer the last gathering of ``job`` (``ever``: and
+        never answered it before: what they hold is not known; re-replication waits)."""
         with self._lock:
-            return set(self._unknown.get(job, ()))
+            return set(self._missed.get(job, (set(), set()))[ever])
 
     def summary(self, job: str) -> tuple[list[int], list[int]] | None:
         """(committed, restorable) steps of ``job`` as etcd's aggregator found them;
