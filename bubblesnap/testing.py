@@ -65,6 +65,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def wait_for(check: Callable[[], object], what: str, timeout: float = 60.0,
              failed: Callable[[], str | None] | None = None, interval: float = 0.2):
     """Calls ``check`` until it returns something true, and returns that.
@@ -307,6 +316,23 @@ class Ring:
             raise
 
     def _launch(self, index: int, claim: bool = False) -> DaemonProcess:
+        """Starts daemon ``index`` on ``peers[index]``. Ports are chosen before their
+        daemons bind them, and any process may take one meanwhile (an outgoing
+        connection's local port, another test's daemon): a daemon that could not start
+        because its peer port is taken now is started again on a fresh one, which it
+        announces (a Join carries its new address)."""
+        attempts = 3
+        while True:
+            attempts -= 1
+            try:
+                return self._launch_once(index, claim)
+            except DaemonError:
+                host, port = self.peers[index].rsplit(":", 1)
+                if not attempts or _port_free(host, int(port)):
+                    raise
+                self.peers[index] = f"127.0.0.1:{free_port()}"
+
+    def _launch_once(self, index: int, claim: bool) -> DaemonProcess:
         if self._etcd is None:
             where = ("--peers", ",".join(self.peers), "--index", str(index))
         else:
