@@ -92,6 +92,6 @@ def test_a_step_stays_committed_while_the_group_can_restore_it():
 
 def test_newly_held_names_the_steps_a_copy_of_which_landed_since():
     before = holders(ring_copies([4]))
-    now = ring_copies([4, 5]) + [Holding(2, 0, 4, True)]
+    now = [*ring_copies([4, 5]), Holding(2, 0, 4, True)]
     assert newly_held(before, now) == {4, 5}
     assert newly_held(holders(now), now) == set()

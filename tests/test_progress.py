@@ -66,7 +66,7 @@ def test_status_watch_redraws_until_interrupted(start_daemon):
             drawn += line
     finally:
         watch.send_signal(signal.SIGINT)
-        out, err = watch.communicate(timeout=30)
+        _, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
     assert "Traceback" not in err
 
