@@ -95,3 +95,11 @@ def test_newly_held_names_the_steps_a_copy_of_which_landed_since():
     now = [*ring_copies([4, 5]), Holding(2, 0, 4, True)]
     assert newly_held(before, now) == {4, 5}
     assert newly_held(holders(now), now) == set()
+
+
+def test_a_step_is_not_judged_committed_on_a_silent_peers_last_answer():
+    holdings = ring_copies([4])  # host 1's part is what it answered last
+    assert kept_committed(3, holdings, 2) == [4]
+    assert kept_committed(3, holdings, 2, stale={1}) == []
+    # a step already taken as committed stays while those copies say it is restorable
+    assert kept_committed(3, holdings, 2, held=[4], stale={1}) == [4]

@@ -79,7 +79,8 @@ def restorable_steps(world_size: int, holdings, durable_steps=()) -> list[int]:
 
 
 def kept_committed(world_size: int, holdings, copies_wanted: int, summary=None, held=(),
-                   rolled_back_to: int | None = None, epoch_whole: bool = True) -> list[int]:
+                   rolled_back_to: int | None = None, epoch_whole: bool = True,
+                   stale=frozenset()) -> list[int]:
     """The committed steps a daemon takes for a job after gathering ``holdings``.
 
     ``summary``: (committed, restorable) as etcd's aggregator judged every
@@ -92,11 +93,15 @@ def kept_committed(world_size: int, holdings, copies_wanted: int, summary=None, 
     the trainers were told is committed must not become fair game for the cap
     on uncommitted copies). ``epoch_whole``: False when the current epoch's
     layouts can never cover its job-wide arrays; its steps are not committed.
+    ``stale``: daemons whose holdings are what they answered last, not now (silent
+    this time): a step is not judged committed on their copies, which may have been
+    freed since; they still count for what the group can restore.
     """
     if summary is not None and rolled_back_to is not None:
         summary = tuple([s for s in steps if s <= rolled_back_to] for steps in summary)
     if summary is None:
-        summary = (committed_steps(world_size, holdings, copies_wanted),
+        fresh = [h for h in holdings if h.index not in stale] if stale else holdings
+        summary = (committed_steps(world_size, fresh, copies_wanted),
                    restorable_steps(world_size, holdings))
     committed = sorted(set(summary[0]) | (set(held) & set(summary[1])))
     if not epoch_whole:

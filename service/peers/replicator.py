@@ -179,7 +179,8 @@ class Replicator:
             coverage = self._layouts.coverage(job)
             committed = group_view.kept_committed(
                 world, holdings, wanted, self._group.summary(job), self._store.committed(job),
-                cut, epoch_whole=not coverage.known or coverage.whole)
+                cut, epoch_whole=not coverage.known or coverage.whole,
+                stale=self._group.unanswered(job))
             self._store.set_group_committed(job, committed, self._changed(job, holdings),
                                             gathered_at)
             if only_job or self._group.unanswered(job, ever=True):
