@@ -21,8 +21,9 @@ PROGRAMS = ("adoption", "datapath", "group_scale", "load", "log_cost", "overhead
 
 
 @pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory):
-    """Every benchmark started at once with --quick --json, as a user would run it.
+def quick_runs(tmp_path_factory, request):
+    """Every benchmark whose test runs (all, unless some were deselected) started at once
+    with --quick --json, as a user would run it.
 
     A quick run is mostly process start-up and compilation, largely on one
     core, so side by side they take little longer than the slowest alone.
@@ -30,8 +31,10 @@ def quick_runs(tmp_path_factory):
     """
     out = tmp_path_factory.mktemp("benchmarks")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # conftest forces 4
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
     runs = {}
-    for name in PROGRAMS:
+    for name in (n for n in PROGRAMS if n in selected):
         stdout, stderr = out / f"{name}.out", out / f"{name}.err"
         with open(stdout, "w") as o, open(stderr, "w") as e:
             runs[name] = (subprocess.Popen(

@@ -8,11 +8,13 @@ import pytest
 
 from tests.helpers import run_example
 
-#: Runs of each way; raise it (BUBBLESNAP_FAILOVER_RUNS=10) for a longer trial.
+#: Runs of each way; raise it (BUBBLESNAP_FAILOVER_RUNS=10) for a longer trial. The first
+#: runs in make test, the repeats in make test-all (marked slow).
 RUNS = int(os.environ.get("BUBBLESNAP_FAILOVER_RUNS", "2"))
 
 
-@pytest.mark.parametrize("run", range(RUNS))
+@pytest.mark.parametrize("run", [pytest.param(run, marks=[pytest.mark.slow] if run else [])
+                                 for run in range(RUNS)])
 @pytest.mark.parametrize("flags, killed, sources", [
     # memory: the survivors re-replicated stage 1's copies to the replacement first;
     # durable: the durable tier held a newer whole step than memory did (each daemon
