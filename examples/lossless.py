@@ -413,7 +413,9 @@ def stage_scope_run(args) -> dict:
     args.daemons = ring.addresses
     everything = list(range(STAGES - 1))
     try:
-        reference = run_pipeline(args, "reference", everything, None, fail=False)
+        reference = cached_reference(
+            args, "stage", lambda: run_pipeline(args, "reference", everything, None, fail=False))
+        reference["stages"] = {int(s): r for s, r in reference["stages"].items()}
         steps = args.steps
         # The profile the plan is made from: measured in the reference run.
         boundary_bytes = [sum(r["logged_bytes_by_boundary"].get(str(b), 0)
@@ -499,12 +501,37 @@ def completed(args, name: str) -> list[int]:
         return []
 
 
+def cached_reference(args, scope: str, run_it):
+    """The reference run's report: run now, or taken from --reference-cache, where an
+    earlier run of the same scope, --steps and --d-model left it (it depends on nothing
+    else: no failure, no snapshot), and left there for the next."""
+    if args.reference_cache is None:
+        return run_it()
+    path = os.path.join(args.reference_cache, f"{scope}-{args.steps}-{args.d_model}.json")
+    try:
+        with open(path) as f:
+            log(f"reference: {path}, from an earlier run")
+            return json.load(f)
+    except FileNotFoundError:
+        pass
+    report = run_it()
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+    return report
+
+
 def main_run(args) -> dict:
     ring = start_daemons()
     args.daemon = ring.addresses[0]  # the trainer's host; the other holds the replicas
     try:
-        if run(args, "reference") != 0:
-            raise SystemExit("the reference run failed")
+        def reference_run() -> list:
+            if run(args, "reference") != 0:
+                raise SystemExit("the reference run failed")
+            with open(os.path.join(args.workdir, "reference.digests.json")) as f:
+                return json.load(f)
+        with open(os.path.join(args.workdir, "reference.digests.json"), "w") as f:
+            json.dump(cached_reference(args, "job", reference_run), f)
         code = run(args, "failing", "--fail-at", str(args.fail_at),
                    "--fail-point", args.fail_point)
         resume_flags = ["--without-log"] if args.without_log else []
@@ -573,6 +600,10 @@ def parse_args():
                    help="resume from the snapshot alone, ignoring the training log (to see "
                         "what the log is for: the loader starts over and the run diverges)")
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--reference-cache", metavar="DIR",
+                   help="reuse the reference run an earlier run with the same --steps, "
+                        "--d-model and scope left in DIR (and leave it there): runs that only "
+                        "fail differently share it (the tests do)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--role", choices=["main", "train", "stage"], default="main",
                    help=argparse.SUPPRESS)
