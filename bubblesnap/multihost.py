@@ -42,7 +42,23 @@ class JobError(RuntimeError):
 
 def event(**fields) -> None:
     """Prints one event (JSON-able fields) for the parent's :meth:`JaxJob.wait_event`."""
-    print(_EVENT + json.dumps(fields), flush=True)
+    _say(_EVENT, fields)
+
+
+def _say(marker: str, value) -> None:
+    # One write of the whole line: jax.distributed's C++ side prints to the same stdout
+    # from its own threads, and print() makes two writes (text, newline) when Python's
+    # output is unbuffered (as under pytest-xdist), so its words could land inside ours.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (marker + json.dumps(value) + "\n").encode())
+
+
+def _parsed(line: str, marker: str):
+    """The JSON after ``marker`` in ``line`` (other output may surround it), or None."""
+    at = line.find(marker)
+    if at < 0:
+        return None
+    return json.JSONDecoder().raw_decode(line, at + len(marker))[0]
 
 
 class JaxJob:
@@ -83,10 +99,10 @@ class JaxJob:
     def _read(self, index: int, proc: subprocess.Popen) -> None:
         tail = self._stdout_tail.setdefault(index, [])
         for line in proc.stdout:
-            if line.startswith(_RESULT):
-                self._results[index] = json.loads(line[len(_RESULT):])
-            elif line.startswith(_EVENT):
-                self._events.put((index, json.loads(line[len(_EVENT):])))
+            if _RESULT in line:
+                self._results[index] = _parsed(line, _RESULT)
+            elif _EVENT in line:
+                self._events.put((index, _parsed(line, _EVENT)))
             else:
                 tail[:] = [*tail[-20:], line.rstrip()]
 
@@ -179,7 +195,7 @@ def _main(argv: list[str]) -> int:
                                int(os.environ["BUBBLESNAP_PROCESS"]),
                                initialization_timeout=120)
     result = _load(target)(args)
-    print(_RESULT + json.dumps(result), flush=True)
+    _say(_RESULT, result)
     return 0
 
 
