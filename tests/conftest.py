@@ -13,11 +13,12 @@ import pytest
 from bubblesnap.testing import DaemonProcess, EtcdServer, Ring
 
 #: Modules whose tests run programs (examples, benchmarks, trainers) as processes of their
-#: own, each importing JAX: marked ``program``. Tests that start several daemons (a ring,
-#: etcd) are marked ``ring`` by the fixtures they use. ``make test-fast`` runs neither.
+#: own, each importing JAX, or compile and run a whole pipeline in this one: marked
+#: ``program``. Tests that start several daemons (a ring, etcd) are marked ``ring`` by the
+#: fixtures they use. ``make test-fast`` runs neither.
 PROGRAM_MODULES = {"test_benchmarks", "test_bubbles", "test_checkpoint_manager", "test_crash",
                    "test_data_parallel", "test_failover", "test_kill_matrix", "test_lossless",
-                   "test_multihost"}
+                   "test_multihost", "test_parallel_replay"}
 RING_FIXTURES = {"start_ring", "start_etcd_ring", "etcd"}
 
 
