@@ -8,8 +8,8 @@
 PYTHON ?= python3
 VENV := .venv
 INSTALLED := $(VENV)/.installed
-# Tests that wait on daemon processes run side by side; those that run programs (examples,
-# benchmarks, trainers: both cores busy) one at a time, in one worker (tests/conftest.py).
+# Tests that wait on daemon processes run side by side; the heaviest programs (examples,
+# benchmarks: both cores busy) one at a time, in one worker (tests/conftest.py).
 PYTEST := $(VENV)/bin/python -m pytest -n 2 --durations=10
 
 $(INSTALLED): pyproject.toml

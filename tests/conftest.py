@@ -19,20 +19,22 @@ from bubblesnap.testing import DaemonProcess, EtcdServer, Ring
 PROGRAM_MODULES = {"test_benchmarks", "test_bubbles", "test_checkpoint_manager", "test_crash",
                    "test_data_parallel", "test_failover", "test_kill_matrix", "test_lossless",
                    "test_multihost", "test_parallel_replay"}
+#: Of those, the ones whose every test keeps both cores busy for tens of seconds (several
+#: JAX processes at once): with pytest-xdist they run one at a time, on one worker.
+HEAVY_MODULES = {"test_benchmarks", "test_bubbles", "test_failover", "test_lossless"}
 RING_FIXTURES = {"start_ring", "start_etcd_ring", "etcd"}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """With pytest-xdist (-n): the tests that run programs keep both cores busy with
-    processes of their own, so they run one at a time, all on one worker, while the
-    other worker runs the tests that mostly wait on daemons."""
+    """With pytest-xdist (-n): the heaviest tests run one at a time, all on one worker,
+    while the other runs the rest (mostly waiting on daemons) test by test."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ProgramsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-            return "programs" if module in PROGRAM_MODULES else nodeid
+            return "heavy" if module in HEAVY_MODULES else nodeid
     return ProgramsTogether(config, log)
 
 
