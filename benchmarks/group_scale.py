@@ -21,7 +21,11 @@ The job: one rank per daemon, ``--replicas 1``, two kept steps, one step per
 second (a snapshot each ``refresh_seconds``), one layout of 8 tensors per rank.
 Per backend and group size the report gives, in steady state, messages and
 bytes per second for a typical daemon, the busiest one (static: all alike;
-etcd: the aggregator) and the whole group; the latency until a new step counts
+etcd: the aggregator) and the whole group; per step, what the protocol fixes
+for a typical daemon (``typical_per_step``: the messages and bytes of the
+calls it makes and answers, and the watch events it is sent: with etcd one to
+four summaries, as many as the distinct values the aggregator saw while the
+step's holdings arrived, which depends on timing); the latency until a new step counts
 as committed (static: the pusher's gathering round, measured, and the others'
 next refresh; etcd: from the last publish to the typical daemon seeing the
 summary, measured, which includes the aggregator judging every holding);
@@ -59,20 +63,32 @@ TENSORS = 8
 
 
 class Counter:
-    """Messages and bytes one daemon sent and received."""
+    """Messages and bytes one daemon sent and received: in all, and those of its calls
+    (requests and answers) apart from the watch events delivered to it."""
 
     def __init__(self):
-        self.messages = self.bytes = 0
         self._lock = threading.Lock()
+        self.reset()
 
-    def add(self, messages: int, nbytes: int) -> None:
+    def add(self, messages: int, nbytes: int, event: bool = False) -> None:
         with self._lock:
             self.messages += messages
             self.bytes += nbytes
+            if event:
+                self.events += messages
+            else:
+                self.calls, self.call_bytes = self.calls + messages, self.call_bytes + nbytes
 
     def reset(self) -> None:
         with self._lock:
-            self.messages = self.bytes = 0
+            self.messages = self.bytes = self.calls = self.call_bytes = self.events = 0
+
+    def per_step(self, steps: int, scale: int = 1) -> dict:
+        """What the protocol fixes, per step: the messages of the calls and their bytes,
+        and the watch events (``scale``: times as many, for one counted in halves)."""
+        return {"call_messages": scale * self.calls / steps,
+                "call_bytes": scale * self.call_bytes / steps,
+                "watch_events": scale * self.events / steps}
 
 
 def _size(payload) -> int:
@@ -149,12 +165,12 @@ class FakeEtcd:
         for prefix, on_events, counter in watchers:
             mine = [e for e in events if e[0].startswith(prefix)]
             if mine:
-                counter.add(1, _events_bytes(mine))
+                counter.add(1, _events_bytes(mine), event=True)
                 on_events(mine, self.revision)
         for prefix, count, counter in copies:
             mine = [e for e in events if e[0].startswith(prefix)]
             if mine:
-                counter.add(count, count * _events_bytes(mine))
+                counter.add(count, count * _events_bytes(mine), event=True)
 
     def range(self, prefix: str) -> tuple[int, dict[str, bytes]]:
         with self._lock:
@@ -328,6 +344,7 @@ def etcd_backend(size: int, steps: int, refresh: float, lease_seconds: float) ->
     seconds = steps * refresh  # one step and one refresh each simulated second
     renewals = keepalive_rate(lease_seconds)
     typical_rate = _plus(_rate(counters[typical], seconds), renewals)
+    typical_per_step = counters[typical].per_step(steps)
     aggregator_rate = _plus(_rate(counters[0], seconds), renewals)
     total = _plus(_rate_sum([*counters, others], seconds), renewals, size)
 
@@ -348,6 +365,7 @@ def etcd_backend(size: int, steps: int, refresh: float, lease_seconds: float) ->
     ttl = max(2, round(lease_seconds))
     return {"daemons": size, "typical": typical_rate, "busiest": aggregator_rate,
             "busiest_is": "the aggregator (index 0)", "total": total,
+            "typical_per_step": typical_per_step,
             "commit_seconds": statistics.median(latencies),
             "detect_seconds": ttl + delivery,
             "re_replicate_seconds": ttl + decided + refresh,
@@ -413,6 +431,7 @@ def static_backend(size: int, steps: int, refresh: float, dead_after: float) -> 
     round_seconds = statistics.median(rounds)
     return {"daemons": size, "typical": one, "busiest": one, "busiest_is": "every daemon",
             "total": {k: v * size for k, v in made.items()},
+            "typical_per_step": counter.per_step(steps, scale=2),
             "commit_seconds": round_seconds + statistics.median(judging),
             "commit_seconds_elsewhere": round_seconds + refresh,
             "detect_seconds": dead_after + refresh,

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from bubblesnap import cli_daemon, cli_inspect, cli_plan
+from bubblesnap import cli_daemon, cli_plan
 from bubblesnap.sizes import human_bytes
 
 
@@ -198,21 +198,29 @@ def _adoption_lines(adoption) -> list[str]:
     return lines
 
 
-def parser() -> argparse.ArgumentParser:
+def _inspect_parser(sub) -> None:
+    from bubblesnap import cli_inspect  # the durable tier's reader
+    cli_inspect.add_parser(sub)
+
+
+def parser(only: str | None = None) -> argparse.ArgumentParser:
     """The ``bubblesnap`` command line: ``daemon``, ``status``, ``health``, ``inspect`` and
-    ``plan``."""
+    ``plan``; ``only``: that subcommand alone."""
     top = argparse.ArgumentParser(
         prog="bubblesnap",
         description="Snapshots of JAX training state in pipeline bubbles, held in host memory.")
     sub = top.add_subparsers(dest="command", required=True)
-    cli_daemon.add_parser(sub)
-    _status_parser(sub)
-    cli_inspect.add_parser(sub)
-    cli_plan.add_parser(sub)
-    _health_parser(sub)
+    for name, add in (("daemon", cli_daemon.add_parser), ("status", _status_parser),
+                      ("inspect", _inspect_parser), ("plan", cli_plan.add_parser),
+                      ("health", _health_parser)):
+        if only in (None, name):
+            add(sub)
     return top
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # A starting daemon builds its own parser alone: the others' defaults import the
+    # clients and the durable tier's tools (a second of start-up a daemon never uses).
+    args = parser("daemon" if argv[:1] == ["daemon"] else None).parse_args(argv)
     return args.func(args)

@@ -41,10 +41,24 @@ class JobError(RuntimeError):
 
 
 def event(**fields) -> None:
-    """Prints one event (JSON-able fields) for the parent's :meth:`JaxJob.wait_event`: one
-    write of the whole line, so another writer's output cannot land inside it."""
+    """Prints one event (JSON-able fields) for the parent's :meth:`JaxJob.wait_event`."""
+    _say(_EVENT, fields)
+
+
+def _say(marker: str, value) -> None:
+    # One write of the whole line: jax.distributed's C++ side prints to the same stdout
+    # from its own threads, and print() makes two writes (text, newline) when Python's
+    # output is unbuffered (as under pytest-xdist), so its words could land inside ours.
     sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (_EVENT + json.dumps(fields) + "\n").encode())
+    os.write(sys.stdout.fileno(), (marker + json.dumps(value) + "\n").encode())
+
+
+def _parsed(line: str, marker: str):
+    """The JSON after ``marker`` in ``line`` (other output may surround it), or None."""
+    at = line.find(marker)
+    if at < 0:
+        return None
+    return json.JSONDecoder().raw_decode(line, at + len(marker))[0]
 
 
 class JaxJob:
@@ -88,9 +102,9 @@ class JaxJob:
     def _read(self, index: int, proc: subprocess.Popen) -> None:
         tail = self._stdout_tail.setdefault(index, [])
         for line in proc.stdout:
-            if line.startswith(_EVENT):
+            if _EVENT in line:
                 try:
-                    self._events.put((index, json.loads(line[len(_EVENT):])))
+                    self._events.put((index, _parsed(line, _EVENT)))
                     continue
                 except ValueError:  # another writer's bytes inside the line
                     pass

@@ -5,7 +5,10 @@ exactly as a host would, and talks to it only through what the daemon
 offers the outside: the JSON "ready" line it prints on stdout, its gRPC
 services (the standard ``grpc.health.v1`` health service among them) and
 its signals (SIGTERM stops it and frees its shared memory, SIGKILL is a lost
-host).
+host). Nothing started here outlives the process that started it: should that
+process die without stopping them (even by SIGKILL), its reaper
+(:mod:`bubblesnap.reaper`) kills its daemons and etcd and removes their
+shared-memory and socket folders.
 
     from bubblesnap.testing import DaemonProcess, Ring, wait_for
 
@@ -25,6 +28,7 @@ host).
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -33,11 +37,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bubblesnap import reaper
 from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
 
 #: The name the daemon reports SERVING under in the gRPC health service.
@@ -57,6 +63,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_for(check: Callable[[], object], what: str, timeout: float = 60.0,
@@ -118,6 +133,7 @@ class DaemonProcess:
         self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir="/dev/shm")
                             if own_shm_dir else None)
         self._channel: grpc.Channel | None = None
+        self._reaped: int | None = None  # its token with this process's reaper
         self._socket_dir = tempfile.mkdtemp(prefix="bubblesnap-socket-")
         shm = ["--shm-dir", self.own_shm_dir] if own_shm_dir else []
         command = [sys.executable, "-m", "bubblesnap", "daemon",
@@ -128,7 +144,10 @@ class DaemonProcess:
         except BaseException:
             self._remove_own_dirs()
             raise
+        self._reaped = reaper.adopt(self.proc.pid, [self._socket_dir] + (
+            [self.own_shm_dir] if self.own_shm_dir else []))
         self.ready: dict = self._await_ready(ready_timeout)
+        reaper.add_paths(self._reaped, [self.ready["shm_dir"]])
 
     def _spawn(self, command: list[str], stderr, env) -> subprocess.Popen:
         if self.stderr_path is None:
@@ -205,6 +224,17 @@ class DaemonProcess:
                 return False
         return answer.status == health_pb2.HealthCheckResponse.SERVING
 
+    def peers_seen(self, timeout: float = 5.0) -> set[int]:
+        """The ring positions it sees alive now, its own included (its metrics'
+        ``bubblesnap_peer_alive``; it must serve ``metrics``)."""
+        if not self.ready.get("metrics"):
+            raise DaemonError(f"{self.name} serves no metrics: start it with metrics=...")
+        with urllib.request.urlopen(f"http://{self.ready['metrics']}/metrics",
+                                    timeout=timeout) as answer:
+            text = answer.read().decode()
+        return {int(peer) for peer in
+                re.findall(r'^bubblesnap_peer_alive\{peer="(\d+)"\} 1\.0$', text, re.M)}
+
     def stderr_text(self) -> str:
         """What it logged so far, when its stderr goes to a file ("" otherwise)."""
         if self.stderr_path is None:
@@ -243,6 +273,9 @@ class DaemonProcess:
         code = self.proc.wait()
         self.proc.stdout.close()
         self._remove_own_dirs()
+        if self._reaped is not None:
+            reaper.release(self._reaped)
+            self._reaped = None
         return code
 
     def _remove_own_dirs(self) -> None:
@@ -257,25 +290,49 @@ class Ring:
     Daemon ``i`` runs with ``--peers a0,a1,... --index i`` (peer addresses on
     free loopback ports) and ``flags``. ``start(*flags, **options)`` makes
     each daemon (default: :class:`DaemonProcess`; a test passes its fixture so
-    the test stops them); ``options`` go to every call. :meth:`stop` stops
-    every daemon the ring started, replaced ones included.
+    the test stops them); ``options`` go to every call (``metrics`` defaults
+    to a free port: the ring reads what each daemon sees there). :meth:`stop`
+    stops every daemon the ring started, replaced ones included.
+
+    The constructor and :meth:`replace` return once every running daemon sees
+    every other one alive (:meth:`wait_connected`): a daemon started before its
+    successor would otherwise pass over it with the first copies it pushes.
     """
 
     def __init__(self, size: int, *flags: str, start: Callable[..., DaemonProcess] = DaemonProcess,
-                 etcd: "EtcdServer | None" = None, **options):
-        self._start, self._flags, self._options = start, flags, options
-        self._etcd = etcd
+                 etcd: "EtcdServer | None" = None, connect_timeout: float = 120.0, **options):
+        self._start, self._flags = start, flags
+        self._options = {"metrics": "127.0.0.1:0", **options}
+        self._etcd, self._connect_timeout = etcd, connect_timeout
         self.peers = [f"127.0.0.1:{free_port()}" for _ in range(size)]
         self.started: list[DaemonProcess] = []
         self.daemons: list[DaemonProcess] = []
         try:
             for index in range(size):
                 self.daemons.append(self._launch(index))
+            self.wait_connected()
         except BaseException:
             self.stop()
             raise
 
     def _launch(self, index: int, claim: bool = False) -> DaemonProcess:
+        """Starts daemon ``index`` on ``peers[index]``. Ports are chosen before their
+        daemons bind them, and any process may take one meanwhile (an outgoing
+        connection's local port, another test's daemon): a daemon that could not start
+        because its peer port is taken now is started again on a fresh one, which it
+        announces (a Join carries its new address)."""
+        attempts = 3
+        while True:
+            attempts -= 1
+            try:
+                return self._launch_once(index, claim)
+            except DaemonError:
+                host, port = self.peers[index].rsplit(":", 1)
+                if not attempts or _port_free(host, int(port)):
+                    raise
+                self.peers[index] = f"127.0.0.1:{free_port()}"
+
+    def _launch_once(self, index: int, claim: bool) -> DaemonProcess:
         if self._etcd is None:
             where = ("--peers", ",".join(self.peers), "--index", str(index))
         else:
@@ -296,7 +353,22 @@ class Ring:
         etcd it is not told the index, and takes the free ring position itself."""
         self.peers[index] = f"127.0.0.1:{free_port()}"
         self.daemons[index] = self._launch(index, claim=self._etcd is not None)
+        self.wait_connected()
         return self.daemons[index]
+
+    def wait_connected(self, timeout: float | None = None) -> None:
+        """Waits until every running daemon of the ring sees every running one alive
+        (its ``bubblesnap_peer_alive``); a killed one may still count as alive to the
+        others. A stopped (SIGSTOP) daemon never answers: TimeoutError."""
+        def connected() -> bool:
+            running = [d for d in self.daemons if d.alive()]
+            indices = {d.ready["peer_index"] for d in running}
+            try:
+                return all(indices <= d.peers_seen() for d in running)
+            except OSError:  # its metrics did not answer in time: a busy daemon
+                return False
+        wait_for(connected, "every daemon of the ring to see every other one",
+                 timeout=self._connect_timeout if timeout is None else timeout)
 
     def stop(self) -> None:
         """Stops every daemon it started (SIGTERM, then SIGKILL), even if one stop fails."""
@@ -340,6 +412,7 @@ class EtcdServer:
                    "--heartbeat-interval", "50", "--election-timeout", "500"]
         with open(self._log, "a") as log_file:
             self.proc = subprocess.Popen(command, stdout=log_file, stderr=log_file)
+        self._reaped = reaper.adopt(self.proc.pid)
         wait_for(self._healthy, "etcd to serve", timeout=self._timeout,
                  failed=lambda: None if self.proc.poll() is None else self.log_text()[-2000:])
 
@@ -360,6 +433,7 @@ class EtcdServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+            reaper.release(self._reaped)
 
     def __enter__(self) -> "EtcdServer":
         return self

@@ -211,8 +211,14 @@ def run(args) -> dict:
         killed_at = time.time()
         for i in doomed:
             hosts[i].kill()
+        # Copies of stage 1 the survivors hold: besides the replicas the ring placed, a
+        # survivor may hold one that re-replication made (a copy whose holders had dropped
+        # to one: the primary's was freed by retention while a replica stayed)
+        survivors_hold = sorted({s.step for h in hosts if h.index not in doomed
+                                 for s in getattr(job_status(h.address), "steps", ())
+                                 if any(r.rank == 1 for r in s.ranks)})
         log(f"step {committed} committed, step {safe} may not be lost; killed host(s) {doomed} "
-            "(daemon and stage) with SIGKILL")
+            f"(daemon and stage) with SIGKILL; the survivors hold stage 1 at {survivors_hold}")
         for host in hosts:  # the scheduler stops the rest of the job
             if host.stage.poll() is None:
                 host.stage.kill()
@@ -247,6 +253,7 @@ def run(args) -> dict:
             "restore_seconds": max(r["restore_seconds"] for r in restored),
             "state_matches_snapshot": all(r["matches"] for r in restored) and len(steps) == 1,
             "killed_hosts": doomed, "replicas": args.replicas,
+            "stage1_steps_on_survivors": survivors_hold,
             "committed_at_kill": committed,
             # the newest step the failure may not lose (see wait_until_safe)
             "safe_at_kill": safe,

@@ -14,7 +14,7 @@ Three runs, each a separate process:
                 after-commit  at the end of the first step from --fail-at on
                               whose predecessor's snapshot commit was just
                               acknowledged, before the daemons can have
-                              replicated it
+                              replicated it (once the job has committed a step)
   resume      restores every stage's latest restorable step from the daemons,
               replays the logged steps after it (the same batches, rebuilding
               the loader's state from the log), then trains on to --steps;
@@ -88,6 +88,7 @@ def train_main(args) -> int:
     import jax
 
     from bubblesnap.clients import LoggedSteps, NoSnapshots
+    from bubblesnap.protos import daemon_pb2 as pb
     from bubblesnap.protos.checksum import checksum
     from pipeline.data_loader import DataLoader
     from pipeline.model import GPTConfig, StageProgram
@@ -96,18 +97,33 @@ def train_main(args) -> int:
     from pipeline.stage import StageRunner
     from pipeline.transport import ThreadLinks, run_stage_threads
 
+    def job_committed(client) -> bool:
+        """Whether the job has committed a step, the failures' precondition (one before
+        any commit leaves nothing to resume from). Training outpaces the commits on a
+        loaded machine, and the stages begin snapshotting at different steps (each
+        adopts the daemon's plan when it hears it), so the run could end first: once
+        every stage holds a copy of one step, only the daemons' replication is left,
+        and this waits for it (the caller's stage holds still meanwhile)."""
+        steps = client.status().steps
+        if not any(s.committed for s in steps) and any(
+                len({r.rank for r in s.ranks if r.state == pb.LOCAL}) == STAGES for s in steps):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(
+                    s.committed for s in client.status().steps):
+                time.sleep(0.05)
+            steps = client.status().steps
+        return any(s.committed for s in steps)
+
     class DiesMidFetch(DaemonSnapshots):
         """Stage 0 of a failing run with --fail-point bubble: SIGKILLed inside a bubble of
         step --fail-at or later, while it fetches a snapshot, once the job has committed
-        a step (on a loaded machine the first commit can come after --fail-at, and a
-        failure before any commit has nothing to resume from), or in the last step."""
+        a step (job_committed)."""
 
         committed = False
 
         def bubble(self, position, receive, arrived=None):
             if self.iteration >= args.fail_at and not self.committed:
-                self.committed = self.iteration >= args.steps - 1 or any(
-                    s.committed for s in self.client.status().steps)
+                self.committed = job_committed(self.client)
             if self.committed:
                 def arrived_then_die():  # polled between the fetch's 1 MiB blocks
                     die(f"SIGKILL inside a bubble of step {self.iteration}, mid-fetch")
@@ -167,11 +183,13 @@ def train_main(args) -> int:
                     iteration == replayed[0][0] + args.die_after_replaying - 1:
                 die(f"SIGKILL after replaying {args.die_after_replaying} step(s)")
             if failing and args.fail_point == "after-commit" and iteration >= args.fail_at \
-                    and stage == 0:
+                    and stage == 0 and job_committed(modes[0].client):
                 # the first acknowledged commit of the step before (fetched in this
-                # iteration's bubbles, acknowledged a moment later)
+                # iteration's bubbles, sent by its end at the latest, acknowledged a
+                # moment later, seconds under load; one whose snapshot was dropped never
+                # is: then the next step is tried)
                 acked = modes[0].commits_acknowledged
-                deadline = time.monotonic() + 0.5
+                deadline = time.monotonic() + 10
                 while not (acked and acked[-1] >= iteration - 1) and \
                         time.monotonic() < deadline:
                     time.sleep(0.001)
@@ -395,7 +413,9 @@ def stage_scope_run(args) -> dict:
     args.daemons = ring.addresses
     everything = list(range(STAGES - 1))
     try:
-        reference = run_pipeline(args, "reference", everything, None, fail=False)
+        reference = cached_reference(
+            args, "stage", lambda: run_pipeline(args, "reference", everything, None, fail=False))
+        reference["stages"] = {int(s): r for s, r in reference["stages"].items()}
         steps = args.steps
         # The profile the plan is made from: measured in the reference run.
         boundary_bytes = [sum(r["logged_bytes_by_boundary"].get(str(b), 0)
@@ -481,12 +501,37 @@ def completed(args, name: str) -> list[int]:
         return []
 
 
+def cached_reference(args, scope: str, run_it):
+    """The reference run's report: run now, or taken from --reference-cache, where an
+    earlier run of the same scope, --steps and --d-model left it (it depends on nothing
+    else: no failure, no snapshot), and left there for the next."""
+    if args.reference_cache is None:
+        return run_it()
+    path = os.path.join(args.reference_cache, f"{scope}-{args.steps}-{args.d_model}.json")
+    try:
+        with open(path) as f:
+            log(f"reference: {path}, from an earlier run")
+            return json.load(f)
+    except FileNotFoundError:
+        pass
+    report = run_it()
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+    return report
+
+
 def main_run(args) -> dict:
     ring = start_daemons()
     args.daemon = ring.addresses[0]  # the trainer's host; the other holds the replicas
     try:
-        if run(args, "reference") != 0:
-            raise SystemExit("the reference run failed")
+        def reference_run() -> list:
+            if run(args, "reference") != 0:
+                raise SystemExit("the reference run failed")
+            with open(os.path.join(args.workdir, "reference.digests.json")) as f:
+                return json.load(f)
+        with open(os.path.join(args.workdir, "reference.digests.json"), "w") as f:
+            json.dump(cached_reference(args, "job", reference_run), f)
         code = run(args, "failing", "--fail-at", str(args.fail_at),
                    "--fail-point", args.fail_point)
         resume_flags = ["--without-log"] if args.without_log else []
@@ -555,6 +600,10 @@ def parse_args():
                    help="resume from the snapshot alone, ignoring the training log (to see "
                         "what the log is for: the loader starts over and the run diverges)")
     p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--reference-cache", metavar="DIR",
+                   help="reuse the reference run an earlier run with the same --steps, "
+                        "--d-model and scope left in DIR (and leave it there): runs that only "
+                        "fail differently share it (the tests do)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--role", choices=["main", "train", "stage"], default="main",
                    help=argparse.SUPPRESS)

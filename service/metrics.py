@@ -58,6 +58,15 @@ class _StoreCollector:
                 ("bubblesnap_peers_alive", len(self.group.live()) if self.group else 1,
                  "Daemons of the ring that answered their last call, this one included.")):
             yield GaugeMetricFamily(name, doc, value=value)
+        if self.group is not None:
+            alive = GaugeMetricFamily("bubblesnap_peer_alive", "Per ring position: 1 while "
+                                      "its daemon answered its last call (with etcd: holds "
+                                      "the position), else 0; this one's included.",
+                                      labels=["peer"])
+            live = self.group.live()
+            for index in range(self.group.size):
+                alive.add_metric([str(index)], int(index in live))
+            yield alive
         latest = GaugeMetricFamily("bubblesnap_latest_committed_step",
                                    "Latest step every rank of the job holds.", labels=["job"])
         held = GaugeMetricFamily("bubblesnap_steps_held", "Steps held per job.", labels=["job"])

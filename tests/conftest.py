@@ -12,6 +12,51 @@ import pytest
 
 from bubblesnap.testing import DaemonProcess, EtcdServer, Ring
 
+#: Modules whose tests run programs (examples, benchmarks, trainers) as processes of their
+#: own, each importing JAX, or compile and run a whole pipeline in this one: marked
+#: ``program``. Tests that start several daemons (a ring, etcd) are marked ``ring`` by the
+#: fixtures they use. ``make test-fast`` runs neither.
+PROGRAM_MODULES = {"test_benchmarks", "test_bubbles", "test_checkpoint_manager", "test_crash",
+                   "test_data_parallel", "test_failover", "test_kill_matrix", "test_lossless",
+                   "test_manager_reboot", "test_multihost", "test_orbax_loops",
+                   "test_orbax_patch", "test_parallel_replay"}
+#: Of those, the ones whose every test keeps both cores busy for tens of seconds (several
+#: JAX processes at once): with pytest-xdist they run one at a time, on one worker.
+HEAVY_MODULES = {"test_benchmarks", "test_bubbles", "test_failover", "test_lossless"}
+RING_FIXTURES = {"start_ring", "start_etcd_ring", "etcd"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With pytest-xdist (-n): the heaviest tests run one at a time, all on one worker,
+    while the other runs the rest (mostly waiting on daemons) test by test."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ProgramsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+            return "heavy" if module in HEAVY_MODULES else nodeid
+    return ProgramsTogether(config, log)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true",
+                     help="also run the tests marked slow (repeated trials): make test-all")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in PROGRAM_MODULES:
+            item.add_marker(pytest.mark.program)
+        if RING_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.ring)
+    if config.getoption("--all"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
 
 @pytest.fixture
 def start_daemon():

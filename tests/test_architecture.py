@@ -57,3 +57,14 @@ def test_no_file_holds_more_than_one_room():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
              for p in _sources("service") + _sources("clients")}
     assert not {path: n for path, n in sizes.items() if n > 400}, "split these by concept"
+
+
+def test_a_starting_daemon_imports_no_client_library_nor_the_durable_tier_tools():
+    import subprocess
+    import sys
+    code = ("import sys; from bubblesnap import cli; cli.parser('daemon').parse_args(['daemon']);"
+            " print(sorted(m for m in ('bubblesnap.clients', 'bubblesnap.cli_inspect')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out

@@ -3,6 +3,9 @@
 from bubblesnap.service.peers.group_view import (
     Holding,
     committed_steps,
+    holders,
+    kept_committed,
+    newly_held,
     re_replication,
     restorable_steps,
     roundest,
@@ -74,3 +77,29 @@ def test_a_replica_group_is_held_through_its_copier():
     ungrouped = [Holding(h.index, h.rank, h.step, h.replica) for h in holdings]
     assert committed_steps(3, ungrouped, 1) == []  # rank 1 would need copies of its own
     assert restorable_steps(3, ungrouped) == []
+
+
+def test_a_step_stays_committed_while_the_group_can_restore_it():
+    holdings = ring_copies([4, 6])
+    assert kept_committed(3, holdings, 2, held=[2, 4]) == [4, 6]  # 2 is gone
+    lost = [h for h in holdings if h.index != 1]  # host 1 died: 4 and 6 lack copies
+    assert committed_steps(3, lost, 2) == []
+    assert kept_committed(3, lost, 2, held=[4, 6]) == [4, 6]  # still restorable
+    # etcd's summary counts a step a rollback dropped until it judges anew
+    assert kept_committed(3, holdings, 2, summary=([4, 6], [4, 6]), rolled_back_to=4) == [4]
+    assert kept_committed(3, holdings, 2, epoch_whole=False) == []
+
+
+def test_newly_held_names_the_steps_a_copy_of_which_landed_since():
+    before = holders(ring_copies([4]))
+    now = [*ring_copies([4, 5]), Holding(2, 0, 4, True)]
+    assert newly_held(before, now) == {4, 5}
+    assert newly_held(holders(now), now) == set()
+
+
+def test_a_step_is_not_judged_committed_on_a_silent_peers_last_answer():
+    holdings = ring_copies([4])  # host 1's part is what it answered last
+    assert kept_committed(3, holdings, 2) == [4]
+    assert kept_committed(3, holdings, 2, stale={1}) == []
+    # a step already taken as committed stays while those copies say it is restorable
+    assert kept_committed(3, holdings, 2, held=[4], stale={1}) == [4]

@@ -58,11 +58,17 @@ def test_status_watch_redraws_until_interrupted(start_daemon):
     watch = subprocess.Popen([sys.executable, "-m", "bubblesnap", "status", "--daemon",
                               daemon.address, "--watch", "0.2"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
-    watch.send_signal(signal.SIGINT)
-    out, err = watch.communicate(timeout=30)
+    drawn = ""
+    try:  # three redraws, however long the command takes to start
+        while drawn.count("memory: ") < 3:
+            line = watch.stdout.readline()
+            assert line, watch.stderr.read()
+            drawn += line
+    finally:
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=30)
     assert watch.returncode == 0, err
-    assert out.count("memory: ") >= 3 and "Traceback" not in err
+    assert "Traceback" not in err
 
 
 def test_a_restore_from_the_durable_tier_shows_its_progress(start_daemon, tmp_path, capfd):

@@ -68,3 +68,15 @@ def test_the_cap_spares_a_copy_the_group_may_be_committing_right_now():
                          grace_seconds=3.0) == set(range(6))
     assert steps_to_free(steps, [], keep_steps=2, capped=True, now=4.5,
                          grace_seconds=3.0) == {0, 1}
+
+
+def test_the_cap_counts_its_grace_from_the_last_copy_of_the_step_the_group_showed():
+    # Step 3 landed here long ago, but its last copy landed elsewhere at t=8 (the step
+    # only became whole then): another daemon may report it committed before this one
+    # gathers again, so it is spared until the grace passed from then.
+    steps = {s: HeldStep(True, local_since=float(s)) for s in range(10)}
+    steps[3] = HeldStep(True, local_since=3.0, group_changed=8.0)
+    assert 3 not in steps_to_free(steps, [], keep_steps=2, capped=True, now=9.5,
+                                  grace_seconds=3.0)
+    assert 3 in steps_to_free(steps, [], keep_steps=2, capped=True, now=11.0,
+                              grace_seconds=3.0)

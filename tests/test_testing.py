@@ -1,7 +1,10 @@
 """bubblesnap.testing: the daemon processes every test, example and benchmark starts."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -75,3 +78,41 @@ def test_wait_for_returns_what_it_awaited_and_names_it_when_it_gives_up():
         wait_for(lambda: False, "nothing", timeout=0.1, interval=0.01)
     with pytest.raises(RuntimeError, match="while waiting for x: it broke"):
         wait_for(lambda: False, "x", failed=lambda: "it broke")
+
+
+_STARTER = """
+import json, os, signal, sys
+from bubblesnap.testing import DaemonProcess, EtcdServer, Ring
+etcd = EtcdServer(sys.argv[1])
+ring = Ring(2, "--replicas", "1")
+lone = DaemonProcess(own_shm_dir=True)
+lone.proc.send_signal(signal.SIGSTOP)  # a frozen host dies too
+daemons = [*ring.daemons, lone]
+print(json.dumps({"pids": [d.proc.pid for d in daemons] + [etcd.proc.pid],
+                  "dirs": [d.shm_dir for d in daemons] + [lone.own_shm_dir]}), flush=True)
+signal.pause()
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie awaits its reaping
+    except FileNotFoundError:
+        return True
+
+
+def test_what_a_process_started_dies_with_it_even_when_it_is_sigkilled(tmp_path):
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, str(tmp_path)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        started = json.loads(starter.stdout.readline())
+        assert all(os.path.isdir(d) for d in started["dirs"])
+        assert not any(_gone(pid) for pid in started["pids"])
+    finally:
+        starter.kill()
+        starter.wait()
+    wait_for(lambda: all(_gone(pid) for pid in started["pids"]),
+             "the daemons and etcd to die with their starter", timeout=60)
+    wait_for(lambda: not any(os.path.exists(d) for d in started["dirs"]),
+             "their shared-memory folders to be removed", timeout=60)

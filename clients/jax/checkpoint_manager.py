@@ -16,16 +16,14 @@ from the import (or with nothing changed, under ``python -m bubblesnap.run``)::
 Every pytree Orbax saves, ``item_names``/``item_handlers`` with ``Composite``
 args of Standard, PyTree and Json items, Orbax's options, policies and
 methods keep their meaning. Underneath, ``save`` copies the state into the
-host daemon's memory (the daemon checks, replicates and commits it in the
-background; non-array leaves and JSON items travel in the same snapshot,
-its record); the daemon persists every ``--durable-every-steps``-th step
-into ``directory`` as Orbax's CheckpointManager lays it out, so plain Orbax
-restores it; ``restore`` takes the step from the fastest tier that holds it
-(this host's memory, a neighbour's, the durable tier), into any mesh.
-``directory`` is the job's folder of that tier (its last component names the
-job, its parent is the daemon's ``--durable-dir``); steps Orbax wrote there
-before the switch are listed and restored too (by Orbax), and items of other
-args types are saved by their own Orbax handler into the step's folder.
+host daemon's memory (checked, replicated and committed in the background;
+non-array leaves and JSON items travel in it, its record); the daemon
+persists every ``--durable-every-steps``-th step into ``directory`` as
+Orbax's CheckpointManager lays it out, so plain Orbax restores it;
+``restore`` takes the step from the fastest tier that holds it (this host's
+memory, a neighbour's, the durable tier), into any mesh.
+``directory``: the job's folder (its parent the daemon's ``--durable-dir``);
+Orbax's own steps there, and items of other args types, go through Orbax.
 """
 
 import logging

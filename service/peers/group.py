@@ -16,6 +16,7 @@ from bubblesnap.service.coordination.etcd_kv import EtcdUnavailable
 from bubblesnap.service.errors import InvalidArgument, Unavailable
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.peers.group_view import Holding
+from bubblesnap.service.peers.liveness import Liveness
 from bubblesnap.service.peers.pacing import PacingOptions
 from bubblesnap.service.peers.security import PeerSecurity
 
@@ -123,9 +124,11 @@ class PeerGroup:
         self.index = etcd.index if etcd is not None else options.index
         self._addresses = list(options.peers) if etcd is None else etcd.members()[0]
         self._stubs: dict[int, peer_pb2_grpc.PeerStub] = {}
-        self._live = set(range(len(self._addresses)))
-        self._silent_since: dict[int, float] = {}
+        self._liveness = Liveness(len(self._addresses), options.dead_after_seconds,
+                                  self.address)
+        self._joining: set[int] = set()  # silent peers a Join is on its way to
         self._last_holdings: dict[tuple[int, str], list[Holding]] = {}
+        self._missed: dict[str, tuple[set[int], set[int]]] = {}  # job -> (silent, unknown)
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max(1, len(self._addresses)),
                                          thread_name_prefix="peer-call")
@@ -142,18 +145,14 @@ class PeerGroup:
     def live(self) -> set[int]:
         if self._etcd is not None:
             return self._etcd.members()[1]
-        with self._lock:
-            return set(self._live)
+        return self._liveness.live()
 
     def not_dead(self) -> set[int]:
         """Peers that answered within ``dead_after_seconds`` (re-replication spares them);
         with etcd, those whose lease runs."""
         if self._etcd is not None:
             return self._etcd.members()[1]
-        limit = time.monotonic() - self.options.dead_after_seconds
-        with self._lock:
-            return {i for i in range(self.size)
-                    if i in self._live or self._silent_since.get(i, limit) > limit}
+        return self._liveness.not_dead()
 
     def address(self, index: int) -> str:
         if self._etcd is not None:
@@ -182,8 +181,10 @@ class PeerGroup:
                 self._addresses[index] = address
                 for key in [k for k in self._last_holdings if k[0] == index]:
                     del self._last_holdings[key]  # a new daemon: it starts empty
-            self._live.add(index)
-            self._silent_since.pop(index, None)
+            if not self._liveness.mark(index, alive=True, quiet=True):
+                # our channel to it may be in a reconnect backoff (up to 1 s) failing every
+                # call at once, and a push would pass over it: a fresh one dials now
+                self._stubs.pop((index, address), None)
 
     def call(self, index: int, method: str, request, timeout: float | None = None):
         """One peer call; marks the peer dead when it cannot be reached."""
@@ -194,9 +195,9 @@ class PeerGroup:
                 metadata=self.options.security.metadata())
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._mark(index, alive=False)
+                self._liveness.mark(index, alive=False)
             raise
-        self._mark(index, alive=True)
+        self._liveness.mark(index, alive=True)
         return answer
 
     def ring(self) -> list[int]:
@@ -212,18 +213,29 @@ class PeerGroup:
         return [i for i in ring if i in live] + [i for i in ring
                                                  if i not in live and i in not_dead]
 
-    def announce(self) -> None:
+    def announce(self, silent_only: bool = False) -> None:
         """Tells every peer where this daemon is (a replacement host has a new address);
-        with etcd, taking the ring position told them."""
+        with etcd, taking the ring position told them. ``silent_only``: only the peers not
+        live, without waiting (each refresh, so a peer missed at start-up or whose Join
+        was lost is found again, jobs or none)."""
         if self._etcd is not None:
             return
         request = ppb.JoinRequest(index=self.index, address=self.address(self.index))
-        for index in self.others():
-            try:
-                self.call(index, "Join", request)
-            except grpc.RpcError as err:
-                log.info("peer %d (%s) did not take the join: %s", index, self.address(index),
-                         err.code().name)
+        if not silent_only:
+            for index in self.others():
+                self._join(index, request)
+            return
+        for index in set(self.others()) - self.live() - self._joining:
+            self._joining.add(index)
+            self._calls.submit(self._join, index, request).add_done_callback(
+                lambda _, index=index: self._joining.discard(index))
+
+    def _join(self, index: int, request) -> None:
+        try:
+            self.call(index, "Join", request)
+        except grpc.RpcError as err:
+            log.info("peer %d (%s) did not take the join: %s", index, self.address(index),
+                     err.code().name)
 
     def holdings(self, job: str, own) -> list[Holding]:
         """The committed copies of ``job`` in the group; ``own`` is this daemon's.
@@ -238,7 +250,12 @@ class PeerGroup:
         read last.
         """
         if self._etcd is None:
-            return self._gather(job, own, set())
+            silent: set[int] = set()
+            found = self._gather(job, own, silent)
+            with self._lock:
+                self._missed[job] = (silent, {i for i in silent
+                                              if (i, job) not in self._last_holdings})
+            return found
         self._etcd.publish(job, own)
         try:
             theirs = self._etcd.holdings_of(job, {h.rank for h in own})
@@ -248,6 +265,12 @@ class PeerGroup:
         with self._lock:
             self._last_holdings[(-1, job)] = theirs
         return theirs
+
+    def unanswered(self, job: str, ever: bool = False) -> set[int]:
+        """Peers not dead that did not answer the last gathering of ``job`` (``ever``: and
+        never answered it before: what they hold is not known; re-replication waits)."""
+        with self._lock:
+            return set(self._missed.get(job, (set(), set()))[ever])
 
     def summary(self, job: str) -> tuple[list[int], list[int]] | None:
         """(committed, restorable) steps of ``job`` as etcd's aggregator found them;
@@ -356,17 +379,6 @@ class PeerGroup:
                 channel = self.options.security.channel(address, self._max_message_bytes)
                 stub = self._stubs[(index, address)] = peer_pb2_grpc.PeerStub(channel)
             return stub
-
-    def _mark(self, index: int, alive: bool) -> None:
-        with self._lock:
-            if alive and index not in self._live:
-                log.info("peer %d (%s) is back", index, self._addresses[index])
-                self._live.add(index)
-                self._silent_since.pop(index, None)
-            elif not alive and index in self._live:
-                log.warning("peer %d (%s) is unreachable", index, self._addresses[index])
-                self._live.discard(index)
-                self._silent_since[index] = time.monotonic()
 
 
 class _EmptySlot(grpc.RpcError):

@@ -78,6 +78,45 @@ def restorable_steps(world_size: int, holdings, durable_steps=()) -> list[int]:
     return sorted(set(_held_whole(world_size, holdings, 1)) | set(durable_steps))
 
 
+def kept_committed(world_size: int, holdings, copies_wanted: int, summary=None, held=(),
+                   rolled_back_to: int | None = None, epoch_whole: bool = True,
+                   stale=frozenset()) -> list[int]:
+    """The committed steps a daemon takes for a job after gathering ``holdings``.
+
+    ``summary``: (committed, restorable) as etcd's aggregator judged every
+    daemon's holdings; None on the static ring, where they are judged here.
+    ``rolled_back_to``: the job was rolled back to this step and etcd has not
+    judged anew: the summary still counts the dropped steps, which kept as
+    committed would make retention free the step restored. ``held``: the
+    steps this daemon took as committed before; each stays committed while
+    the group can still restore it (a lost host takes copies away, but a step
+    the trainers were told is committed must not become fair game for the cap
+    on uncommitted copies). ``epoch_whole``: False when the current epoch's
+    layouts can never cover its job-wide arrays; its steps are not committed.
+    ``stale``: daemons whose holdings are what they answered last, not now (silent
+    this time): a step is not judged committed on their copies, which may have been
+    freed since; they still count for what the group can restore.
+    """
+    if summary is not None and rolled_back_to is not None:
+        summary = tuple([s for s in steps if s <= rolled_back_to] for steps in summary)
+    if summary is None:
+        fresh = [h for h in holdings if h.index not in stale] if stale else holdings
+        summary = (committed_steps(world_size, fresh, copies_wanted),
+                   restorable_steps(world_size, holdings))
+    committed = sorted(set(summary[0]) | (set(held) & set(summary[1])))
+    if not epoch_whole:
+        worlds = step_worlds(holdings, world_size)
+        committed = [s for s in committed if worlds.get(s) != world_size]
+    return committed
+
+
+def newly_held(before: dict[tuple[int, int], set[int]], holdings) -> set[int]:
+    """Steps of which ``holdings`` show a copy that ``before`` (:func:`holders` of an
+    earlier gathering) did not: a copy landed since."""
+    return {key[1] for key, where in holders(holdings).items()
+            if where - before.get(key, set())}
+
+
 def successors(index: int, ring_size: int, live, count: int) -> list[int]:
     """The next ``count`` live daemons after ``index`` in ring order."""
     ring = [(index + i) % ring_size for i in range(1, ring_size)]

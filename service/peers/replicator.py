@@ -45,6 +45,7 @@ class Replicator:
         self._group = group
         self._transfers = transfers
         self._views: dict[str, list[group_view.Holding]] = {}
+        self._seen: dict[str, dict] = {}  # job -> holders() of its last gathering
         self._rolled_back: dict[str, int] = {}  # job -> step, until etcd judges anew
         self._probed: dict[int, float] = {}  # when a peer believed dead was last asked
         # (job, rank) -> when its oldest commit still waiting here was made: a step that
@@ -52,7 +53,7 @@ class Replicator:
         self._since: dict[tuple[str, int], float] = {}
         self._lock = threading.Lock()
         self._worker = CoalescingWorker("replicator", self._replicate_batch,
-                                        tick=lambda: self._refresh(None),
+                                        tick=self._tick,
                                         every_seconds=group.options.refresh_seconds)
 
     def start(self) -> None:
@@ -86,6 +87,7 @@ class Replicator:
         what is known of the group's copies is gathered afresh."""
         with self._lock:
             self._views.pop(job, None)
+            self._seen.pop(job, None)
             self._since = {key: t for key, t in self._since.items() if key[0] != job}
             self._rolled_back[job] = step
         # (job, None) items ask for a refresh after a summary changed: they stay
@@ -156,41 +158,33 @@ class Replicator:
         except grpc.RpcError:
             return False
 
+    def _tick(self) -> None:
+        self._group.announce(silent_only=True)  # liveness is known even while no job runs
+        self._refresh(None)
+
     def _refresh(self, only_job: str | None) -> None:
         # Every job, not only those with copies here: a daemon whose ranks are all
         # held through other daemons' copiers still reports what the group committed.
         jobs = [only_job] if only_job else self._store.job_names()
         for job in jobs:
+            gathered_at = time.monotonic()
             holdings = self.view(job)
             try:
                 world = self._store.world_size(job)
             except DaemonError:
                 continue
             wanted = self._group.options.copies_wanted
-            # With etcd the aggregator judged every daemon's holdings; the static ring
-            # gathered them all here.
-            summary = self._group.summary(job)
             with self._lock:
                 cut = self._rolled_back.get(job)
-            if summary is not None and cut is not None:
-                # The summary still counts the steps a rollback dropped: kept as
-                # committed they would make retention free the step restored.
-                summary = tuple([s for s in steps if s <= cut] for steps in summary)
-            if summary is None:
-                summary = (group_view.committed_steps(world, holdings, wanted),
-                           group_view.restorable_steps(world, holdings))
-            # A step stays committed while the group can still restore it: a lost host
-            # takes copies away, but the step the trainers were told is committed must
-            # not become fair game for the cap on uncommitted copies.
-            restorable = set(summary[1])
-            committed = sorted(set(summary[0]) | (set(self._store.committed(job)) & restorable))
             coverage = self._layouts.coverage(job)
-            if coverage.known and not coverage.whole:  # the current epoch can never be whole
-                worlds = group_view.step_worlds(holdings, world)
-                committed = [s for s in committed if worlds.get(s) != world]
-            self._store.set_group_committed(job, committed)
-            if only_job:
-                continue
+            committed = group_view.kept_committed(
+                world, holdings, wanted, self._group.summary(job), self._store.committed(job),
+                cut, epoch_whole=not coverage.known or coverage.whole,
+                stale=self._group.unanswered(job))
+            self._store.set_group_committed(job, committed, self._changed(job, holdings),
+                                            gathered_at)
+            if only_job or self._group.unanswered(job, ever=True):
+                continue  # a peer that is not dead never answered: its copies are unknown
             kept = committed[-self._store.options.keep_steps:]
             work = group_view.re_replication(self._group.index, self._group.size,
                                              self._group.not_dead(), holdings, wanted,
@@ -200,6 +194,18 @@ class Replicator:
                          targets)
                 for target in targets:
                     self._push(job, rank, step, target)
+
+    def _changed(self, job: str, holdings) -> set[int]:
+        """Steps of ``job`` a copy of which landed in the group since the last gathering;
+        every step held while a peer that is not dead did not answer (what it holds now
+        is not known). The cap on uncommitted copies waits its grace from then: a step
+        that just became whole elsewhere is seen whole here before a copy could go."""
+        seen = group_view.holders(holdings)
+        with self._lock:
+            before, self._seen[job] = self._seen.get(job, {}), seen
+        if self._group.unanswered(job):
+            return {step for _, step in seen}
+        return group_view.newly_held(before, holdings)
 
     def _push(self, job: str, rank: int, step: int, target: int,
               gate: PushGate | None = None) -> int:

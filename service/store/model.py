@@ -57,6 +57,7 @@ class RankStep:
     just_verified: bool = False  # installed for a restore and verified; not served since
     arriving: bool = False  # being installed from a peer or the durable tier
     local_since: float = 0.0  # when it became LOCAL (time.monotonic())
+    group_changed: float = 0.0  # when a copy of this step last appeared in the group's view
 
     @property
     def local(self) -> bool:
@@ -116,6 +117,10 @@ class Job:
     #: Adopted after a restart, with peers: the group's committed steps are not
     #: known yet, and retention must not free a copy the group still counts.
     awaiting_group: bool = False
+    #: With peers: when the latest gathering of the group's holdings began (monotonic
+    #: seconds). The cap on uncommitted copies counts its grace to then, not to now: a
+    #: replicator busy pushing gathers nothing, and its view must not age into frees.
+    gathered_at: float = float("-inf")
 
     def committed_steps(self) -> list[int]:
         """Steps committed for the job, oldest first.

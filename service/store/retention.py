@@ -14,11 +14,14 @@ from collections.abc import Mapping, Sequence
 @dataclasses.dataclass(frozen=True)
 class HeldStep:
     """What retention needs of one copy (the store's own copies have the same fields):
-    ``local_since`` is when it became LOCAL (monotonic seconds)."""
+    ``local_since`` is when it became LOCAL, ``group_changed`` when a copy of its step
+    last appeared in the group's holdings as this daemon gathered them (monotonic
+    seconds)."""
 
     local: bool
     replicated: bool = False
     local_since: float = 0.0
+    group_changed: float = 0.0
 
 
 def oldest_kept(committed: Sequence[int], keep_steps: int) -> int:
@@ -32,14 +35,19 @@ def steps_to_free(steps: Mapping[int, HeldStep], committed: Sequence[int], keep_
     """The steps of one rank's copies ``steps`` to free, given the job's ``committed``
     steps (oldest first); ``capped``: the group, not this daemon, decides what is
     committed, so uncommitted copies are capped too, but only once they have been
-    LOCAL for ``grace_seconds`` at ``now``: the group may be committing a step this
-    daemon has not seen committed yet (its view lags), and another daemon may
-    already have reported it committed to a trainer."""
+    LOCAL, and the group's copies of their step unchanged, for ``grace_seconds`` at
+    ``now``: the group may be committing a step this daemon has not seen committed yet
+    (its view lags), and another daemon may already have reported it committed to a
+    trainer. A step becomes whole when its last copy lands, maybe long after this
+    copy did (replication behind); from then, this daemon sees it whole at its next
+    gathering unless a copy went first, and the first copy to go is freed by a
+    daemon that waited the grace after it saw that last copy land: it saw the step
+    whole, and keeps it committed."""
     floor = oldest_kept(committed, keep_steps)
     drop = {s for s in steps if s < floor}
     if capped:
         settled = {s for s in beyond_cap(steps, keep_steps)
-                   if now - steps[s].local_since >= grace_seconds}
+                   if now - max(steps[s].local_since, steps[s].group_changed) >= grace_seconds}
         drop |= settled - set(committed[-keep_steps:])
     return drop
 

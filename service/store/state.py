@@ -67,7 +67,7 @@ class StoreState:
             return
         committed = entry.committed_steps()
         keep = self.options.keep_steps
-        now = time.monotonic()
+        now = entry.gathered_at if self.grouped else time.monotonic()
         for held in entry.ranks.values():
             for step in retention.steps_to_free(held.steps, committed, keep, self.grouped, now,
                                                 self.options.uncommitted_grace_seconds):

@@ -21,6 +21,7 @@ under the lock (it must not call the store).
 """
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bubblesnap.service import phases
@@ -203,11 +204,20 @@ class SnapshotStore:
             if rank_step is not None:
                 rank_step.replicated = True
 
-    def set_group_committed(self, job: str, steps) -> None:
-        """The peer group's committed steps of ``job``; frees what retention lets go."""
+    def set_group_committed(self, job: str, steps, changed=(),
+                            gathered_at: float | None = None) -> None:
+        """The peer group's committed steps of ``job``, judged on holdings gathered from
+        ``gathered_at`` (monotonic; default now); frees what retention lets go.
+        ``changed``: steps of which a copy appeared in the group's holdings since they
+        were gathered last (their copies' grace before the cap starts again)."""
+        gathered_at = time.monotonic() if gathered_at is None else gathered_at
         with self._lock:
             entry = self._state.jobs.get(job)
             if entry is not None:
+                for held in entry.ranks.values():
+                    for step in set(changed) & set(held.steps):
+                        held.steps[step].group_changed = gathered_at
+                entry.gathered_at = max(entry.gathered_at, gathered_at)
                 entry.group_committed = sorted(steps)
                 entry.awaiting_group = False
                 self._state.retain(job, entry)

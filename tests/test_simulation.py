@@ -1,0 +1,107 @@
+"""The group protocol's decisions in a deterministic simulation (tests/simulation/).
+
+Every run is a seeded history: three daemons of a static ring with --replicas 1,
+a trainer per host, lossy and slow messages, lost hosts, restarted daemons,
+failed jobs resuming from a restore; the contract is checked after every event
+(the newest step reported committed stays restorable whole with the run's own
+bytes; a resume never goes back past it). A race found is a seed here.
+"""
+
+import time
+
+import pytest
+
+from tests.simulation.group import Config, Group, Violation, held_by_rank
+from tests.simulation.scenarios import AfterCommitFailure
+
+EVENTS = 100_000
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_a_hundred_thousand_events_keep_the_contract(seed):
+    group = Group(seed)
+    started = time.perf_counter()
+    group.run_for(EVENTS)
+    seconds = time.perf_counter() - started
+    assert group.sim.events == EVENTS and group.checked == EVENTS
+    # it did what it is for: steps committed, hosts lost, daemons restarted, jobs resumed
+    assert len(group.restores) >= 10 and group.sim.now > 600, (group.sim.now, group.restores)
+    assert any(r.get("restored", -1) >= 0 for r in group.restores)
+    print(f"seed {seed}: {EVENTS} events in {seconds:.1f} s ({EVENTS / seconds:.0f}/s), "
+          f"{group.sim.now:.0f} simulated seconds, {len(group.runs)} runs")
+
+
+def test_the_same_seed_replays_the_same_history():
+    def history(seed):
+        group = Group(seed)
+        group.run_for(5000)
+        return group.sim.now, [(d.index, sorted(d.copies)) for d in group.daemons]
+    assert history(7) == history(7)
+    assert history(7) != history(8)
+
+
+def test_the_caps_old_grace_loses_a_committed_step():
+    """Seed 0 with the cap's grace counted from the copy's own landing only (before the
+    fix): step 12 was reported committed by daemon 0, the others never saw it whole in
+    time and freed their copies of rank 1 (the step's last copies landed late)."""
+    group = Group(0, Config(grace_from_group=False))
+    with pytest.raises(Violation, match="step 12, reported committed, has no live copy of rank 1"):
+        group.run_for(EVENTS)
+
+
+def test_a_silent_peers_last_answer_once_made_a_freed_copy_count():
+    """Seed 3 judging committed on a silent peer's last answer too (before the fix): daemon
+    2 took step 2496 committed counting daemon 0's copy of rank 0, which daemon 0 had
+    freed since; the step had one copy of rank 0, and lost it."""
+    group = Group(3, Config(fresh_judgement=False))
+    with pytest.raises(Violation, match="step 2496, reported committed, has no live copy of"):
+        group.run_for(EVENTS)
+
+
+def test_after_commit_failing_before_the_first_commit_leaves_no_step_whole():
+    """examples/lossless.py --fail-point after-commit, the rule before its fix (stage 0's
+    own acknowledgement alone): seed 579 kills the job once stage 0's commit of step 6
+    was acknowledged, but stage 1 adopted the daemon's first plan late and snapshotted
+    step 7 first: no step is whole anywhere, the resume finds nothing to restore. The
+    shape the test once failed with; no contract is broken (nothing was committed)."""
+    group = AfterCommitFailure(579, fixed=False)
+    group.run_for(200_000, until=group.resumed)
+    [restore] = group.restores
+    assert restore["steps"] == [] and restore["newest_committed"] == -1
+    assert restore["held"] == {0: [6], 1: [7], 2: [6, 7]}
+
+
+@pytest.mark.parametrize("seed", [579, *range(40)])
+def test_after_commit_failing_once_the_job_committed_always_resumes(seed):
+    group = AfterCommitFailure(seed, fixed=True)
+    group.run_for(200_000, until=group.resumed)
+    [restore] = group.restores
+    assert restore["steps"] and restore["restored"] >= restore["newest_committed"] >= 0, \
+        held_by_rank([h for d in group.daemons for h in d.holdings()])
+
+
+# -- open issues the simulation found (the other tests keep them out of the histories) --------
+
+
+def test_open_a_rollback_that_is_not_atomic_lets_an_abandoned_runs_bytes_back_in():
+    """A resume rolls every later copy back with one Rollback call per peer; one that is
+    lost, or a push of the abandoned run still in flight when it resumes, leaves that
+    run's bytes where the new run counts them as a copy of its own step. Seed 1 resumes
+    from step 58 with such copies of rank 0. Copies need the run they belong to (a
+    generation) for a daemon to tell; until then the other histories keep Rollback
+    calls reliable and let pushes drain before a resume (Config.atomic_rollback)."""
+    group = Group(1, Config(atomic_rollback=False))
+    with pytest.raises(Violation, match="step 58 chosen for the resume has copies of another"):
+        group.run_for(EVENTS)
+
+
+def test_open_a_host_lost_before_the_others_agreed_on_a_commit():
+    """A daemon takes a step committed on its own gathering alone: seed 0 loses host 2
+    after daemon 1 alone saw step 320 whole (and reported it); daemon 0 never took it as
+    committed and, with rank 2's other copy gone, freed its own by the cap. Daemons need
+    to learn each other's committed steps (in the Holdings answer, say); until then the
+    other histories lose a host only once every daemon took the newest committed step
+    (Config.host_loss_after_agreement)."""
+    group = Group(0, Config(host_loss_after_agreement=False))
+    with pytest.raises(Violation, match="step 320, reported committed, has no live copy of rank 2"):
+        group.run_for(EVENTS)
