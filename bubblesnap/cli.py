@@ -4,8 +4,9 @@ prints a bubble plan."""
 
 import argparse
 import json
+import signal
 import sys
-import time
+import threading
 
 from bubblesnap import cli_daemon, cli_plan
 from bubblesnap.sizes import human_bytes
@@ -70,20 +71,24 @@ def _run_status(args) -> int:
     if args.watch is not None and args.watch <= 0:
         print("bubblesnap status: --watch takes a number of seconds > 0", file=sys.stderr)
         return 2
-    try:
-        with grpc.insecure_channel(args.daemon) as channel:
-            return _show_status(daemon_pb2_grpc.DaemonStub(channel), args)
-    except KeyboardInterrupt:  # the way out of --watch
-        return 0
+    interrupted = threading.Event()
+    if args.watch is not None:
+        # Ctrl-C ends the watch between redraws. A KeyboardInterrupt raised wherever the
+        # main thread is could land inside gRPC's own code holding one of its locks, and
+        # closing the channel then waited on it for ever (seen: no output, no exit).
+        signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    with grpc.insecure_channel(args.daemon) as channel:
+        return _show_status(daemon_pb2_grpc.DaemonStub(channel), args, interrupted)
 
 
-def _show_status(stub, args) -> int:
-    """Prints the daemon's status once, or every ``--watch`` seconds."""
+def _show_status(stub, args, interrupted: threading.Event) -> int:
+    """Prints the daemon's status once, or every ``--watch`` seconds until
+    ``interrupted``."""
     import grpc
     from google.protobuf import json_format
 
     from bubblesnap.protos import daemon_pb2
-    while True:
+    while not interrupted.is_set():
         try:
             status = stub.Status(daemon_pb2.StatusRequest(job=args.job), timeout=args.timeout)
         except grpc.RpcError as err:
@@ -100,7 +105,8 @@ def _show_status(stub, args) -> int:
             print(format_status(status), flush=True)
         if args.watch is None:
             return 0
-        time.sleep(args.watch)
+        interrupted.wait(args.watch)
+    return 0
 
 
 def format_status(status) -> str:

@@ -23,6 +23,9 @@ PROGRAM_MODULES = {"test_benchmarks", "test_bubbles", "test_checkpoint_manager",
 #: Of those, the ones whose every test keeps both cores busy for tens of seconds (several
 #: JAX processes at once): with pytest-xdist they run one at a time, on one worker.
 HEAVY_MODULES = {"test_benchmarks", "test_bubbles", "test_failover", "test_lossless"}
+#: Modules whose tests share module-scoped fixtures that cost a minute (reference runs):
+#: their tests go to one worker together, so the fixtures run once.
+SHARED_FIXTURE_MODULES = {"test_orbax_loops"}
 RING_FIXTURES = {"start_ring", "start_etcd_ring", "etcd"}
 
 
@@ -35,7 +38,9 @@ def pytest_xdist_make_scheduler(config, log):
     class ProgramsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-            return "heavy" if module in HEAVY_MODULES else nodeid
+            if module in HEAVY_MODULES:
+                return "heavy"
+            return module if module in SHARED_FIXTURE_MODULES else nodeid
     return ProgramsTogether(config, log)
 
 

@@ -1,8 +1,11 @@
 """Where tensors go in a step's one Orbax checkpoint, and when its sidecars make it
 whole: pure functions, tested on crafted layouts, no daemon."""
 
+import os
+
 import pytest
 
+from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable import orbax_layout
 from bubblesnap.service.durable.policy import incomplete
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
@@ -65,3 +68,18 @@ def test_a_step_is_whole_when_its_sidecars_cover_every_rank_and_every_array():
     assert "different world sizes" in incomplete(
         {0: _rank(0, [((0, 2),)]), 1: _rank(1, [((2, 4),)], world=3)})
     assert incomplete({}) == "no rank is written"
+
+
+def test_a_step_published_within_the_listing_s_clock_tick_is_seen(tmp_path):
+    """The job folder's listing is cached by its mtime, which the kernel stamps from a
+    coarse clock: a step renamed in during the tick the folder was listed in leaves the
+    mtime as it was. Here the rename's new mtime is set back to the listed one."""
+    job = tmp_path / "job"
+    job.mkdir()
+    assert fmt.finalized_steps(str(tmp_path), "job") == {}
+    listed = os.stat(job).st_mtime_ns
+    step = job / "step_3"
+    os.makedirs(fmt.marker_path(str(step)).rsplit("/", 1)[0])
+    open(fmt.marker_path(str(step)), "w").close()
+    os.utime(job, ns=(listed, listed))  # the same tick
+    assert fmt.finalized_steps(str(tmp_path), "job") == {3: str(step)}

@@ -121,11 +121,18 @@ class StepFolders:
         """Restores an item Orbax's handler saved (``args`` None: the handler's defaults)."""
         if handler is None:
             handler = ocp.args.get_registered_handler_cls(args)()
+        path = self.item_path(step, item)
         with ocp.Checkpointer(handler) as checkpointer:
             try:
-                return checkpointer.restore(epath.Path(self.item_path(step, item)), args=args)
-            except FileNotFoundError:  # the daemon published the step meanwhile
-                return checkpointer.restore(epath.Path(self.item_path(step, item)), args=args)
+                return checkpointer.restore(epath.Path(path), args=args)
+            except Exception:
+                # The daemon published the step while it was read here: it removes the
+                # saved copy once the step's folder holds the item. Orbax's handlers
+                # fail on vanished files in their own ways (tensorstore: ValueError).
+                moved = self.item_path(step, item)
+                if moved == path:
+                    raise
+                return checkpointer.restore(epath.Path(moved), args=args)
 
     def forget_items(self, keep) -> None:
         """Removes saved items of steps not in ``keep`` (deleted, or persisted by the

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import time
 import uuid
 
 import numpy as np
@@ -76,13 +77,14 @@ def finalized_steps(directory: str, job: str) -> dict[int, str]:
     except (FileNotFoundError, NotADirectoryError):
         return {}
     cached = _LISTINGS.get(root)
-    if cached is None or cached[0] != changed:
+    if cached is None or cached[0] != changed or cached[0] >= cached[2] - _RACY_NS:
+        listed_at = time.time_ns()
         names = {}
         for name in _listdir(root):
             match = _STEP_DIR.fullmatch(name)
             if match:
                 names.setdefault(int(match[1]), []).append(os.path.join(root, name))
-        cached = _LISTINGS[root] = (changed, names)
+        cached = _LISTINGS[root] = (changed, names, listed_at)
         if len(_LISTINGS) > 4096:
             _LISTINGS.clear()
     found = {}
@@ -93,8 +95,14 @@ def finalized_steps(directory: str, job: str) -> dict[int, str]:
     return found
 
 
-#: job folder -> (its mtime, step -> folders named for it): finalized_steps' listing.
-_LISTINGS: dict[str, tuple[int, dict[int, list[str]]]] = {}
+#: job folder -> (its mtime, step -> folders named for it, when it was listed):
+#: finalized_steps' listing.
+_LISTINGS: dict[str, tuple[int, dict[int, list[str]], int]] = {}
+#: A listing taken this soon after the folder's last change is not trusted (read again
+#: next time, as git treats a "racily clean" index): the kernel stamps mtimes from a
+#: coarse clock (a tick of milliseconds), so a step renamed in during the same tick as
+#: the listing leaves the mtime as it was, and the step would stay unseen for good.
+_RACY_NS = 2_000_000_000
 
 
 def jobs(directory: str) -> list[str]:
