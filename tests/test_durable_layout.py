@@ -7,7 +7,7 @@ import pytest
 
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable import orbax_layout
-from bubblesnap.service.durable.policy import incomplete
+from bubblesnap.service.durable.policy import incomplete, step_to_write
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
 
 
@@ -83,3 +83,12 @@ def test_a_step_published_within_the_listing_s_clock_tick_is_seen(tmp_path):
     open(fmt.marker_path(str(step)), "w").close()
     os.utime(job, ns=(listed, listed))  # the same tick
     assert fmt.finalized_steps(str(tmp_path), "job") == {3: str(step)}
+
+
+def test_a_write_behind_takes_the_newest_step_when_no_other_host_writes_the_job():
+    """Behind a burst of commits, a daemon holding every rank writes the newest waiting
+    step (a manager keeping the newest may have deleted step 0 already); a daemon that
+    shares the job with others writes the roundest, the step they also pick."""
+    assert step_to_write([0, 1, 2, 3], every_rank_here=True) == 3
+    assert step_to_write([0, 1, 2, 3], every_rank_here=False) == 0
+    assert step_to_write([5, 6, 7], every_rank_here=False) == 6

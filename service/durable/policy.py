@@ -6,6 +6,7 @@ import dataclasses
 from bubblesnap.options import require
 from bubblesnap.service.durable import orbax_layout
 from bubblesnap.service.durable.sidecar import WrittenRank
+from bubblesnap.service.peers import group_view
 from bubblesnap.service.store import regions
 
 
@@ -52,6 +53,15 @@ def should_write(step: int, seconds_since_last: float, options: DurableOptions) 
     if options.every_steps and step % options.every_steps == 0:
         return True
     return bool(options.every_seconds) and seconds_since_last >= options.every_seconds
+
+
+def step_to_write(waiting: list[int], every_rank_here: bool) -> int:
+    """Which of a rank's waiting steps a write that fell behind writes (the others are
+    skipped). When every rank of the job is on this daemon no other host has to write
+    the same step: the newest, the most progress kept (and the one a CheckpointManager's
+    policy keeps: an older one its manager deleted meanwhile would leave no step on
+    disk). Else the roundest, the step every host behind by any amount also picks."""
+    return max(waiting) if every_rank_here else group_view.roundest(waiting)
 
 
 def is_whole(world_size: int, written: dict[int, tuple[int, ...]]) -> bool:

@@ -6,8 +6,9 @@ holds for peers): their regions, from the pinned shared-memory segment
 straight into the step's checkpoint (checkpoint.py), then a sidecar. The
 daemon that finds a step's sidecars whole finalizes it; any daemon retires
 steps older than the ``keep`` newest finalized ones. Writes that fall behind
-collapse into the roundest waiting step of each rank (group_view.roundest),
-so every host writes common steps.
+collapse into one waiting step of each rank (policy.step_to_write): the
+roundest, so every host writes common steps, or the newest when every rank
+of the job is on this daemon.
 """
 
 import dataclasses
@@ -26,7 +27,6 @@ from bubblesnap.service.durable.finalizer import Finalizer
 from bubblesnap.service.durable.reader import DurableReader
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
 from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition
-from bubblesnap.service.peers import group_view
 from bubblesnap.service.progress import Progress
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -109,7 +109,8 @@ class DurableWriter:
 
     def _write_batch(self, batch: dict) -> None:
         for (job, rank), copies in sorted(batch.items()):
-            step = group_view.roundest([pinned.step for pinned in copies])
+            every_rank_here = len(self._registered_layouts(job)) >= copies[-1].world_size
+            step = policy.step_to_write([pinned.step for pinned in copies], every_rank_here)
             chosen = [p for p in copies if p.step == step][-1]  # the newest copy of it
             for pinned in copies:
                 if pinned is not chosen or self._worker.stopping.is_set():
