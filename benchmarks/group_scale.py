@@ -53,8 +53,9 @@ from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.coordination.etcd_group import CoordinationOptions, EtcdGroup
 from bubblesnap.service.peers import group_view
-from bubblesnap.service.peers.group import PeerGroup, PeerOptions
+from bubblesnap.service.peers.group import PeerGroup
 from bubblesnap.service.peers.layouts import GroupLayouts
+from bubblesnap.service.peers.peer_options import PeerOptions
 
 JOB = "job"
 REPLICAS = 1

@@ -12,7 +12,8 @@ never signalled, and the paths to remove once it is gone) and released when
 its starter ended it itself. When the starting process ends, however it
 ends, the kernel closes its end: the reaper reads end-of-file, SIGKILLs every
 child still handed over (a stopped one too), waits until each is gone,
-removes their paths and exits.
+removes their paths, runs the commands it was handed (``ip netns del``: the
+network a ``Cluster`` made) and exits.
 
 Runs without the package (``python -I reaper.py FD``): only the standard library.
 """
@@ -23,6 +24,7 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -57,8 +59,20 @@ def add_paths(token: int, paths) -> None:
         _send({"op": "paths", "id": token, "paths": [str(p) for p in paths]})
 
 
+def run_at_end(commands) -> int:
+    """Commands (argument lists) the reaper runs, in order, once this process is gone
+    and its children with it, unless :func:`release` of the returned token came first:
+    how a network made for tests is removed when its maker is SIGKILLed."""
+    with _lock:
+        _state["next"] += 1
+        token = _state["next"]
+        _send({"op": "run", "id": token, "commands": [list(map(str, c)) for c in commands]})
+    return token
+
+
 def release(token: int) -> None:
-    """Child ``token`` ended and was waited for: the reaper forgets it."""
+    """Child ``token`` ended and was waited for (or commands ``token`` are no longer
+    needed): the reaper forgets it."""
     with _lock:
         _send({"op": "release", "id": token})
 
@@ -110,6 +124,7 @@ def _serve(fd: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     children: dict[int, tuple[int | None, int, list[str]]] = {}  # id -> (pidfd, pid, paths)
+    commands: dict[int, list[list[str]]] = {}  # id -> what to run at the end
     while True:
         data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
         if not data:  # every copy of the starting process's end is closed: it is gone
@@ -120,7 +135,10 @@ def _serve(fd: int) -> None:
             children[token] = (fds[0] if fds else None, message["pid"], message["paths"])
         elif message["op"] == "paths" and token in children:
             children[token][2].extend(message["paths"])
+        elif message["op"] == "run":
+            commands[token] = message["commands"]
         elif message["op"] == "release":
+            commands.pop(token, None)
             pidfd = children.pop(token, (None,))[0]
             if pidfd is not None:
                 os.close(pidfd)
@@ -139,6 +157,9 @@ def _serve(fd: int) -> None:
     for _, _, paths in children.values():
         for path in paths:
             shutil.rmtree(path, ignore_errors=True)
+    for argv in (argv for token in sorted(commands) for argv in commands[token]):
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
 
 
 if __name__ == "__main__":

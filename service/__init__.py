@@ -18,8 +18,8 @@ from bubblesnap.service.durable import DurableOptions
 from bubblesnap.service.logs import LogOptions
 from bubblesnap.service.peers.discovery import DiscoveryOptions
 from bubblesnap.service.peers.dns_discovery import DiscoveryError, discover
-from bubblesnap.service.peers.group import PeerOptions
 from bubblesnap.service.peers.pacing import PacingOptions
+from bubblesnap.service.peers.peer_options import PeerOptions
 from bubblesnap.service.peers.security import PeerSecurity
 from bubblesnap.service.store import StoreOptions
 

@@ -20,10 +20,11 @@ from bubblesnap.service.errors import DaemonError
 from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
 from bubblesnap.service.peers.data_server import DataServer
-from bubblesnap.service.peers.group import PeerGroup, PeerOptions
+from bubblesnap.service.peers.group import PeerGroup
 from bubblesnap.service.peers.idle_windows import IdleWindows
 from bubblesnap.service.peers.layouts import GroupLayouts
 from bubblesnap.service.peers.log_replication import LogReplication
+from bubblesnap.service.peers.peer_options import PeerOptions
 from bubblesnap.service.peers.replicator import Replicator
 from bubblesnap.service.peers.security import TokenInterceptor
 from bubblesnap.service.peers.transfers import Transfers

@@ -26,7 +26,7 @@ HEAVY_MODULES = {"test_benchmarks", "test_bubbles", "test_failover", "test_lossl
 #: Modules whose tests share module-scoped fixtures that cost a minute (reference runs):
 #: their tests go to one worker together, so the fixtures run once.
 SHARED_FIXTURE_MODULES = {"test_orbax_loops"}
-RING_FIXTURES = {"start_ring", "start_etcd_ring", "etcd"}
+RING_FIXTURES = {"start_ring", "start_etcd_ring", "etcd", "start_cluster"}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -112,6 +112,25 @@ def start_etcd_ring(start_daemon, etcd, request):
                     etcd=etcd, **options)
     start.prefix = prefix
     return start
+
+
+@pytest.fixture
+def start_cluster():
+    """Starts a :class:`bubblesnap.testing.Cluster` (hosts in network namespaces), closed
+    after the test, whatever its outcome; the test is skipped, with why, where no cluster
+    can be made (not root, no network namespaces)."""
+    from bubblesnap import cluster
+    reason = cluster.unavailable()
+    if reason:
+        pytest.skip(f"no Cluster here: {reason}")
+    made = []
+
+    def start(size: int, *flags: str, **options) -> "cluster.Cluster":
+        made.append(cluster.Cluster(size, *flags, **options))
+        return made[-1]
+    yield start
+    for each in made:
+        each.close()
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """The ring of daemons this one belongs to: addresses, liveness, calls to peers."""
 
-import dataclasses
 import logging
 import threading
 import time
@@ -8,105 +7,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from bubblesnap.options import require
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
-from bubblesnap.service.coordination.etcd_group import CoordinationOptions
 from bubblesnap.service.coordination.etcd_kv import EtcdUnavailable
 from bubblesnap.service.errors import InvalidArgument, Unavailable
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.peers.group_view import Holding
 from bubblesnap.service.peers.liveness import Liveness
-from bubblesnap.service.peers.pacing import PacingOptions
-from bubblesnap.service.peers.security import PeerSecurity
+from bubblesnap.service.peers.peer_options import PeerOptions
 
 log = logging.getLogger("bubblesnap.daemon")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PeerOptions:
-    """Where this daemon sits among its peers (``bubblesnap daemon`` flags in brackets).
-
-    Attributes:
-      peers: peer gRPC addresses of every daemon of the group, in ring order,
-        this one's included (``--peers``). Empty: a lone daemon (no
-        replication), unless ``coordination`` names an etcd cluster.
-      index: this daemon's position in ``peers`` (``--index``). Default 0.
-        With ``coordination``: the ring position to take, -1 for the one this
-        daemon's name held last or else the first free one.
-      listen: address the peer port binds; default ``peers[index]``
-        (``--peer-listen``). Set it to bind another interface (0.0.0.0:PORT)
-        than the one peers dial. With ``coordination`` it is the address
-        peers dial, published in etcd, and must be given.
-      coordination: the etcd backend: membership from leases, holdings and
-        commits as keys (``--coordination``). Default off: the static ring.
-      data_listen: address of the bulk data channel; default the peer
-        host with a free port, peers learn it from each call (``--data-listen``).
-      replicas: copies pushed to the next daemons in the ring, k
-        (``--replicas``). A step is committed when every rank holds it 1 + k
-        times. Default 1.
-      security: TLS and token of peer calls.
-      pacing: whether new copies are pushed in the stages' bubbles, and how long
-        one may wait for them (``--pace-replication``, ``--pace-max-wait``).
-      call_timeout_seconds: deadline of small peer calls. Default 2 s.
-      transfer_timeout_seconds: deadline of a replica or restore transfer.
-        Default 120 s.
-      refresh_seconds: how often the group's holdings are gathered to find
-        dead peers, re-replicate and advance retention. Default 1 s.
-      dead_after_seconds: a peer that has not answered for this long is
-        dead: its copies are made again elsewhere. Shorter would copy
-        needlessly whenever a busy peer misses one call. Default 5 s.
-      server_threads: threads answering peer calls. Default 16.
-      spread_restores: a copy a restore pulls that several live peers hold
-        comes from all of them at once, each its share of the slots
-        (``--spread-restores``); off, from one, which keeps a restore's traffic
-        on one peer's link. Default on.
-    """
-
-    peers: tuple[str, ...] = ()
-    index: int = 0
-    listen: str = ""
-    data_listen: str = ""
-    replicas: int = 1
-    security: PeerSecurity = PeerSecurity()
-    coordination: CoordinationOptions = CoordinationOptions()
-    pacing: PacingOptions = PacingOptions()
-    call_timeout_seconds: float = 2.0
-    transfer_timeout_seconds: float = 120.0
-    refresh_seconds: float = 1.0
-    dead_after_seconds: float = 5.0
-    server_threads: int = 16
-    spread_restores: bool = True
-
-    def __post_init__(self):
-        require(self, "index", not self.peers or 0 <= self.index < len(self.peers),
-                f"a position in the {len(self.peers)} peers", "--index")
-        require(self, "replicas", self.replicas >= 0, "0 or more", "--replicas")
-        require(self, "replicas", not self.peers or self.replicas < len(self.peers),
-                f"less than the {len(self.peers)} daemons in --peers", "--replicas")
-        etcd = self.coordination
-        if etcd.enabled:
-            require(self, "peers", not self.peers, "empty with --coordination (etcd says "
-                    "who the peers are)", "--peers")
-            require(self, "index", -1 <= self.index < etcd.group_size,
-                    f"-1 or a position in the {etcd.group_size} of --group-size", "--index")
-            require(self, "replicas", self.replicas < etcd.group_size,
-                    f"less than the {etcd.group_size} daemons of --group-size", "--replicas")
-            require(self, "listen", bool(self.listen) and not self.listen.startswith("0.0.0.0"),
-                    "the HOST:PORT peers dial (published in etcd) with --coordination",
-                    "--peer-listen")
-        for name in ("call_timeout_seconds", "transfer_timeout_seconds", "refresh_seconds",
-                     "dead_after_seconds"):
-            require(self, name, getattr(self, name) > 0, "positive")
-        require(self, "server_threads", self.server_threads >= 1, "at least 1")
-
-    @property
-    def enabled(self) -> bool:
-        return len(self.peers) > 1 or self.coordination.enabled
-
-    @property
-    def copies_wanted(self) -> int:
-        return 1 + self.replicas
 
 
 class PeerGroup:
@@ -126,7 +36,7 @@ class PeerGroup:
         self._stubs: dict[int, peer_pb2_grpc.PeerStub] = {}
         self._liveness = Liveness(len(self._addresses), options.dead_after_seconds,
                                   self.address)
-        self._joining: set[int] = set()  # silent peers a Join is on its way to
+        self._joining: set[int] = set()  # quiet peers a heartbeat's Join is on its way to
         self._last_holdings: dict[tuple[int, str], list[Holding]] = {}
         self._missed: dict[str, tuple[set[int], set[int]]] = {}  # job -> (silent, unknown)
         self._lock = threading.Lock()
@@ -186,19 +96,34 @@ class PeerGroup:
                 # call at once, and a push would pass over it: a fresh one dials now
                 self._stubs.pop((index, address), None)
 
-    def call(self, index: int, method: str, request, timeout: float | None = None):
-        """One peer call; marks the peer dead when it cannot be reached."""
+    def call(self, index: int, method: str, request, timeout: float | None = None,
+             until_dead: bool = False):
+        """One peer call; marks the peer dead when it cannot be reached. ``until_dead``
+        (a transfer, whose deadline is long): given up as soon as the peer is dead, as a
+        frozen host is (it holds its connections open and answers nothing)."""
         stub = self._stub(index)
         try:
-            answer = getattr(stub, method)(
+            future = getattr(stub, method).future(
                 request, timeout=timeout or self.options.call_timeout_seconds,
                 metadata=self.options.security.metadata())
+            answer = self._answer(index, future, until_dead)
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self._liveness.mark(index, alive=False)
             raise
         self._liveness.mark(index, alive=True)
         return answer
+
+    def _answer(self, index: int, future, until_dead: bool):
+        while True:
+            try:
+                return future.result(timeout=self.options.refresh_seconds if until_dead
+                                     else None)
+            except grpc.FutureTimeoutError:
+                if index not in self.not_dead():
+                    future.cancel()
+                    raise _Unreachable(f"peer {index} is dead: silent for "
+                                       f"{self.options.dead_after_seconds:g} s") from None
 
     def ring(self) -> list[int]:
         """Every other daemon, in ring order from this one."""
@@ -213,19 +138,23 @@ class PeerGroup:
         return [i for i in ring if i in live] + [i for i in ring
                                                  if i not in live and i in not_dead]
 
-    def announce(self, silent_only: bool = False) -> None:
+    def announce(self, heartbeat: bool = False) -> None:
         """Tells every peer where this daemon is (a replacement host has a new address);
-        with etcd, taking the ring position told them. ``silent_only``: only the peers not
-        live, without waiting (each refresh, so a peer missed at start-up or whose Join
-        was lost is found again, jobs or none)."""
+        with etcd, taking the ring position told them. ``heartbeat`` (each refresh, jobs
+        or none): only the peers that answered no call for a refresh, without waiting, so
+        that a peer missed at start-up, or whose Join was lost, is found again, and one
+        cut off or frozen while nothing was asked of it is found silent and, after
+        ``dead_after_seconds``, dead."""
         if self._etcd is not None:
             return
         request = ppb.JoinRequest(index=self.index, address=self.address(self.index))
-        if not silent_only:
+        if not heartbeat:
             for index in self.others():
                 self._join(index, request)
             return
-        for index in set(self.others()) - self.live() - self._joining:
+        quiet = (set(self.others()) - self.live()) | self._liveness.quiet(
+            self.options.refresh_seconds)
+        for index in quiet - {self.index} - self._joining:
             self._joining.add(index)
             self._calls.submit(self._join, index, request).add_done_callback(
                 lambda _, index=index: self._joining.discard(index))
@@ -372,7 +301,7 @@ class PeerGroup:
     def _stub(self, index: int) -> peer_pb2_grpc.PeerStub:
         address = self.address(index)
         if not address:
-            raise _EmptySlot(index)
+            raise _Unreachable(f"ring position {index} is empty: no daemon holds it now")
         with self._lock:
             stub = self._stubs.get((index, address))  # a replacement has a new address
             if stub is None:
@@ -381,13 +310,13 @@ class PeerGroup:
             return stub
 
 
-class _EmptySlot(grpc.RpcError):
+class _Unreachable(grpc.RpcError):
     """A call to a ring position no daemon holds now (etcd emptied it between a look at
-    the members and the call): to callers, the peer is unreachable."""
+    the members and the call), or given up on a peer found dead meanwhile."""
 
-    def __init__(self, index: int):
-        super().__init__(f"ring position {index} is empty: no daemon holds it now")
-        self._details = str(self)
+    def __init__(self, details: str):
+        super().__init__(details)
+        self._details = details
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE

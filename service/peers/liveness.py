@@ -1,5 +1,6 @@
 """Which peers of the static ring answered their last call, and since when the others are
-silent: live (answered), not dead (silent for less than ``dead_after_seconds``), dead."""
+silent: live (answered), not dead (silent for less than ``dead_after_seconds``), dead; and
+which live ones were quiet lately (no call answered: a heartbeat asks them)."""
 
 import logging
 import threading
@@ -17,6 +18,7 @@ class Liveness:
         self._address = address  # index -> its address, for the log
         self._live = set(range(size))
         self._silent_since: dict[int, float] = {}
+        self._answered_at: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def live(self) -> set[int]:
@@ -28,11 +30,20 @@ class Liveness:
         with self._lock:
             return self._live | {i for i, t in self._silent_since.items() if t > limit}
 
+    def quiet(self, seconds: float) -> set[int]:
+        """Live peers that answered no call in the last ``seconds`` (or none ever): a peer
+        cut off or frozen while nothing was asked of it still counts as live."""
+        limit = time.monotonic() - seconds
+        with self._lock:
+            return {i for i in self._live if self._answered_at.get(i, float("-inf")) < limit}
+
     def mark(self, index: int, alive: bool, quiet: bool = False) -> bool:
         """Records how a call to ``index`` went (``quiet``: not logged); returns whether
         it was live before."""
         with self._lock:
             was = index in self._live
+            if alive:
+                self._answered_at[index] = time.monotonic()
             if alive and not was:
                 self._live.add(index)
                 self._silent_since.pop(index, None)

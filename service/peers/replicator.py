@@ -53,14 +53,21 @@ class Replicator:
         self._since: dict[tuple[str, int], float] = {}
         self._lock = threading.Lock()
         self._worker = CoalescingWorker("replicator", self._replicate_batch,
-                                        tick=self._tick,
+                                        tick=lambda: self._refresh(None),
                                         every_seconds=group.options.refresh_seconds)
+        # On a thread of its own: a push to a frozen peer holds the replicator's until
+        # the peer is found dead, which only the heartbeat's calls can find.
+        self._heartbeat = CoalescingWorker("heartbeat", lambda batch: None,
+                                           tick=lambda: group.announce(heartbeat=True),
+                                           every_seconds=group.options.refresh_seconds)
 
     def start(self) -> None:
+        self._heartbeat.start()
         self._worker.start()
 
     def stop(self) -> None:
         self._worker.stop(timeout=5)
+        self._heartbeat.stop(timeout=5)
 
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here: replicate it soon."""
@@ -158,10 +165,6 @@ class Replicator:
         except grpc.RpcError:
             return False
 
-    def _tick(self) -> None:
-        self._group.announce(silent_only=True)  # liveness is known even while no job runs
-        self._refresh(None)
-
     def _refresh(self, only_job: str | None) -> None:
         # Every job, not only those with copies here: a daemon whose ranks are all
         # held through other daemons' copiers still reports what the group committed.
@@ -221,7 +224,7 @@ class Replicator:
             replica_group=pinned.group)
         try:
             with self._metrics.timed("replicate"):
-                self._group.call(target, "Replicate", request,
+                self._group.call(target, "Replicate", request, until_dead=True,
                                  timeout=self._group.options.transfer_timeout_seconds)
         except grpc.RpcError as err:
             self._transfers.cancel(ticket)  # never redeemed, or broken off: unpin now
