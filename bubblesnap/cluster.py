@@ -157,7 +157,8 @@ class Cluster:
         self._cleanup = reaper.run_at_end(
             [["ip", "netns", "del", name] for name in names]
             + [["ip", "link", "del", link] for link in links]
-            + [["ip", "link", "del", self.bridge], ["rm", "-rf", *shms]])
+            + [["ip", "link", "del", self.bridge],
+               ["rm", "-rf", *shms, *([self.directory] if self._own_directory else [])]])
         _ip("ip", "addr", "add", f"{self.subnet}.{_BRIDGE_OCTET}/24", "dev", self.bridge)
         _ip("ip", "link", "set", self.bridge, "up")
         for i in range(size):

@@ -115,10 +115,11 @@ def start_etcd_ring(start_daemon, etcd, request):
 
 
 @pytest.fixture
-def start_cluster():
+def start_cluster(tmp_path):
     """Starts a :class:`bubblesnap.testing.Cluster` (hosts in network namespaces), closed
-    after the test, whatever its outcome; the test is skipped, with why, where no cluster
-    can be made (not root, no network namespaces)."""
+    after the test, whatever its outcome; the daemons' logs stay in the test's tmp_path
+    (``cluster<n>/host<i>.log``). The test is skipped, with why, where no cluster can be
+    made (not root, no network namespaces)."""
     from bubblesnap import cluster
     reason = cluster.unavailable()
     if reason:
@@ -126,6 +127,7 @@ def start_cluster():
     made = []
 
     def start(size: int, *flags: str, **options) -> "cluster.Cluster":
+        options.setdefault("directory", str(tmp_path / f"cluster{len(made)}"))
         made.append(cluster.Cluster(size, *flags, **options))
         return made[-1]
     yield start

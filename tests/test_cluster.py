@@ -3,6 +3,7 @@ faults the daemons see (a partition, a frozen daemon, a slow link); nothing it m
 left once it closed, or once the process that made it was SIGKILLed."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -77,8 +78,8 @@ def test_nothing_is_left_when_the_maker_is_killed(start_cluster):
         import json, sys, time
         from bubblesnap.testing import Cluster
         cluster = Cluster(2)
-        print(json.dumps({"tag": cluster.tag, "pids": [d.proc.pid for d in cluster.daemons]}),
-              flush=True)
+        print(json.dumps({"tag": cluster.tag, "pids": [d.proc.pid for d in cluster.daemons],
+                          "directory": cluster.directory}), flush=True)
         time.sleep(600)"""], stdout=subprocess.PIPE, text=True)
     try:
         made = json.loads(maker.stdout.readline())
@@ -86,8 +87,9 @@ def test_nothing_is_left_when_the_maker_is_killed(start_cluster):
     finally:
         maker.send_signal(signal.SIGKILL)
         maker.wait()
-    wait_for(lambda: not leftovers(made["tag"]) and not any(map(_running, made["pids"])),
-             "the reaper to remove the killed maker's network and daemons")
+    wait_for(lambda: not leftovers(made["tag"]) and not any(map(_running, made["pids"]))
+             and not os.path.exists(made["directory"]),
+             "the reaper to remove the killed maker's network, daemons and logs")
 
 
 def test_without_root_it_says_why_in_one_line(monkeypatch):

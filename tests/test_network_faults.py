@@ -39,13 +39,15 @@ def options(daemon, **more) -> ClientOptions:
 class Training:
     """A job of one rank per host, each a thread snapshotting every step into its host's
     daemon and waiting for the job to commit it (at most 3 s), as a training loop whose
-    step is ``compute`` seconds long. The steps the job was told are committed go into
-    ``history``."""
+    step is ``compute`` seconds long. The ranks step together, as a job's collectives make
+    them (a barrier per step): a rank whose daemon is sick holds the others up. The steps
+    the job was told are committed go into ``history``."""
 
     def __init__(self, cluster, history: History, compute: float = 0.05):
         self.cluster, self.history, self.compute = cluster, history, compute
         self.world = len(cluster.hosts)
         self._stop = threading.Event()
+        self._step_done = threading.Barrier(self.world)
         self._recorded: set[int] = set()
         self._lock = threading.Lock()
         self.errors: list[BaseException] = []
@@ -81,6 +83,7 @@ class Training:
 
     def stop(self) -> None:
         self._stop.set()
+        self._step_done.abort()
         for thread in self._threads:
             thread.join(timeout=60)
         assert not self.errors, self.errors

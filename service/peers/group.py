@@ -102,11 +102,11 @@ class PeerGroup:
         (a transfer, whose deadline is long): given up as soon as the peer is dead, as a
         frozen host is (it holds its connections open and answers nothing)."""
         stub = self._stub(index)
+        how = {"timeout": timeout or self.options.call_timeout_seconds,
+               "metadata": self.options.security.metadata()}
         try:
-            future = getattr(stub, method).future(
-                request, timeout=timeout or self.options.call_timeout_seconds,
-                metadata=self.options.security.metadata())
-            answer = self._answer(index, future, until_dead)
+            answer = (self._until_dead(index, getattr(stub, method).future(request, **how))
+                      if until_dead else getattr(stub, method)(request, **how))
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self._liveness.mark(index, alive=False)
@@ -114,11 +114,10 @@ class PeerGroup:
         self._liveness.mark(index, alive=True)
         return answer
 
-    def _answer(self, index: int, future, until_dead: bool):
+    def _until_dead(self, index: int, future):
         while True:
             try:
-                return future.result(timeout=self.options.refresh_seconds if until_dead
-                                     else None)
+                return future.result(timeout=self.options.refresh_seconds)
             except grpc.FutureTimeoutError:
                 if index not in self.not_dead():
                     future.cancel()

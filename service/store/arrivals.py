@@ -26,6 +26,16 @@ from bubblesnap.service.store.model import (
 from bubblesnap.service.store.state import StoreState
 
 
+class ArrivingAlready(Exception):
+    """The very copy (same checksums) is being installed here by another transfer (a
+    restore's pull and a re-replication's push of one copy): wait for that one to land or
+    to be abandoned, then reserve again. Replacing it would break off the first."""
+
+    def __init__(self, rank_step):
+        super().__init__("the same copy is arriving already")
+        self.rank_step = rank_step
+
+
 @dataclasses.dataclass(frozen=True)
 class Arrival:
     """A copy being installed: its segment is reserved and pinned while it fills.
@@ -69,6 +79,8 @@ def reserve(state: StoreState, job: str, world_size: int, rank: int, step: int,
     existing = held.steps.get(step) if held is not None else None
     if existing is not None and existing.local and existing.checksums == checksums:
         return None
+    if existing is not None and existing.arriving and existing.incoming == checksums:
+        raise ArrivingAlready(existing)
     if existing is not None and not held.replica:
         raise FailedPrecondition(
             f"this daemon holds its own trainer's copy of step {step} of rank {rank} of job "
@@ -84,7 +96,7 @@ def reserve(state: StoreState, job: str, world_size: int, rank: int, step: int,
     if new_rank:
         held = entry.ranks[rank] = Rank(layout, group, replica=True)
     rank_step = held.steps[step] = RankStep(segment, CopyState.STAGING, layout, world_size, group,
-                                            pins=1, arriving=True)
+                                            pins=1, arriving=True, incoming=checksums)
     return Arrival(job, rank, step, entry, held, rank_step, checksums, new_job, new_rank)
 
 

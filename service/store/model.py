@@ -56,6 +56,7 @@ class RankStep:
     replicated: bool = False  # a peer acknowledged a copy (or this is that copy)
     just_verified: bool = False  # installed for a restore and verified; not served since
     arriving: bool = False  # being installed from a peer or the durable tier
+    incoming: tuple[int, ...] = ()  # an arriving copy's checksums, before they are checked
     local_since: float = 0.0  # when it became LOCAL (time.monotonic())
     group_changed: float = 0.0  # when a copy of this step last appeared in the group's view
 

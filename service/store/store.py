@@ -169,10 +169,19 @@ class SnapshotStore:
         nothing kept, when they do not match ``checksums``.
         """
         checksums = tuple(checksums)
-        with phases.timed("segment"), self._lock:
-            arrival = arrivals.reserve(self._state, job, world_size, rank, step, layout,
-                                       checksums, tuple(group) or (rank,))
-            self._state.memory.arriving += arrival is not None
+        with phases.timed("segment"):
+            while True:
+                with self._lock:
+                    try:
+                        arrival = arrivals.reserve(self._state, job, world_size, rank, step,
+                                                   layout, checksums, tuple(group) or (rank,))
+                    except arrivals.ArrivingAlready as other:
+                        arriving = other.rank_step
+                    else:
+                        self._state.memory.arriving += arrival is not None
+                        break
+                while arriving.arriving and arriving.pins and not arriving.released:
+                    time.sleep(0.01)
         if arrival is None:
             return 0
         slots = layout.slots()
