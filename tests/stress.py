@@ -35,6 +35,7 @@ FAULT_PRONE = (
     "tests/test_manager_reboot.py",
     "tests/test_restore_spread.py",
     "tests/test_testing.py",
+    "tests/test_network_faults.py",
 )
 
 
