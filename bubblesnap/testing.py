@@ -148,7 +148,7 @@ class DaemonProcess:
     def __init__(self, *flags: str, metrics: str = "", log_level: str = "WARNING",
                  env: dict[str, str] | None = None, stderr=None, own_shm_dir: bool = True,
                  name: str = "daemon", ready_timeout: float = 120.0, netns: str | None = None):
-        self.name, self.netns = name, netns
+        self.name = name
         self.stderr_path = None if stderr is None or isinstance(stderr, int) else str(stderr)
         self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir="/dev/shm")
                             if own_shm_dir else None)

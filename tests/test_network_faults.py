@@ -102,6 +102,16 @@ def restore_every_rank(cluster, history: History) -> dict[int, str]:
     return sources
 
 
+def assert_recovers(cluster, training: Training, history: History, since: float,
+                    what: str) -> None:
+    """A step commits after ``since`` (the fault's end); then every rank restores, and the
+    history keeps the contract."""
+    wait_for(lambda: training.committed_since(since), f"a step committed after {what}")
+    training.stop()
+    restore_every_rank(cluster, history)
+    assert violations(history) == []
+
+
 def test_a_daemon_cut_off_from_its_ring_while_training_then_healed(start_cluster):
     cluster, history = start_cluster(3, *FLAGS), History()
     training = Training(cluster, history)
@@ -111,11 +121,7 @@ def test_a_daemon_cut_off_from_its_ring_while_training_then_healed(start_cluster
     wait_for(lambda: cluster.daemons[1].peers_seen() == {1, 2}
              and cluster.daemons[0].peers_seen() == {0}, "both sides to see the partition")
     cluster.heal()
-    healed = time.monotonic()
-    wait_for(lambda: training.committed_since(healed), "a step committed after the heal")
-    training.stop()
-    restore_every_rank(cluster, history)
-    assert violations(history) == []
+    assert_recovers(cluster, training, history, time.monotonic(), "the heal")
 
 
 def test_a_frozen_daemon_is_declared_dead_its_copies_made_again_and_it_rejoins(start_cluster):
@@ -137,10 +143,7 @@ def test_a_frozen_daemon_is_declared_dead_its_copies_made_again_and_it_rejoins(s
     thawed = time.monotonic()
     wait_for(lambda: all(d.peers_seen() == {0, 1, 2} for d in cluster.daemons),
              "the thawed daemon to be seen again by every daemon")
-    wait_for(lambda: training.committed_since(thawed), "a step committed after the thaw")
-    training.stop()
-    restore_every_rank(cluster, history)
-    assert violations(history) == []
+    assert_recovers(cluster, training, history, thawed, "the thaw")
 
 
 def test_a_restore_from_a_peer_over_a_slowed_link_finishes_bit_for_bit(start_cluster):

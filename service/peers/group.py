@@ -151,9 +151,8 @@ class PeerGroup:
             for index in self.others():
                 self._join(index, request)
             return
-        quiet = (set(self.others()) - self.live()) | self._liveness.quiet(
-            self.options.refresh_seconds)
-        for index in quiet - {self.index} - self._joining:
+        quiet = set(self.others()) & self._liveness.quiet(self.options.refresh_seconds)
+        for index in quiet - self._joining:
             self._joining.add(index)
             self._calls.submit(self._join, index, request).add_done_callback(
                 lambda _, index=index: self._joining.discard(index))

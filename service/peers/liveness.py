@@ -31,11 +31,13 @@ class Liveness:
             return self._live | {i for i, t in self._silent_since.items() if t > limit}
 
     def quiet(self, seconds: float) -> set[int]:
-        """Live peers that answered no call in the last ``seconds`` (or none ever): a peer
-        cut off or frozen while nothing was asked of it still counts as live."""
+        """Peers that answered no call in the last ``seconds`` (or none ever): the silent
+        ones, and live ones that nothing was asked of (one cut off or frozen meanwhile
+        still counts as live)."""
         limit = time.monotonic() - seconds
         with self._lock:
-            return {i for i in self._live if self._answered_at.get(i, float("-inf")) < limit}
+            return set(self._silent_since) | {
+                i for i in self._live if self._answered_at.get(i, float("-inf")) < limit}
 
     def mark(self, index: int, alive: bool, quiet: bool = False) -> bool:
         """Records how a call to ``index`` went (``quiet``: not logged); returns whether

@@ -170,18 +170,8 @@ class SnapshotStore:
         """
         checksums = tuple(checksums)
         with phases.timed("segment"):
-            while True:
-                with self._lock:
-                    try:
-                        arrival = arrivals.reserve(self._state, job, world_size, rank, step,
-                                                   layout, checksums, tuple(group) or (rank,))
-                    except arrivals.ArrivingAlready as other:
-                        arriving = other.rank_step
-                    else:
-                        self._state.memory.arriving += arrival is not None
-                        break
-                while arriving.arriving and arriving.pins and not arriving.released:
-                    time.sleep(0.01)
+            arrival = self._reserve(job, world_size, rank, step, layout, checksums,
+                                    tuple(group) or (rank,))
         if arrival is None:
             return 0
         slots = layout.slots()
@@ -199,6 +189,22 @@ class SnapshotStore:
         with phases.timed("land"), self._lock:
             self._state.memory.arriving -= 1
             return arrivals.land(self._state, arrival, computed, for_restore)
+
+    def _reserve(self, job, world_size, rank, step, layout, checksums, group):
+        """arrivals.reserve under the lock; while the same copy is arriving already (another
+        transfer of it), waits for that one to land or go, then asks again."""
+        while True:
+            with self._lock:
+                try:
+                    arrival = arrivals.reserve(self._state, job, world_size, rank, step,
+                                               layout, checksums, group)
+                except arrivals.ArrivingAlready as other:
+                    arriving = other.rank_step
+                else:
+                    self._state.memory.arriving += arrival is not None
+                    return arrival
+            while arriving.arriving and arriving.pins and not arriving.released:
+                time.sleep(0.01)
 
     def rollback(self, job: str, step: int) -> int:
         with self._lock:
