@@ -9,7 +9,9 @@ gives its memory back.
 import collections
 import mmap
 import os
+import struct
 import threading
+import time
 
 import numpy as np
 
@@ -90,3 +92,29 @@ def map_restored(path: str) -> np.ndarray:
     finally:
         os.close(fd)
     return np.frombuffer(mapping, dtype=np.uint8)
+
+
+class Heartbeat:
+    """The clock a daemon writes into shared memory (service/heartbeat.py), read without a
+    call: how long ago the daemon last ran."""
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDONLY) if path else -1
+
+    def silence(self) -> float | None:
+        """Seconds since the daemon last wrote its clock; None when it cannot be read (no
+        heartbeat offered, or another machine's daemon)."""
+        if self._fd < 0:
+            return None
+        try:
+            (beat,) = struct.unpack("=d", os.pread(self._fd, 8, 0))
+        except (OSError, struct.error):
+            return None
+        return max(0.0, time.monotonic() - beat)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    __del__ = close

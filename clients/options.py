@@ -41,6 +41,11 @@ class ClientOptions:
       commit_timeout_seconds: how long ``snapshot(..., wait="job")`` waits for
         the whole job to commit the step (every rank's copy, with its
         replicas), > 0. Default 60 s.
+      sick_after_seconds: a snapshot that does not wait (``wait=False``)
+        and finds the last one not answered yet waits for it while the daemon
+        runs; a daemon whose heartbeat (a clock it writes into shared memory
+        every 10 ms) is older than this is frozen, swapped out or gone, and
+        the snapshot is skipped at once, > 0. Default 0.1 s.
     """
 
     daemon: str = dataclasses.field(
@@ -52,13 +57,15 @@ class ClientOptions:
     show_progress: bool = False
     restore_timeout_seconds: float = 300.0
     commit_timeout_seconds: float = 60.0
+    sick_after_seconds: float = 0.1
 
     def __post_init__(self):
         require(self, "daemon", isinstance(self.daemon, str) and bool(self.daemon),
                      "an address such as unix:///path/daemon.sock or 127.0.0.1:7070")
         if not isinstance(self.token, str):
             raise ValueError(f"ClientOptions.token must be a string (empty: ${TOKEN_ENV})")
-        for name in ("rpc_timeout_seconds", "restore_timeout_seconds", "commit_timeout_seconds"):
+        for name in ("rpc_timeout_seconds", "restore_timeout_seconds", "commit_timeout_seconds",
+                     "sick_after_seconds"):
             value = getattr(self, name)
             require(self, name, is_number(value) and value > 0, "> 0")
         require(self, "backoff_seconds",

@@ -5,9 +5,11 @@ buffers and leave the rest to :class:`Session`; code that stages a step in
 pieces (``BubbleSnapshotter``, over several bubbles) uses its calls one by
 one: :meth:`Session.begin_async`, :meth:`Session.commit`,
 :meth:`Session.failed`. A session never lets a slow or missing daemon stall
-training: every call has a deadline, a failure turns into "no snapshot this
-step" with the reason, and after a timeout the session stops asking for a
-while instead of paying the deadline every step.
+training: a snapshot that does not wait goes through the session's
+:class:`~bubblesnap.clients.save_lane.SaveLane` (the copy, never a round trip);
+every call has a deadline, a failure turns into "no snapshot this step" with
+the reason, and a snapshot that waits is not tried again for a while after a
+timeout instead of paying the deadline every step.
 """
 
 import dataclasses
@@ -19,12 +21,14 @@ import grpc
 import numpy as np
 
 from bubblesnap.clients._bubble_stream import BubbleStream
+from bubblesnap.clients._commits import CommitsInFlight
 from bubblesnap.clients._log_calls import LogCalls
 from bubblesnap.clients._regions import in_request_order
 from bubblesnap.clients._restore_progress import restore_progress
-from bubblesnap.clients._shared_memory import SegmentMaps, map_restored
+from bubblesnap.clients._shared_memory import Heartbeat, SegmentMaps, map_restored
 from bubblesnap.clients.options import ClientOptions
 from bubblesnap.clients.results import LogError, RawStep, RestoreError, SnapshotResult
+from bubblesnap.clients.save_lane import SaveLane
 from bubblesnap.clients.staging import PendingStaging, Staging
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc
@@ -64,17 +68,24 @@ class Session:
         self.options = options
         self._replica_group = tuple(sorted({rank, *replica_group})) if replica_group else ()
         self.copier = min(self._replica_group, default=rank)
-        # Answers carrying layouts or log pages may pass gRPC's default 4 MiB.
-        self._channel = grpc.insecure_channel(
-            options.daemon, options=[("grpc.max_receive_message_length", 64 << 20)])
+        # Answers carrying layouts or log pages may pass gRPC's default 4 MiB. A daemon
+        # that was away is dialled again within a second, not gRPC's default of up to
+        # two minutes: the next snapshot after it is back must reach it.
+        self._channel = grpc.insecure_channel(options.daemon, options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)])
         self._stub = daemon_pb2_grpc.DaemonStub(with_token(
             self._channel, options.token or os.environ.get(TOKEN_ENV, "")))
         self._maps = SegmentMaps()
+        self._heartbeat = Heartbeat("")
         self._tensors: tuple = ()
         self._registered = False
         self._quiet_until = 0.0
-        #: (step, future, started, phases, sent) of commits not yet collected
-        self._in_flight: list = []
+        self._last_warning = ""
+        #: commits sent, and saves that failed after their call returned
+        self.commits = CommitsInFlight(self.failed, self._answered)
+        self._lane = SaveLane(self)
         self._logs = LogCalls(job, rank, self._stub, options)
 
     # -- calls with deadlines -------------------------------------------------
@@ -82,6 +93,15 @@ class Session:
     def call(self, method: str, request):
         """Calls ``method`` with the session's deadline; raises grpc.RpcError."""
         return getattr(self._stub, method)(request, timeout=self.options.rpc_timeout_seconds)
+
+    def call_async(self, method: str, request):
+        """Calls ``method`` with the session's deadline without waiting; its future."""
+        return getattr(self._stub, method).future(request,
+                                                  timeout=self.options.rpc_timeout_seconds)
+
+    def registered(self, tensors) -> bool:
+        """Whether the layout ``tensors`` is the one registered."""
+        return self._registered and tuple(tensors) == self._tensors
 
     def ensure_registered(self, tensors) -> None:
         """Registers ``tensors`` unless that layout is already registered; raises grpc.RpcError."""
@@ -94,7 +114,15 @@ class Session:
             job=self.job, rank=self.rank, world_size=self.world_size, tensors=tensors,
             replica_group=self._replica_group))
         self._tensors, self._registered = tuple(tensors), True
+        try:  # the old one is closed once no thread reads it (Heartbeat.__del__)
+            self._heartbeat = Heartbeat(response.heartbeat_path)
+        except OSError:  # another machine's daemon, or not readable by this user
+            self._heartbeat = Heartbeat("")
         return response
+
+    def daemon_silence(self) -> float | None:
+        """Seconds since the daemon last ran (its heartbeat); None: not known."""
+        return self._heartbeat.silence()
 
     # -- snapshot -------------------------------------------------------------
 
@@ -103,14 +131,19 @@ class Session:
 
         ``tensors`` is the layout of this step; it is (re)registered when it
         differs from the last one. ``wait``: False returns once the bytes are
-        in shared memory; True or ``"rank"`` waits for the daemon to check and
-        keep this rank's copy; ``"job"`` then waits (at most
+        in shared memory, or set aside for it when the daemon has not answered
+        the last call yet (:mod:`~bubblesnap.clients.save_lane`: never a round
+        trip); True or ``"rank"`` waits for the daemon to check and keep this
+        rank's copy; ``"job"`` then waits (at most
         ``options.commit_timeout_seconds``) for the whole job to commit the
         step. :class:`SnapshotResult` says which (``waited_for``). Never
         raises for daemon trouble.
         """
         mode = wait_mode(wait)
         started = time.perf_counter()
+        if not mode and self.copier == self.rank:
+            self.commits.collect(block=False)
+            return self._lane.save(step, tensors, fetch, started)
         refusal = self.refusal(step)
         if refusal is not None:
             return refusal
@@ -121,12 +154,14 @@ class Session:
             return self._job_outcome(held, started)
         try:
             begun = time.perf_counter()
-            staging = self.begin(step, tensors)
+            self._lane.settle()  # saves that did not wait go first
+            staging = self._lane.take_reservation(step, tensors) or self.begin(step, tensors)
             copying = time.perf_counter()
             for (offset, nbytes), array in zip(staging.slots, fetch(), strict=True):
                 np.copyto(staging.segment[offset:offset + nbytes], array)
             phases = {"begin": copying - begun, "copy": time.perf_counter() - copying}
-            self.commit(step, started, phases=phases)
+            self.commit(step, started, phases=phases,
+                        staged_as=staging.step if staging.step != step else None)
         except (grpc.RpcError, OSError, ValueError) as err:
             return self.failed(step, started, err)
         if not mode:
@@ -184,7 +219,7 @@ class Session:
         With ``block`` false only commits already answered are collected.
         """
         started = time.perf_counter()
-        self._collect(block)
+        self.commits.collect(block)
         now = time.monotonic()
         if now < self._quiet_until:
             return SnapshotResult(step, False, False, f"daemon {self.options.daemon} did not "
@@ -210,39 +245,38 @@ class Session:
         return PendingStaging(step, future, self)
 
     def commit(self, step: int, started: float, checksums=(), usage=None, next_step=None,
-               phases=None):
+               phases=None, staged_as=None, late=False):
         """Sends the commit without waiting and returns its future; :meth:`wait` collects it.
 
         With ``next_step`` the daemon also begins that step; :meth:`staging_of`
-        turns the answer into its :class:`Staging`. ``phases``: the snapshot's so
-        far, which its outcome reports with ``commit`` added.
+        turns the answer into its :class:`Staging`. ``staged_as``: the step the
+        segment was begun as, when not ``step``. ``phases``: the snapshot's so
+        far, which its outcome reports with ``commit`` added. ``late``: a save
+        whose call returned already; a failure is kept for :meth:`take_late_failures`.
         """
         request = pb.CommitStepRequest(job=self.job, rank=self.rank, step=step,
-                                       checksums=checksums, usage=usage, next_step=next_step)
+                                       checksums=checksums, usage=usage, next_step=next_step,
+                                       staged_as=staged_as)
         future = self._stub.CommitStep.future(request, timeout=self.options.rpc_timeout_seconds)
-        self._in_flight.append((step, future, started, phases or {}, time.perf_counter()))
+        self.commits.add(step, future, started, phases or {}, late)
         return future
 
     def wait(self) -> SnapshotResult | None:
-        """Waits for every commit in flight; returns the outcome of the newest (None if none)."""
-        return self._collect(block=True)
+        """Waits for every snapshot in flight (set aside, or its commit sent); returns the
+        outcome of the newest (None if none)."""
+        self._lane.settle()
+        return self.commits.collect(block=True)
 
-    def _collect(self, block: bool) -> SnapshotResult | None:
-        outcome, still = None, []
-        for step, future, started, phases, sent in self._in_flight:
-            if not block and not future.done():
-                still.append((step, future, started, phases, sent))
-                continue
-            try:
-                response = future.result()
-                now = time.perf_counter()
-                outcome = SnapshotResult(step, True, response.job_committed, "",
-                                         now - started, waited_for="rank",
-                                         phases={**phases, "commit": now - sent})
-            except grpc.RpcError as err:
-                outcome = self.failed(step, started, err)
-        self._in_flight = still
-        return outcome
+    def take_late_failures(self) -> list[SnapshotResult]:
+        """Saves that returned without waiting and then failed (a commit refused, bytes
+        set aside replaced or never handed over), oldest first, since the last call."""
+        return self.commits.take_late()
+
+    def _answered(self, step: int) -> None:
+        if self._last_warning:
+            log.warning("snapshots go on from step %d: daemon %s answers again", step,
+                        self.options.daemon)
+            self._last_warning = ""
 
     def quiet(self) -> bool:
         """Whether the daemon failed recently and is being left alone."""
@@ -253,7 +287,7 @@ class Session:
         if not isinstance(err, grpc.RpcError):  # shared memory trouble: mapping, permissions
             self._quiet_until = time.monotonic() + self.options.backoff_seconds
             reason = f"shared memory of daemon {self.options.daemon}: {err}"
-            log.warning("no snapshot of step %d: %s", step, reason)
+            self.warn(step, reason)
             return SnapshotResult(step, False, False, reason, time.perf_counter() - started)
         code = err.code()
         if code == grpc.StatusCode.NOT_FOUND:
@@ -261,12 +295,18 @@ class Session:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._quiet_until = time.monotonic() + self.options.backoff_seconds
             self._registered = False  # a restarted daemon has forgotten us
-            reason = (f"daemon {self.options.daemon} {code.name.lower().replace('_', ' ')}; "
-                      f"no snapshots for {self.options.backoff_seconds:.0f} s")
+            reason = f"daemon {self.options.daemon} {code.name.lower().replace('_', ' ')}"
         else:
             reason = f"daemon refused: {code.name}: {err.details()}"
-        log.warning("no snapshot of step %d: %s", step, reason)
+        self.warn(step, reason)
         return SnapshotResult(step, False, False, reason, time.perf_counter() - started)
+
+    def warn(self, step: int, reason: str) -> None:
+        """Logs why a step was not snapshotted, once per reason in a row: a daemon away
+        for a thousand steps is one line, and one more when it answers again."""
+        if reason != self._last_warning:
+            self._last_warning = reason
+            log.warning("no snapshot of step %d: %s", step, reason)
 
     # -- restore --------------------------------------------------------------
 
@@ -278,6 +318,8 @@ class Session:
         the job holds them; the answer comes back in request order (see
         ``RawStep``), checked against the request. Empty: the rank's own copy.
         """
+        self._lane.settle()
+        self._lane.drop_reservation()  # the job may go back to an earlier step
         request = pb.RestoreRequest(job=self.job, rank=self.rank,
                                     replica_group=self._replica_group, alone=alone,
                                     world_size=self.world_size, tensors=tensors)
@@ -344,9 +386,11 @@ class Session:
     def close(self) -> None:
         """Collects the commits and log records in flight, then closes the channel."""
         self.wait()
+        self._lane.close()
         try:
             self.wait_log()  # kept boundary records go out before the channel closes
         except LogError as err:
             log.warning("%s", err)
         self._maps.close()
+        self._heartbeat.close()
         self._channel.close()

@@ -63,14 +63,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., replica_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("reattached", "latest_local_step", "step_bytes")
+    __slots__ = ("reattached", "latest_local_step", "step_bytes", "heartbeat_path")
     REATTACHED_FIELD_NUMBER: _ClassVar[int]
     LATEST_LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_PATH_FIELD_NUMBER: _ClassVar[int]
     reattached: bool
     latest_local_step: int
     step_bytes: int
-    def __init__(self, reattached: _Optional[bool] = ..., latest_local_step: _Optional[int] = ..., step_bytes: _Optional[int] = ...) -> None: ...
+    heartbeat_path: str
+    def __init__(self, reattached: _Optional[bool] = ..., latest_local_step: _Optional[int] = ..., step_bytes: _Optional[int] = ..., heartbeat_path: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("tensor", "shard", "start", "stop")
@@ -213,20 +215,22 @@ class BubbleUsage(_message.Message):
     def __init__(self, offered_seconds: _Optional[float] = ..., used_seconds: _Optional[float] = ..., spilled_seconds: _Optional[float] = ..., spilled_bytes: _Optional[int] = ..., bubbles: _Optional[int] = ..., iterations: _Optional[int] = ..., overrun_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitStepRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "checksums", "usage", "next_step")
+    __slots__ = ("job", "rank", "step", "checksums", "usage", "next_step", "staged_as")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    STAGED_AS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
     usage: BubbleUsage
     next_step: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ..., next_step: _Optional[int] = ...) -> None: ...
+    staged_as: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[BubbleUsage, _Mapping]] = ..., next_step: _Optional[int] = ..., staged_as: _Optional[int] = ...) -> None: ...
 
 class CommitStepResponse(_message.Message):
     __slots__ = ("job_committed", "latest_committed_step", "next")

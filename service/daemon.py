@@ -17,6 +17,7 @@ from bubblesnap.service.bubbles import BubbleOptions, BubblePlans
 from bubblesnap.service.coordination.etcd_group import EtcdGroup
 from bubblesnap.service.durable import DurableOptions, DurableReader, DurableWriter
 from bubblesnap.service.errors import DaemonError
+from bubblesnap.service.heartbeat import Heartbeat
 from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
 from bubblesnap.service.peers.data_server import DataServer
@@ -195,6 +196,7 @@ class Daemon:
         self.logs = TrainingLogs(options.logs)
         self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options),
                                    grouped=self.group is not None)
+        self.heartbeat = Heartbeat(self.store.heartbeat_path)
         self.plans = BubblePlans(self.store.slot_bytes, options.bubbles)
         self.metrics = DaemonMetrics(self.store, self.logs)
         for forget in (self.plans.forget, self.logs.forget):
@@ -210,7 +212,8 @@ class Daemon:
             daemon_pb2.DESCRIPTOR.services_by_name["Daemon"],
             trainer.DaemonServicer(self.store, self.layouts, self.plans, self.restorer,
                                    LogReplication(self.logs, self.group, self.store.layout_of),
-                                   status, self.metrics, TrainerToken(options.trainer_token)),
+                                   status, self.metrics, TrainerToken(options.trainer_token),
+                                   self.heartbeat.path),
             trainer.LANES)
         self._server.enable_reflection((SERVICE_NAME,))
         self.metrics_address = ""
@@ -276,6 +279,7 @@ class Daemon:
         return server
 
     def start(self) -> None:
+        self.heartbeat.start()
         self._server.start()
         if socket_path(self.options.listen) is None and not self.options.trainer_token:
             log.warning("trainers call this daemon over TCP (%s), where any local user can "
@@ -313,6 +317,7 @@ class Daemon:
             self._peer_server.stop(self.options.grace_seconds).wait()
             self.data.close()
             self.group.close()
+        self.heartbeat.stop()
         self.store.close()
 
     def ready_line(self) -> str:

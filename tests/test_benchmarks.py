@@ -17,7 +17,7 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 PROGRAMS = ("adoption", "datapath", "group_scale", "load", "log_cost", "manager", "overhead",
-            "plan_scale", "restore")
+            "plan_scale", "restore", "sick_daemon")
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +176,21 @@ def check_overhead(report: dict) -> None:
     assert all(isinstance(ok, bool) for ok in report["checks"].values())
 
 
+def check_sick_daemon(report: dict) -> None:
+    assert report["baseline"]["steps"] == 10
+    assert_finite(report["baseline"], "baseline")
+    [row] = report["freezes"]
+    assert row["freeze_seconds"] == 1.0 and row["steps"] > 0
+    # a frozen daemon skips saves (it cannot take them); the first after the thaw is taken
+    assert 1 <= row["skipped_saves"] <= row["steps"]
+    assert_finite({k: v for k, v in row.items() if k != "first_save_taken_after_thaw_seconds"},
+                  "freeze")
+    assert row["first_save_taken_after_thaw_seconds"] is not None
+    assert set(report["checks"]) == {"step_le_0.2s_over_baseline", "commit_within_2s_of_thaw"}
+    assert all(isinstance(ok, bool) for ok in report["checks"].values())
+    assert report["restore_matches"] is True
+
+
 def check_plan_scale(report: dict) -> None:
     assert report["stages"] == 64
     assert_finite({k: report["plan_seconds"][k] for k in ("median", "min", "max")},
@@ -273,7 +288,7 @@ def check_manager(report: dict) -> None:
 CHECKS = {"adoption": check_adoption, "datapath": check_datapath,
           "group_scale": check_group_scale, "load": check_load,
           "log_cost": check_log_cost, "manager": check_manager, "overhead": check_overhead,
-          "plan_scale": check_plan_scale,
+          "plan_scale": check_plan_scale, "sick_daemon": check_sick_daemon,
           "restore": check_restore}
 
 

@@ -6,6 +6,7 @@ process count, bit for bit; with nothing to restore it raises what Orbax raises.
 import os
 import shutil
 
+from bubblesnap.checkpoint_record import PARTIAL_DIR
 from bubblesnap.multihost import JaxJob
 from bubblesnap.service.durable import DurableReader
 from bubblesnap.testing import DaemonProcess, wait_for
@@ -31,6 +32,8 @@ def test_a_rebooted_host_resumes_from_the_durable_tier_onto_another_process_coun
     whole = reader.steps("topo")  # read after the kill: nothing is written any more
     shutil.rmtree(shm)  # the host's memory is gone, as after a reboot
     os.makedirs(shm)
+    # a step the killed daemon was writing (its folder half made) never becomes whole
+    os.makedirs(os.path.join(directory, PARTIAL_DIR, str(whole[-1] + 5), "ocdbt.process_0"))
 
     with DaemonProcess(*flags) as fresh:
         env = {"BUBBLESNAP_DAEMON": fresh.address}

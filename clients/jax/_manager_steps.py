@@ -50,6 +50,7 @@ class Steps:
         self._infos: dict[int, StepInfo] = {}
         self._pending: set[int] = set()  # saved here, no tier seen holding it yet
         self._records: dict[int, dict | None] = {}
+        self._asked = None  # a Status call a save sent for retire, not used yet
 
     def infos(self) -> list[StepInfo]:
         """The tracked steps, oldest first."""
@@ -64,10 +65,12 @@ class Steps:
         self._pending.add(info.step)
 
     def reload(self) -> None:
-        """Tracks what the tiers hold now (a new manager, or ``reload``)."""
+        """Tracks what the tiers hold now (a new manager, or ``reload``). A step only being
+        written is not one of them: its writer may be gone with its memory (a reboot), and
+        then it never becomes whole; a live daemon writing it holds it committed."""
         self._records.clear()
         folders = self._folders.find()
-        held = (self._committed() or set()) | set(folders) | self._folders.being_written()
+        held = (self._committed() or set()) | set(folders)
         self._infos = {step: self._info_of(step, folders.get(step)) for step in sorted(held)}
         self._pending.clear()
 
@@ -151,20 +154,49 @@ class Steps:
                     from None
         raise RestoreError(f"step {step}: its record could not be read")
 
-    def delete(self, *steps: int) -> None:
+    def retire(self, dropped: list[int], wait: bool) -> None:
+        """Deletes the steps of ``dropped`` older than the newest step the job committed.
+        ``wait``: asks the daemon now; else (a save) the question goes out without
+        waiting and its answer is used at the next call: a sick daemon never holds a
+        save up."""
+        session = self._client.session
+        asked, self._asked = self._asked, None
+        if not wait and (asked is None or not asked.done()):
+            self._asked = asked or session.call_async("Status", pb.StatusRequest(job=session.job))
+            return
+        try:
+            answer = (asked if asked is not None and not wait else session.call_async(
+                "Status", pb.StatusRequest(job=session.job))).result()
+        except grpc.RpcError:
+            return  # tried again at the next save
+        latest = answer.jobs[0].latest_committed_step
+        if any(step < latest for step in dropped):
+            self.delete(*(step for step in dropped if step < latest), wait=wait)
+
+    def delete(self, *steps: int, wait: bool = True) -> None:
         """Forgets ``steps`` and deletes them: this process's copies in its daemon's memory
-        (one call), and (the primary process) their folders and the items saved for them."""
+        (one call; ``wait`` false: not waited for), and (the primary process) their
+        folders and the items saved for them."""
         for step in steps:
             self._infos.pop(step, None)
             self._pending.discard(step)
             self._records.pop(step, None)
-        try:
-            self._client.session.call("DeleteSnapshots", pb.DeleteSnapshotsRequest(
-                job=self._client.job, steps=steps))
-        except grpc.RpcError as err:  # NOT_FOUND: held on disk only, or by another process
-            (log.debug if err.code() == grpc.StatusCode.NOT_FOUND else log.warning)(
-                "steps %s: could not delete them from the daemon's memory: %s: %s",
-                list(steps), err.code().name, err.details())
+
+        def deleted(future) -> None:
+            try:
+                err = future.exception()
+            except grpc.FutureCancelledError:  # the manager closed meanwhile
+                return
+            if isinstance(err, grpc.RpcError):  # NOT_FOUND: on disk only, or another's
+                (log.debug if err.code() == grpc.StatusCode.NOT_FOUND else log.warning)(
+                    "steps %s: could not delete them from the daemon's memory: %s: %s",
+                    list(steps), err.code().name, err.details())
+        call = self._client.session.call_async("DeleteSnapshots", pb.DeleteSnapshotsRequest(
+            job=self._client.job, steps=steps))
+        if wait:
+            deleted(call)
+        else:
+            call.add_done_callback(deleted)
         if self._primary:
             for step in steps:
                 self._folders.delete(step)

@@ -36,6 +36,7 @@ from etils import epath
 
 from bubblesnap.clients.jax import checkpoint_items, step_metadata, step_restore
 from bubblesnap.clients.jax._manager_steps import StepInfo, Steps
+from bubblesnap.clients.jax._save_errors import SaveErrors
 from bubblesnap.clients.jax.client import SnapshotClient
 from bubblesnap.clients.jax.manager_options import (
     CheckpointManagerOptions,
@@ -95,7 +96,7 @@ class CheckpointManager:
         self._keep_policy = preservation_policy(self._options)
         self._steps = Steps(self._client, self._folders, self._options.record_bytes,
                             self._primary)
-        self._errors: list[str] = []
+        self._errors = SaveErrors()
         self._warned: set[str] = set()
         self._snapshots = StepSnapshots(self._options, self._world, self._primary,
                                         self._folders, self._warn_once)
@@ -191,11 +192,12 @@ class CheckpointManager:
                                                           custom_metadata)
         except RecordTooBig as err:  # never an exception that stops training
             log.error("%s", err)
-            self._errors.append(str(err))
+            self._errors.add(str(err))
             return False
         wait = False if self._options.enable_async_checkpointing else "job"
         result = self._client.snapshot_leaves(step, names, leaves, wait=wait)
-        if self._failed(result):
+        self._note_late_failures()
+        if self._errors.failed(result):
             return False
         self._uncommitted = step
         self._steps.add(StepInfo(step, step_metadata.step_time(record), metrics))
@@ -207,18 +209,19 @@ class CheckpointManager:
         checked and replicated), at most ``async_options.timeout_secs`` (else
         ``ClientOptions.commit_timeout_seconds``); a failure is kept for
         :meth:`check_for_errors`."""
-        self._failed(self._client.wait())
+        self._client.wait()
+        self._note_late_failures()
         if self._uncommitted is None:
             return
         step, timeout = self._uncommitted, self._commit_timeout()
         try:
             committed, latest = self._client.session.wait_committed(step, timeout)
         except grpc.RpcError as err:
-            self._errors.append(f"step {step}: waiting for its commit failed: "
+            self._errors.add(f"step {step}: waiting for its commit failed: "
                                 f"{err.code().name}: {err.details()}")
             return
         if not committed:
-            self._errors.append(f"step {step} was not committed for the job within "
+            self._errors.add(f"step {step} was not committed for the job within "
                                 f"{timeout:.0f} s (latest committed: {latest})")
             return
         self._uncommitted = None
@@ -241,10 +244,7 @@ class CheckpointManager:
 
     def check_for_errors(self) -> None:
         """Raises RuntimeError naming every save that failed since the last call."""
-        errors, self._errors = self._errors, []
-        if errors:
-            raise RuntimeError("bubblesnap: " + "; ".join(errors[:8]) +
-                               (f" (and {len(errors) - 8} more)" if len(errors) > 8 else ""))
+        self._errors.raise_any()
 
     # -- restore -------------------------------------------------------------
 
@@ -365,30 +365,26 @@ class CheckpointManager:
     def _retire(self) -> None:
         """Deletes the steps the preservation policy no longer keeps (Orbax's), once a
         newer step is committed (never the newest one a tier holds), a few at a time:
-        one Status call per batch, not one per save. They are not listed meanwhile."""
+        one Status call per batch, not one per save, and none a save waits for. They
+        are not listed meanwhile."""
         dropped = [info.step for info, keep in self._preserved() if not keep]
         self._since_retire += 1
         if not dropped or (self._since_retire < _RETIRE_BATCH and self._uncommitted is not None):
             return
         self._since_retire = 0
-        try:
-            latest = self._client.status().latest_committed_step
-        except grpc.RpcError:
-            return  # tried again at the next save
-        if any(step < latest for step in dropped):
-            self._steps.delete(*(step for step in dropped if step < latest))
+        self._steps.retire(dropped, wait=self._uncommitted is None)
 
     def _commit_timeout(self) -> float:
         timeout = getattr(self._options.async_options, "timeout_secs", None)
         return float(timeout) if timeout else self._options.client.commit_timeout_seconds
 
-    def _failed(self, result) -> bool:
-        """Whether ``result`` (None: nothing was pending) is a snapshot not taken; kept for
-        :meth:`check_for_errors` if so."""
-        failed = result is not None and not result.taken and result.copied_by is None
-        if failed:
-            self._errors.append(f"step {result.step}: {result.reason}")
-        return failed
+    def _note_late_failures(self) -> None:
+        """Keeps the saves that returned and failed after (a commit refused or never
+        answered); a failed last save is nothing to wait for."""
+        for failure in self._client.session.take_late_failures():
+            self._errors.failed(failure)
+            if failure.step == self._uncommitted:
+                self._uncommitted = None
 
     def _warn_once(self, key: str, message: str, *args) -> None:
         if key not in self._warned:

@@ -83,10 +83,10 @@ def registration(request) -> tuple:
 
 
 def commit(request) -> tuple:
-    """(job, rank, step, checksums, usage, next step) of a CommitStepRequest."""
+    """(job, rank, step, checksums, usage, next step, staged as) of a CommitStepRequest."""
     check_count("checksums", len(request.checksums), MAX_SLOTS)
     return (*job_rank_step(request), tuple(request.checksums), usage(request.usage),
-            optional_step(request, "next_step"))
+            optional_step(request, "next_step"), optional_step(request, "staged_as"))
 
 
 def restore(request) -> tuple:

@@ -27,8 +27,10 @@ class DaemonServicer:
     ``token`` (``trainer_token.TrainerToken``) guards the calls that drop snapshots.
     """
 
-    def __init__(self, store, layouts, plans, restorer, logs, status, metrics, token):
+    def __init__(self, store, layouts, plans, restorer, logs, status, metrics, token,
+                 heartbeat_path: str = ""):
         self._token = token
+        self._heartbeat_path = heartbeat_path
         self._store = store
         self._layouts = layouts  # peers.layouts.GroupLayouts
         self._plans = plans
@@ -42,7 +44,8 @@ class DaemonServicer:
         reg = self._layouts.register(*messages.registration(request))
         return pb.RegisterResponse(reattached=reg.reattached,
                                    latest_local_step=reg.latest_local_step,
-                                   step_bytes=reg.step_bytes)
+                                   step_bytes=reg.step_bytes,
+                                   heartbeat_path=self._heartbeat_path)
 
     @unary
     def BeginStep(self, request, context):
@@ -55,10 +58,11 @@ class DaemonServicer:
 
     @unary(run_late=True)
     def CommitStep(self, request, context):
-        job, rank, step, checksums, usage, next_step = messages.commit(request)
-        self.metrics.fetched(job, rank, step)
+        job, rank, step, checksums, usage, next_step, staged_as = messages.commit(request)
+        self.metrics.fetched(job, rank, step if staged_as is None else staged_as)
         with self.metrics.timed("commit"):
-            commit = self._store.commit_step(job, rank, step, checksums, usage, next_step)
+            commit = self._store.commit_step(job, rank, step, checksums, usage, next_step,
+                                             staged_as)
         if commit.newly_local:  # a repeated commit reported its bubbles already
             self.metrics.bubbles(usage)
         if commit.next:  # the commit stands; only the next step's staging goes

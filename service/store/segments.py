@@ -131,6 +131,8 @@ class SegmentPool:
         self.shm_dir = shm_dir
         self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}-{os.getpid()}-", dir=shm_dir)
         self._own_lock = _lock(self.directory)
+        #: This daemon's lock file, which also carries its heartbeat (service/heartbeat.py).
+        self.lock_path = os.path.join(self.directory, LOCK_NAME)
         self._claimed: dict[str, int] = {}  # dead daemons' directories taken over -> lock
         self._kept: set[str] = set()   # files in them left for a daemon that reads them
         self._ids = itertools.count()

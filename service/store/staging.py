@@ -39,16 +39,25 @@ def begin(state: StoreState, job: str, rank: int, step: int) -> Staging:
 
 
 def commit(state: StoreState, job: str, rank: int, step: int, checksums=(),
-           usage: BubbleUsage = BubbleUsage(), next_step: int | None = None) -> Commit:
+           usage: BubbleUsage = BubbleUsage(), next_step: int | None = None,
+           staged_as: int | None = None) -> Commit:
     """Commits a staged step; with ``next_step`` (> step) also begins that one.
 
     Beginning the next step here, in the same call, saves the client a
-    BeginStep round trip inside its next bubble. If the next step cannot
-    begin (no memory), the commit stands and ``next`` is None.
+    BeginStep round trip inside its next bubble (or before its next save). If
+    the next step cannot begin (no memory), the commit stands and ``next`` is
+    None. ``staged_as`` (<= step): the step the bytes were staged under, a
+    segment reserved by an earlier commit's ``next_step`` for what turned out
+    to be a later step; the copy becomes ``step``.
     """
     if next_step is not None and next_step <= step:
         raise InvalidArgument(f"next step {next_step} must come after step {step}")
+    if staged_as is not None and staged_as > step:
+        raise InvalidArgument(f"staged_as {staged_as} comes after step {step}: a segment "
+                              "reserved for a step holds that step or a later one")
     entry, held = lookup(state.jobs, job, rank)
+    if staged_as is not None and staged_as != step and step not in held.steps:
+        _restage(entry, job, rank, held, staged_as, step)
     rank_step = held.steps.get(step)
     if rank_step is None:
         raise NotFound(
@@ -90,6 +99,21 @@ def abort(state: StoreState, job: str, rank: int, step: int) -> None:
             f"step {step} of rank {rank} is already {rank_step.state.value}; "
             "use DeleteSnapshots to drop committed steps")
     state.memory.free(held, step)
+
+
+def _restage(entry: Job, job: str, rank: int, held: Rank, staged_as: int, step: int) -> None:
+    """The segment staged as ``staged_as`` holds ``step`` instead (a reservation made
+    before the client knew which step it would save next)."""
+    reserved = held.steps.get(staged_as)
+    if reserved is None or reserved.local:
+        raise NotFound(
+            f"rank {rank} of job {job!r} has no step {staged_as} being staged to commit as "
+            f"step {step}; the reservation may have been aborted by a newer BeginStep, a "
+            "re-registration or a daemon restart: snapshot again")
+    if step in entry.committed_steps():
+        raise FailedPrecondition(
+            f"step {step} of job {job!r} is already committed; snapshot a later step")
+    held.steps[step] = held.steps.pop(staged_as)
 
 
 def _begin(state: StoreState, job: str, rank: int, entry: Job, held: Rank,

@@ -93,9 +93,11 @@ class SnapshotStore:
             return staging.begin(self._state, job, rank, step)
 
     def commit_step(self, job: str, rank: int, step: int, checksums=(),
-                    usage: BubbleUsage = BubbleUsage(), next_step: int | None = None) -> Commit:
+                    usage: BubbleUsage = BubbleUsage(), next_step: int | None = None,
+                    staged_as: int | None = None) -> Commit:
         with self._lock:
-            commit = staging.commit(self._state, job, rank, step, checksums, usage, next_step)
+            commit = staging.commit(self._state, job, rank, step, checksums, usage, next_step,
+                                    staged_as)
             self._state.release_served(job, rank)
         if commit.newly_local:
             for listener in self._on_local:
@@ -323,6 +325,11 @@ class SnapshotStore:
                 raise NotFound(f"no job {job!r} is registered with this daemon")
             names = [job] if job else sorted(self._state.jobs)
             return [job_view(name, self._state.jobs[name]) for name in names]
+
+    @property
+    def heartbeat_path(self) -> str:
+        """The file the daemon's heartbeat goes into: its segment directory's lock file."""
+        return self._state.memory.pool.lock_path
 
     def memory(self) -> MemoryView:
         with self._lock:
