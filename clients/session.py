@@ -319,7 +319,8 @@ class Session:
         ``RawStep``), checked against the request. Empty: the rank's own copy.
         """
         self._lane.settle()
-        self._lane.drop_reservation()  # the job may go back to an earlier step
+        if not alone:
+            self._lane.drop_reservation()  # the job may go back to an earlier step
         request = pb.RestoreRequest(job=self.job, rank=self.rank,
                                     replica_group=self._replica_group, alone=alone,
                                     world_size=self.world_size, tensors=tensors)
