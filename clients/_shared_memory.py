@@ -9,11 +9,11 @@ gives its memory back.
 import collections
 import mmap
 import os
-import struct
 import threading
-import time
 
 import numpy as np
+
+from bubblesnap import heartbeat_file
 
 _MAX_MAPPINGS = 6
 
@@ -95,22 +95,15 @@ def map_restored(path: str) -> np.ndarray:
 
 
 class Heartbeat:
-    """The clock a daemon writes into shared memory (service/heartbeat.py), read without a
-    call: how long ago the daemon last ran."""
+    """The heartbeat a daemon writes into shared memory (``bubblesnap.heartbeat_file``),
+    read without a call."""
 
     def __init__(self, path: str):
         self._fd = os.open(path, os.O_RDONLY) if path else -1
 
-    def silence(self) -> float | None:
-        """Seconds since the daemon last wrote its clock; None when it cannot be read (no
-        heartbeat offered, or another machine's daemon)."""
-        if self._fd < 0:
-            return None
-        try:
-            (beat,) = struct.unpack("=d", os.pread(self._fd, 8, 0))
-        except (OSError, struct.error):
-            return None
-        return max(0.0, time.monotonic() - beat)
+    def read(self) -> heartbeat_file.Beat | None:
+        """How the daemon is doing; None when it cannot be read (no heartbeat offered)."""
+        return heartbeat_file.read(self._fd) if self._fd >= 0 else None
 
     def close(self) -> None:
         if self._fd >= 0:

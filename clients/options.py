@@ -43,9 +43,12 @@ class ClientOptions:
         replicas), > 0. Default 60 s.
       sick_after_seconds: a snapshot that does not wait (``wait=False``)
         and finds the last one not answered yet waits for it while the daemon
-        runs; a daemon whose heartbeat (a clock it writes into shared memory
-        every 10 ms) is older than this is frozen, swapped out or gone, and
-        the snapshot is skipped at once, > 0. Default 0.1 s.
+        runs, and is skipped at once when the daemon is stopped (SIGSTOP) or
+        dead. Where this process sees the daemon's (the same pid namespace)
+        the kernel says which; elsewhere (a trainer in another container) a
+        daemon whose heartbeat, a clock it writes into shared memory every
+        10 ms, is older than this is taken for frozen, > 0. Default 0.5 s: a
+        busy daemon's clock on an overloaded host was seen up to 0.52 s late.
     """
 
     daemon: str = dataclasses.field(
@@ -57,7 +60,7 @@ class ClientOptions:
     show_progress: bool = False
     restore_timeout_seconds: float = 300.0
     commit_timeout_seconds: float = 60.0
-    sick_after_seconds: float = 0.1
+    sick_after_seconds: float = 0.5
 
     def __post_init__(self):
         require(self, "daemon", isinstance(self.daemon, str) and bool(self.daemon),

@@ -15,14 +15,16 @@ whatever the daemon is doing:
   thread hands them over: Register and BeginStep as needed, the copy, the commit.
 - A save that finds the lane busy (the last commit or hand-over not answered yet)
   waits for it while the daemon runs, as Orbax's manager waits for its previous save
-  (a daemon behind, not sick). Whether it runs is read off its heartbeat, a clock it
-  writes into shared memory every 10 ms (service/heartbeat.py): older than
-  ``ClientOptions.sick_after_seconds``, the daemon is frozen, swapped out or gone, and
-  the save is skipped at once, "no snapshot this step". With no heartbeat to read,
-  the wait ends at the call deadline, and saves are skipped without waiting until
-  the daemon answers. A save that finds the lane free tries again, so the first save
-  after the daemon answers again is taken: no back-off outlives the fault, and a
-  frozen daemon costs training at most ``sick_after_seconds`` once.
+  (a daemon behind, not sick). Whether it runs is read off its heartbeat file
+  (``bubblesnap.heartbeat_file``): where this process sees the daemon's process, the
+  kernel says whether it is stopped or dead; elsewhere a clock older than
+  ``ClientOptions.sick_after_seconds`` says it is frozen. A sick daemon's save is
+  skipped at once, "no snapshot this step". With no heartbeat to read, the wait ends
+  at the call deadline, and saves are skipped without waiting until the daemon
+  answers. A save that finds the lane free tries again, so the first save after the
+  daemon answers again is taken: no back-off outlives the fault, and a frozen daemon
+  costs training a few milliseconds once (``sick_after_seconds`` where only the
+  clock tells).
 
 One buffer of a step's size exists once a save was set aside, reused after.
 """
@@ -142,18 +144,18 @@ class SaveLane:
         options = self._session.options
         deadline = time.monotonic() + options.rpc_timeout_seconds
         while self._busy():
-            silence = self._session.daemon_silence()
-            if silence is not None and silence > options.sick_after_seconds:
-                return silence  # frozen, swapped out or gone
-            if silence is None and self._sick_since is not None:
+            beat = self._session.daemon_beat()
+            if beat is not None and (beat.stopped or (
+                    beat.stopped is None and beat.silence > options.sick_after_seconds)):
+                return max(beat.silence, 1e-3)  # stopped (the kernel says) or silent
+            if self._sick_since is not None:
                 return time.monotonic() - self._sick_since  # no answer since a wait ran out
             left = deadline - time.monotonic()
             if left <= 0:
                 self._sick_since = self._busy_since
                 return time.monotonic() - self._sick_since
-            # a heartbeat is read again every few ms; without one, the lane's end wakes it
-            self._cond.wait(min(left, options.sick_after_seconds / 4) if silence is not None
-                            else left)
+            # the heartbeat is read again every few ms; without one, the lane's end wakes it
+            self._cond.wait(min(left, 0.005) if beat is not None else left)
         return 0.0
 
     def _working(self) -> None:

@@ -120,9 +120,10 @@ class Session:
             self._heartbeat = Heartbeat("")
         return response
 
-    def daemon_silence(self) -> float | None:
-        """Seconds since the daemon last ran (its heartbeat); None: not known."""
-        return self._heartbeat.silence()
+    def daemon_beat(self):
+        """How the daemon is doing, read off its heartbeat (``heartbeat_file.Beat``; None:
+        not known)."""
+        return self._heartbeat.read()
 
     # -- snapshot -------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Saves that do not wait never wait on a sick daemon (clients/save_lane.py): the next step's
 segment is reserved at each commit and used under a later step's number (``staged_as``); a
 frozen daemon (SIGSTOP) is told from a busy one by its heartbeat and skipped without a
-call; a daemon killed and started again gets the next save, whatever the back-off."""
+call (its heartbeat file: the kernel says it is stopped); a daemon killed and started
+again gets the next save, whatever the back-off."""
 
 import os
 import signal
@@ -10,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
+from bubblesnap import heartbeat_file
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.testing import wait_for
@@ -126,3 +128,28 @@ def test_a_daemon_started_again_gets_the_next_save_whatever_the_back_off(start_d
     latest, restored = client.restore()
     assert latest == step - 1 and np.array_equal(restored["w"], arrays(latest)["w"])
     client.close()
+
+
+def test_the_heartbeat_tells_a_stopped_daemon_and_never_trusts_a_reused_pid(daemon, tmp_path):
+    fd = os.open(os.path.join(daemon.ready["shm_dir"], "lock"), os.O_RDONLY)
+    try:
+        assert heartbeat_file.read(fd).stopped is False
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: heartbeat_file.read(fd).stopped, "the kernel to say: stopped")
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        wait_for(lambda: heartbeat_file.read(fd).stopped is False, "running again")
+    finally:
+        os.close(fd)
+    # a pid that is not the writer's (another start time: reused, or another namespace's)
+    # says nothing; the clock alone is left
+    own_start = heartbeat_file.process_state(os.getpid())[1]
+    fake = tmp_path / "lock"
+    fake.write_bytes(heartbeat_file.pack(0.0, os.getpid(), own_start + 1))
+    fd = os.open(fake, os.O_RDONLY)
+    try:
+        beat = heartbeat_file.read(fd)
+        assert beat.stopped is None and beat.silence > 0
+    finally:
+        os.close(fd)
