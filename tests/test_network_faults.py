@@ -65,7 +65,10 @@ class Training:
                 if result.committed:
                     self._committed(step)
                 step += 1
+                self._step_done.wait()  # the job's collectives: no rank runs ahead
                 self._stop.wait(self.compute)
+        except threading.BrokenBarrierError:
+            pass  # stopped: stop() broke the barrier the others wait at
         except BaseException as err:
             self.errors.append(err)
         finally:
