@@ -79,8 +79,13 @@ def test_client_never_hangs_when_daemon_is_gone_or_stuck(daemon):
 
     backoff = SnapshotClient("gone", options=ClientOptions(daemon=daemon.address,
                                                             backoff_seconds=60))
-    assert "unavailable" in backoff.snapshot(0, state).reason
-    assert "did not answer recently" in backoff.snapshot(1, state).reason
+    # a snapshot that waits backs off once the daemon was unreachable...
+    assert "unavailable" in backoff.snapshot(0, state, wait=True).reason
+    assert "did not answer recently" in backoff.snapshot(1, state, wait=True).reason
+    # ...one that does not is set aside at once, and its failure learnt after
+    assert backoff.snapshot(2, state).taken
+    assert "unavailable" in backoff.wait().reason
+    assert [f.step for f in backoff.session.take_late_failures()] == [2]
 
 
 def test_metrics_endpoint(daemon):
