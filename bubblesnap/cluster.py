@@ -10,6 +10,10 @@ and a shaped link; faults (partitions, frozen and killed daemons, slow links) as
         cluster.freeze(1); cluster.thaw(1)  # SIGSTOP / SIGCONT of host 1's daemon
         cluster.slow(2, "100mbit")          # host 2's link, both ways
 
+    with Cluster(3, "--replicas", "1", etcd=True) as cluster:
+        cluster.partition([0], [1, 2, "etcd"])
+        spare = cluster.add_host()          # host 3 takes host 0's position once it frees
+
 Every host is a namespace ``bsNNN-i`` joined to a bridge ``bsNNNbr`` by a veth
 pair, with the address ``198.18.X.(i+1)`` of a /24 taken from 198.18.0.0/15
 (reserved for network benchmarks: nothing is routed off the machine); the
@@ -100,7 +104,8 @@ class Host:
 
 class Cluster:
     """``size`` hosts, each running a daemon with ``flags`` in a ring (``--peers``) or,
-    with ``etcd=True``, coordinated by an etcd in a namespace of its own.
+    with ``etcd=True``, coordinated by an etcd in a namespace of its own (``--group-size``
+    ``size`` unless ``flags`` say otherwise; :meth:`add_host` adds a spare host).
 
     ``rate`` and ``burst`` shape every host's link both ways (tbf; None: unshaped).
     ``directory`` keeps the daemons' logs (``host<i>.log``) and etcd's data (default:
@@ -118,6 +123,7 @@ class Cluster:
         if not 1 <= size < _ETCD_OCTET - 1:
             raise ValueError(f"a cluster has 1 to {_ETCD_OCTET - 2} hosts, not {size}")
         self._flags, self._options, self._burst = flags, daemon_options, burst
+        self._size = size  # the ring's positions, whatever hosts are added
         self._rate = rate
         self._own_directory = directory is None
         self.directory = directory or tempfile.mkdtemp(prefix="bubblesnap-cluster-")
@@ -127,9 +133,9 @@ class Cluster:
         self.hosts: list[Host] = []
         self.etcd: EtcdServer | None = None
         self._etcd_host: Host | None = None
-        self._cleanup: int | None = None
+        self._cleanup: list[int] = []  # the reaper's tokens for what close() removes
         self.bridge: str | None = None
-        self._made: tuple = ((), (), ())  # namespaces, links, folders: what close() removes
+        self._made: tuple = ([], [], [])  # namespaces, links, folders: what close() removes
         try:
             self._make_network(size, etcd)
             for host in self.hosts:
@@ -154,11 +160,11 @@ class Cluster:
         # should this process die before close(), its reaper removes the network
         links = [f"{self.tag}h{i}" for i in range(size)] + ([f"{self.tag}he"] if etcd else [])
         self._made = (names, links, shms)  # made or half made
-        self._cleanup = reaper.run_at_end(
+        self._cleanup.append(reaper.run_at_end(
             [["ip", "netns", "del", name] for name in names]
             + [["ip", "link", "del", link] for link in links]
             + [["ip", "link", "del", self.bridge],
-               ["rm", "-rf", *shms, *([self.directory] if self._own_directory else [])]])
+               ["rm", "-rf", *shms, *([self.directory] if self._own_directory else [])]]))
         _ip("ip", "addr", "add", f"{self.subnet}.{_BRIDGE_OCTET}/24", "dev", self.bridge)
         _ip("ip", "link", "set", self.bridge, "up")
         for i in range(size):
@@ -212,19 +218,49 @@ class Cluster:
         """The daemons' peer addresses, in ring order."""
         return [host.peer_address for host in self.hosts]
 
-    def _start_daemon(self, host: Host, claim: bool = False) -> DaemonProcess:
+    def _start_daemon(self, host: Host, claim: bool = False,
+                      position: int | None = None) -> DaemonProcess:
         if self.etcd is None:
             where = ("--peers", ",".join(self.peers), "--index", str(host.index))
         else:
-            where = ("--coordination", self.etcd.url, "--group-size", str(len(self.hosts)),
+            where = ("--coordination", self.etcd.url, "--group-size", str(self._size),
                      "--peer-listen", host.peer_address,
-                     *(() if claim else ("--index", str(host.index))))
+                     *(() if claim else ("--index", str(host.index if position is None
+                                                         else position))))
         options = {"metrics": f"{host.address}:{METRICS_PORT}", "own_shm_dir": False,
                    "stderr": os.path.join(self.directory, f"host{host.index}.log"),
                    **self._options}
         host.daemon = DaemonProcess(*where, "--shm-dir", host.shm_dir, *self._flags,
                                     name=f"host {host.index}", netns=host.netns, **options)
         return host.daemon
+
+    def add_host(self, index: int = -1) -> int:
+        """A spare host, beyond the ring's size (with etcd only), as a replacement host:
+        its daemon takes ring position ``index`` (``--index``), or, with -1, a free one,
+        waiting for it to free (a daemon's lease to run out). Returns the host's index in
+        :attr:`hosts` once its daemon holds a position; does not wait for the others to
+        see it (a host cut off from them never would)."""
+        if self.etcd is None:
+            raise ValueError("a spare host needs etcd (Cluster(..., etcd=True)): a --peers "
+                             "ring has no position for it")
+        position, index = index, len(self.hosts)
+        if index >= _ETCD_OCTET - 2:
+            raise ValueError(f"a cluster has at most {_ETCD_OCTET - 2} hosts")
+        names, links, shms = self._made
+        netns, link = f"{self.tag}-{index}", f"{self.tag}h{index}"
+        shm = f"/dev/shm/bubblesnap-cluster-{self.tag}-{index}"
+        names.append(netns)  # close() removes it, made or half made
+        links.append(link)
+        shms.append(shm)
+        self._cleanup.append(reaper.run_at_end([["ip", "netns", "del", netns],
+                                                ["ip", "link", "del", link],
+                                                ["rm", "-rf", shm]]))
+        os.makedirs(shm, exist_ok=True)
+        self.hosts.append(self._make_host(index, netns, f"{self.subnet}.{index + 1}", link,
+                                          shm))
+        self._start_daemon(self.hosts[index], claim=position < 0,
+                           position=position)
+        return index
 
     def _member(self, member: int | str) -> Host:
         if member == "etcd":
@@ -314,9 +350,9 @@ class Cluster:
             shutil.rmtree(shm, ignore_errors=True)
         if self.bridge is not None:
             _ip("ip", "link", "del", self.bridge, check=False)
-        if self._cleanup is not None:
-            reaper.release(self._cleanup)
-            self._cleanup = None
+        for token in self._cleanup:
+            reaper.release(token)
+        self._cleanup = []
         if self._own_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
 

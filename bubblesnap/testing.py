@@ -247,13 +247,20 @@ class DaemonProcess:
     def peers_seen(self, timeout: float = 5.0) -> set[int]:
         """The ring positions it sees alive now, its own included (its metrics'
         ``bubblesnap_peer_alive``; it must serve ``metrics``)."""
+        return _peers_seen(self._metrics(timeout))
+
+    def ring_index(self, timeout: float = 5.0) -> int:
+        """Its ring position now (its metrics' ``bubblesnap_ring_index``): with etcd it
+        may differ from the ready line's ``peer_index`` (it took another after its lease
+        ran out), and is -1 while it holds none."""
+        return _ring_index(self._metrics(timeout))
+
+    def _metrics(self, timeout: float) -> str:
         if not self.ready.get("metrics"):
             raise DaemonError(f"{self.name} serves no metrics: start it with metrics=...")
         with urllib.request.urlopen(f"http://{self.ready['metrics']}/metrics",
                                     timeout=timeout) as answer:
-            text = answer.read().decode()
-        return {int(peer) for peer in
-                re.findall(r'^bubblesnap_peer_alive\{peer="(\d+)"\} 1\.0$', text, re.M)}
+            return answer.read().decode()
 
     def stderr_text(self) -> str:
         """What it logged so far, when its stderr goes to a file ("" otherwise)."""
@@ -304,17 +311,30 @@ class DaemonProcess:
             shutil.rmtree(self.own_shm_dir, ignore_errors=True)
 
 
+def _peers_seen(metrics: str) -> set[int]:
+    return {int(peer) for peer in
+            re.findall(r'^bubblesnap_peer_alive\{peer="(\d+)"\} 1\.0$', metrics, re.M)}
+
+
+def _ring_index(metrics: str) -> int:
+    found = re.search(r"^bubblesnap_ring_index (-?\d+)\.0$", metrics, re.M)
+    return int(found.group(1)) if found else -1
+
+
 def wait_connected(daemons: list[DaemonProcess], timeout: float) -> None:
     """Waits until every running one of ``daemons`` (a group, serving metrics) sees every
-    running one alive (its ``bubblesnap_peer_alive``). A stopped (SIGSTOP) daemon never
-    answers: TimeoutError."""
+    running one alive at the ring position it holds now (its ``bubblesnap_peer_alive``
+    and ``bubblesnap_ring_index``). A stopped (SIGSTOP) daemon never answers, and one
+    out of the ring (with etcd, every position held by others) is never seen:
+    TimeoutError."""
     def connected() -> bool:
         running = [d for d in daemons if d.alive()]
-        indices = {d.ready["peer_index"] for d in running}
         try:
-            return all(indices <= d.peers_seen() for d in running)
+            scraped = [d._metrics(5.0) for d in running]
         except OSError:  # its metrics did not answer in time: a busy daemon
             return False
+        indices = {_ring_index(text) for text in scraped}
+        return all(indices <= _peers_seen(text) for text in scraped)
     wait_for(connected, "every daemon of the group to see every other one", timeout=timeout)
 
 

@@ -12,7 +12,7 @@ Everything else is internal to the daemon; ARCHITECTURE.md maps it.
 """
 
 from bubblesnap.service.bubbles import BubbleOptions, PlannerOptions
-from bubblesnap.service.coordination.etcd_group import CoordinationOptions
+from bubblesnap.service.coordination.options import CoordinationOptions
 from bubblesnap.service.daemon import Daemon, DaemonOptions, DaemonStartError, run
 from bubblesnap.service.durable import DurableOptions
 from bubblesnap.service.logs import LogOptions

@@ -228,7 +228,7 @@ class Daemon:
         self.layouts = GroupLayouts(self.store, self.group, options.peers.refresh_seconds)
         if self.group is not None:
             data_listen = options.peers.data_listen or \
-                f"{self.group.address(self.group.index).rsplit(':', 1)[0]}:0"
+                f"{self.group.own_address.rsplit(':', 1)[0]}:0"
             self.data = DataServer(data_listen, options.peers.security.server_ssl_context())
             self.transfers = Transfers(self.store, self.group, self.data)
             idle = IdleWindows(options.peers.pacing)
@@ -238,6 +238,7 @@ class Daemon:
                                          self.metrics, idle)
             self.store.listen(on_local=self.replicator.committed)
             self.group.on_summary(self.replicator.summary_changed)
+            self.group.on_seated(self.replicator.seated)
             self.store.listen(on_job_deleted=self.group.forget_job)
         reader = self.durable = None
         if options.durable.enabled:
@@ -274,7 +275,7 @@ class Daemon:
         interceptors = [TokenInterceptor(peers.security.token)] if peers.security.token else []
         server = _server(peers.server_threads, self.options.max_message_bytes, "peer",
                          interceptors)
-        listen = peers.listen or peers.peers[self.group.index]
+        listen = peers.listen or self.group.own_address
         _bind(lambda address: peers.security.add_port(server, address), listen, "for peers")
         return server
 
@@ -287,8 +288,7 @@ class Daemon:
                         "Restore (not alone) and DeleteSnapshots are refused there",
                         self.address, TOKEN_ENV)
         security = self.options.peers.security
-        listen = self.options.peers.listen or (self.group.address(self.group.index)
-                                               if self.group else "")
+        listen = self.options.peers.listen or (self.group.own_address if self.group else "")
         if self.group is not None and not security.token and not security.require_client_cert \
                 and not listen.startswith(("127.", "localhost", "[::1]")):
             log.warning("the peer port %s takes calls from anyone who can reach it: no "
@@ -324,7 +324,7 @@ class Daemon:
         memory = self.store.memory()
         peers = {}
         if self.group is not None:
-            peers = {"peer_address": self.group.address(self.group.index),
+            peers = {"peer_address": self.group.own_address,
                      "peer_index": self.group.index, "data_address": self.data.address}
         return json.dumps({"event": "ready", "address": self.address, **peers,
                            "metrics": self.metrics_address, "shm_dir": memory.shm_dir,

@@ -67,6 +67,10 @@ class _StoreCollector:
             for index in range(self.group.size):
                 alive.add_metric([str(index)], int(index in live))
             yield alive
+            yield GaugeMetricFamily("bubblesnap_ring_index", "This daemon's ring position now; "
+                                    "with etcd -1 while it holds none (its lease may have "
+                                    "run out, or every position is another daemon's).",
+                                    value=self.group.index)
         latest = GaugeMetricFamily("bubblesnap_latest_committed_step",
                                    "Latest step every rank of the job holds.", labels=["job"])
         held = GaugeMetricFamily("bubblesnap_steps_held", "Steps held per job.", labels=["job"])

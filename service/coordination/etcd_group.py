@@ -5,7 +5,12 @@ position (a ``slots/`` key under its lease) and renews the lease; a daemon
 that dies stops renewing, and etcd removes its slot and its holdings after
 the lease's TTL, which every daemon sees on its watch. The ring order is the
 slot order, so it stays put when a host is replaced: the replacement takes
-the free slot (its old one when it restarts under the same name).
+the free slot (its old one when it restarts under the same name). One
+position has one owner: a daemon whose lease may have run out (etcd away, or
+the daemon cut off from it, for a TTL) steps down before etcd could give its
+position away, and takes a free one, if any, once etcd answers (``seat``).
+A daemon that took a position marks it ready once it published what it
+holds; a restore waits for every position to be marked (``wait_ready``).
 
 What a daemon holds is published as keys (see ``keys``); a daemon reads back
 only the holders of the ranks it holds (for re-replication), one request
@@ -18,61 +23,21 @@ group; the aggregator's grows with it, and a restore reads the job's
 holdings once.
 """
 
-import dataclasses
 import logging
 import threading
 import time
 
-from bubblesnap.options import require
 from bubblesnap.service.coordination import keys as keys_lib
 from bubblesnap.service.coordination.etcd_kv import EtcdKV, EtcdUnavailable, parse_endpoints
 from bubblesnap.service.coordination.mirror import Mirror
+from bubblesnap.service.coordination.options import CoordinationOptions
+from bubblesnap.service.coordination.seat import Seat
 from bubblesnap.service.errors import Unavailable
 from bubblesnap.service.peers import group_view
 
 log = logging.getLogger("bubblesnap.daemon")
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CoordinationOptions:
-    """The etcd backend of a daemon group (``bubblesnap daemon`` flags in brackets).
-
-    Attributes:
-      url: ``etcd://HOST:PORT[,HOST:PORT...]``, the etcd cluster's client
-        endpoints (``--coordination``). Empty: the static ``--peers`` ring.
-      prefix: where this group's keys live in etcd; one prefix per group
-        (``--coordination-prefix``). Default ``/bubblesnap/default``.
-      group_size: ring positions, the daemons the group is made for
-        (``--group-size``). Needed with ``url``.
-      name: this daemon's stable name, which keeps its ring position over
-        restarts (``--name``). Default: its peer address.
-      claim_timeout_seconds: how long a starting daemon waits for a free ring
-        position (a dead daemon's frees when its lease runs out). Default 60 s.
-    """
-
-    url: str = ""
-    prefix: str = "/bubblesnap/default"
-    group_size: int = 0
-    name: str = ""
-    claim_timeout_seconds: float = 60.0
-
-    def __post_init__(self):
-        if self.url:
-            try:
-                parse_endpoints(self.url)
-            except ValueError as err:
-                require(self, "url", False, f"etcd://HOST:PORT[,HOST:PORT...] ({err})",
-                        "--coordination")
-            require(self, "group_size", self.group_size >= 2, "2 or more with --coordination",
-                    "--group-size")
-        require(self, "prefix", self.prefix.startswith("/") and len(self.prefix) > 1
-                and "//" not in self.prefix, "an absolute key prefix such as /bubblesnap/prod",
-                "--coordination-prefix")
-        require(self, "claim_timeout_seconds", self.claim_timeout_seconds > 0, "positive")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.url)
+__all__ = ["CoordinationOptions", "EtcdGroup"]  # the options live in options.py
 
 
 class EtcdGroup:
@@ -84,15 +49,14 @@ class EtcdGroup:
         self.keys = keys_lib.Keys(options.prefix.rstrip("/"))
         self._kv = kv if kv is not None else EtcdKV(parse_endpoints(options.url))
         self._address = address
-        self._name = options.name or address
         self._wanted = copies_wanted
-        self._ttl = max(2, round(lease_seconds))
-        self.index = -1
-        self._lease = 0
-        self._generation = 0  # bumped with each new lease
+        self._seat = Seat(self._kv, self.keys, options, address, options.name or address,
+                          max(2, round(lease_seconds)), self._seated)
         self._published: dict[str, dict[str, bytes]] = {}  # job -> holding keys put
+        self._published_generation = 0  # the lease those keys went under
+        self._ready_generation = -1  # the lease under which ready/<index> was put
         self._layouts: dict[str, bytes] = {}  # layout keys put (put again on a new lease)
-        self._members: tuple[list[str], set[int]] = ([""] * options.group_size, set())
+        self._members: list[str] = [""] * options.group_size  # slot holders etcd showed
         self._lock = threading.Lock()
         self._publishing = threading.Lock()
         self._stopped = threading.Event()
@@ -102,13 +66,27 @@ class EtcdGroup:
         self._summaries = Mirror(self._kv, self.keys.summaries(), self._summaries_changed)
         self._summaries_seen: dict[str, bytes] = {}
         self._on_summary = lambda job: None
+        self._on_seated = lambda index: None
         self._layout_mirror = Mirror(self._kv, self.keys.layouts())
-        self._threads = [threading.Thread(target=self._keep_alive, name="etcd-lease",
-                                          daemon=True),
-                         threading.Thread(target=self._aggregate, name="etcd-aggregator",
-                                          daemon=True)]
+        self._aggregator = threading.Thread(target=self._aggregate, name="etcd-aggregator",
+                                            daemon=True)
 
     # -- membership ---------------------------------------------------------
+
+    @property
+    def index(self) -> int:
+        """This daemon's ring position now; -1 while it holds none (its lease may have
+        run out, or every position is another daemon's): see ``seat``."""
+        return self._seat.index
+
+    @property
+    def last_index(self) -> int:
+        """The position held now, or the one held last while none is."""
+        return self._seat.last_index
+
+    @property
+    def _lease(self) -> int:  # the group_scale benchmark expires a daemon's lease by it
+        return self._seat.lease
 
     def start(self, preferred: int = -1) -> int:
         """Takes a ring position (:meth:`claim`) and starts watching the group and renewing
@@ -118,17 +96,10 @@ class EtcdGroup:
         return self.index
 
     def claim(self, preferred: int = -1) -> int:
-        """Takes a ring position (``preferred``, else the one this name held last,
-        else the first free one) under a new lease; its index. Unavailable when etcd
-        does not answer or no position frees within ``claim_timeout_seconds``."""
-        deadline = time.monotonic() + self.options.claim_timeout_seconds
-        try:
-            self._lease = self._kv.grant(self._ttl)
-            self.index = self._claim(preferred, deadline)
-            self._kv.put(self.keys.name(self._name), str(self.index).encode())
-        except EtcdUnavailable as err:
-            raise Unavailable(f"--coordination {self.options.url}: {err}") from None
-        return self.index
+        """Takes a ring position (``preferred``, else the one this name held last, else
+        the first free one) under a new lease; its index. Unavailable when etcd does not
+        answer or no position frees within ``claim_timeout_seconds``."""
+        return self._seat.claim(preferred)
 
     def watch(self) -> None:
         """Starts the watches, the lease's renewal and the aggregator's thread."""
@@ -136,100 +107,136 @@ class EtcdGroup:
             mirror.start()
         for mirror in (self._slots, self._summaries, self._layout_mirror):
             mirror.wait_synced(self.options.claim_timeout_seconds)
-        for thread in self._threads:
-            thread.start()
+        self._seat.start()
+        self._aggregator.start()
         log.info("ring position %d of %d in etcd group %s (lease %ds)", self.index,
-                 self.options.group_size, self.options.prefix, self._ttl)
-
-    def _claim(self, preferred: int, deadline: float) -> int:
-        size = self.options.group_size
-        if preferred < 0:
-            last = self._kv.get(self.keys.name(self._name))
-            preferred = int(last) if last and last.isdigit() and int(last) < size else -1
-        while True:
-            order = [preferred] if preferred >= 0 else []
-            order += [i for i in range(size) if i != preferred] if preferred < 0 else []
-            for index in order:
-                if self._kv.create(self.keys.slot(index), self._address.encode(), self._lease):
-                    return index
-            if self._kv.keepalive(self._lease) <= 0:  # a long wait outlives the TTL
-                self._lease = self._kv.grant(self._ttl)
-            if time.monotonic() > deadline:
-                what = f"ring position {preferred}" if preferred >= 0 else \
-                    f"a free one of the {size} ring positions"
-                raise Unavailable(
-                    f"{what} stayed taken in etcd group {self.options.prefix} for "
-                    f"{self.options.claim_timeout_seconds:g} s; a daemon that holds it is "
-                    "alive, or --group-size is too small")
-            time.sleep(0.5)
+                 self.options.group_size, self.options.prefix, self._seat.ttl)
 
     def members(self) -> tuple[list[str], set[int]]:
-        """(address per ring position, "" where none; the positions held now)."""
+        """(address per ring position, "" where none; the positions held now). This
+        daemon counts at the position it holds now (etcd away or not), and not at one
+        etcd last showed it at that it no longer holds."""
+        index = self.index
         with self._lock:
-            addresses, live = self._members
-            return list(addresses), set(live)
+            addresses = list(self._members)
+        for i, address in enumerate(addresses):
+            if address == self._address and i != index:
+                addresses[i] = ""
+        if index >= 0:
+            addresses[index] = self._address
+        return addresses, {i for i, a in enumerate(addresses) if a}
 
     def _members_changed(self) -> None:
         addresses = [""] * self.options.group_size
-        for key, value in self._slots.items().items():
-            index = keys_lib.parse_slot(self.keys, key)
-            if index is not None and index < len(addresses):
-                addresses[index] = value.decode()
-        live = {i for i, a in enumerate(addresses) if a}
-        if self.index >= 0:
-            live.add(self.index)  # this daemon counts itself while etcd is away
-            addresses[self.index] = self._address
+        for index, address in keys_lib.parse_positions(self.keys.slots(),
+                                                       self._slots.items()).items():
+            if index < len(addresses):
+                addresses[index] = address
         with self._lock:
-            self._members = (addresses, live)
+            self._members = addresses
         self._summarize.set()  # the aggregator may have changed
 
     def is_aggregator(self) -> bool:
+        index = self.index
         live = self.members()[1]
-        return bool(live) and min(live) == self.index
+        return index >= 0 and min(live) == index
 
-    def _keep_alive(self) -> None:
-        while not self._stopped.wait(self._ttl / 3):
-            try:
-                if self._kv.keepalive(self._lease) > 0:
-                    continue
-                log.warning("the etcd lease ran out (etcd away longer than %d s): taking ring "
-                            "position %d again and publishing what is held", self._ttl,
-                            self.index)
-                lease = self._kv.grant(self._ttl)
-                with self._lock:
-                    self._lease = lease
-                    self._generation += 1  # a publish in flight must not record its keys
-                    self._published.clear()  # their keys went with the old lease
-                self._claim(self.index, time.monotonic() + self.options.claim_timeout_seconds)
-                with self._lock:
-                    layouts = dict(self._layouts)
-                self._kv.apply(layouts, lease=self._lease)
-            except (EtcdUnavailable, Unavailable) as err:
-                log.info("etcd lease renewal: %s", err)
+    def listen_seated(self, on_seated) -> None:
+        """``on_seated(index)`` runs (on the lease's thread) after this daemon took a ring
+        position under a new lease: what it holds is to be published under it."""
+        self._on_seated = on_seated
+
+    def _seated(self, index: int) -> None:
+        self._summarize.set()
+        self._on_seated(index)
 
     # -- what is held -------------------------------------------------------
 
-    def publish(self, job: str, own) -> None:
-        """Makes etcd show exactly ``own`` (this daemon's committed copies of ``job``),
-        putting and deleting only what changed; etcd away: tried again next time."""
-        want = {self.keys.holding(job, h.rank, h.step, self.index): keys_lib.holding_value(h)
-                for h in own}
+    def publish(self, job: str, own) -> bool:
+        """Makes etcd show exactly ``own`` (this daemon's committed copies of ``job``)
+        under the ring position held now, putting and deleting only what changed;
+        whether etcd shows them now. Nothing while no position is held (it may be
+        another daemon's); etcd away: tried again next time."""
         with self._publishing:  # one diff at a time, each against what the last one put
+            index, lease, generation = self._seat.held()
+            if index < 0:
+                return False
+            want = {self.keys.holding(job, h.rank, h.step, index): keys_lib.holding_value(h)
+                    for h in own}
             with self._lock:
-                had, lease, generation = (self._published.get(job, {}), self._lease,
-                                          self._generation)
+                if generation != self._published_generation:  # they went with the old lease
+                    self._published, self._published_generation = {}, generation
+                had = self._published.get(job, {})
             puts = {k: v for k, v in want.items() if had.get(k) != v}
             deletes = [k for k in had if k not in want]
             if not puts and not deletes:
-                return
+                return True
             try:
                 self._kv.apply(puts, deletes, lease)
             except EtcdUnavailable as err:
                 log.debug("publishing the holdings of %s: %s", job, err)
-                return
+                return False
             with self._lock:
-                if generation == self._generation:
+                if generation == self._published_generation:
                     self._published[job] = want
+            return True
+
+    def needs_ready(self) -> bool:
+        """Whether this daemon holds a position under whose lease it has not yet published
+        what it holds (:meth:`publish_held`)."""
+        index, _, generation = self._seat.held()
+        return index >= 0 and self._ready_generation != generation
+
+    def publish_held(self, held: dict) -> bool:
+        """Publishes the layouts registered here and ``held`` (job -> this daemon's
+        copies) under the position held now, then marks it ready (``ready/<index>``:
+        a restore anywhere waits for every position held to be marked, so it never
+        picks a step on holdings a daemon that just took its position has not
+        published yet). Whether the position is marked now."""
+        index, lease, generation = self._seat.held()
+        if index < 0:
+            return False
+        with self._lock:
+            layouts = dict(self._layouts)
+        try:
+            self._kv.apply(layouts, lease=lease)
+            published = all([self.publish(job, own) for job, own in held.items()])
+            if published and self._seat.held() == (index, lease, generation):
+                self._kv.put(self.keys.ready(index), self._address.encode(), lease)
+                self._ready_generation = generation
+                return True
+        except EtcdUnavailable as err:
+            log.info("publishing what is held here under ring position %d: %s", index, err)
+        return False
+
+    def wait_ready(self) -> None:
+        """Waits, up to ``ready_wait_seconds``, until every other position held is marked
+        ready (its daemon published what it held when it took it); past that, says so
+        and returns: the caller goes on with what etcd shows. etcd away: at once."""
+        deadline = time.monotonic() + self.options.ready_wait_seconds
+        waited: set[int] = set()
+        while True:
+            try:
+                _, (slots, ready) = self._kv.ranges([self.keys.slots(), self.keys.readies()])
+            except EtcdUnavailable:
+                return
+            waiting = keys_lib.unready(keys_lib.parse_positions(self.keys.slots(), slots),
+                                       keys_lib.parse_positions(self.keys.readies(), ready))
+            waiting.discard(self.index)  # its own copies are counted as held now
+            if not waiting:
+                if waited:
+                    log.info("ring positions %s published what they hold", sorted(waited))
+                return
+            if time.monotonic() > deadline:
+                log.warning("ring positions %s were taken but have not published what they "
+                            "hold after %g s; going on with the holdings etcd shows",
+                            sorted(waiting), self.options.ready_wait_seconds)
+                return
+            if not waited:
+                log.info("waiting up to %g s for ring positions %s to publish what they hold",
+                         self.options.ready_wait_seconds, sorted(waiting))
+            waited |= waiting
+            self._stopped.wait(0.05)
 
     def forget(self, job: str) -> None:
         """``job`` was deleted here: its holdings and layouts leave etcd."""
@@ -245,11 +252,15 @@ class EtcdGroup:
             log.info("forgetting %s in etcd: %s", job, err)
 
     def publish_layout(self, job: str, rank: int, value: bytes) -> None:
+        """Publishes a rank's layout under the lease; held no position: once one is."""
         key = self.keys.layout(job, rank)
         with self._lock:
             self._layouts[key] = value
+        index, lease, _ = self._seat.held()
+        if index < 0:
+            return  # publish_held puts it, once a position is taken
         try:
-            self._kv.put(key, value, self._lease)
+            self._kv.put(key, value, lease)
         except EtcdUnavailable as err:
             log.info("publishing the layout of rank %d of %s: %s", rank, job, err)
 
@@ -339,6 +350,7 @@ class EtcdGroup:
     def stop(self) -> None:
         """Gives the ring position back at once (a planned stop is not a failure)."""
         self._stopped.set()
+        self._seat.stop()
         for mirror in (self._slots, self._summaries, self._layout_mirror,
                        self._holdings_mirror):
             if mirror is not None:

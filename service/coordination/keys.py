@@ -19,6 +19,10 @@ Everything of one group lives under its prefix (``--coordination-prefix``):
 ``summary/<job>``
     the job's committed and restorable steps, written by the group's
     aggregator (the live daemon with the lowest index) from every holding.
+``ready/<index>``
+    the holder of position ``index`` (its address, under its lease) has
+    published what it held when it took the position: a restore waits for
+    every position held to be marked so before it picks a step.
 
 Numbers in keys are zero-padded so that etcd's byte order is numeric order.
 """
@@ -82,6 +86,12 @@ class Keys:
     def summary(self, job: str) -> str:
         return f"{self.summaries()}{job}"
 
+    def readies(self) -> str:
+        return f"{self.root}/ready/"
+
+    def ready(self, index: int) -> str:
+        return f"{self.readies()}{_num(index)}"
+
     def job_of(self, key: str, prefix: str) -> str:
         """The job a key under ``prefix`` (holdings/, layouts/, summary/) belongs to."""
         return key[len(prefix):].split("/", 1)[0]
@@ -136,3 +146,44 @@ def parse_slot(keys: "Keys", key: str) -> int | None:
     """The ring index of a slots/ key; None for one no daemon wrote."""
     tail = key[len(keys.slots()):]
     return int(tail) if tail.isdigit() else None
+
+
+def parse_positions(prefix: str, items: dict[str, bytes]) -> dict[int, str]:
+    """Ring index -> address, of the keys under ``prefix`` (slots/ or ready/); keys no
+    daemon wrote are left out."""
+    found = {}
+    for key, value in items.items():
+        tail = key[len(prefix):]
+        if key.startswith(prefix) and tail.isdigit():
+            found[int(tail)] = value.decode(errors="replace")
+    return found
+
+
+def claim_order(size: int, preferred: int, explicit: bool, held: dict[int, str],
+                address: str) -> list[int]:
+    """The ring positions a daemon at ``address`` tries to take now, in order; ``held``:
+    index -> address of the positions taken (as just read).
+
+    ``explicit`` (``--index``): ``preferred`` only, waiting for it however long it is
+    held. Else ``preferred`` is the position the daemon's name held last (or, after
+    its lease ran out, the one it held): while its own earlier incarnation holds it
+    (its address there, a lease not run out yet) only that one, which frees within a
+    TTL; when another daemon holds it, a replacement took it: the free positions,
+    lowest first. Free, ``preferred`` comes first.
+    """
+    if explicit:
+        return [preferred]
+    if 0 <= preferred < size and held.get(preferred) == address:
+        return [preferred]
+    free = [i for i in range(size) if i not in held]
+    if preferred in free:
+        free.remove(preferred)
+        free.insert(0, preferred)
+    return free
+
+
+def unready(slots: dict[int, str], ready: dict[int, str]) -> set[int]:
+    """Positions held (``slots``: index -> address) whose holder has not marked itself
+    ready (``ready``: index -> the address that marked it): it has not yet published
+    what it held when it took the position, so its copies are missing from the view."""
+    return {index for index, address in slots.items() if ready.get(index) != address}

@@ -31,7 +31,7 @@ class PeerGroup:
         self.options = options
         self._max_message_bytes = max_message_bytes
         self._etcd = etcd
-        self.index = etcd.index if etcd is not None else options.index
+        self._index = options.index  # the static ring's; with etcd it moves (index)
         self._addresses = list(options.peers) if etcd is None else etcd.members()[0]
         self._stubs: dict[int, peer_pb2_grpc.PeerStub] = {}
         self._liveness = Liveness(len(self._addresses), options.dead_after_seconds,
@@ -42,6 +42,18 @@ class PeerGroup:
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max(1, len(self._addresses)),
                                          thread_name_prefix="peer-call")
+
+    @property
+    def index(self) -> int:
+        """This daemon's ring position. With etcd, the one it holds now: -1 while it
+        holds none (its lease may have run out, or every position is another daemon's),
+        and another one after it took a free position under a new lease."""
+        return self._etcd.index if self._etcd is not None else self._index
+
+    @property
+    def own_address(self) -> str:
+        """The peer address this daemon is dialled at."""
+        return self.options.listen if self._etcd is not None else self.address(self._index)
 
     @property
     def size(self) -> int:
@@ -65,6 +77,9 @@ class PeerGroup:
         return self._liveness.not_dead()
 
     def address(self, index: int) -> str:
+        """The peer address of ring position ``index``; "" where none is held."""
+        if index < 0:
+            return ""
         if self._etcd is not None:
             return self._etcd.members()[0][index]
         with self._lock:
@@ -125,8 +140,13 @@ class PeerGroup:
                                        f"{self.options.dead_after_seconds:g} s") from None
 
     def ring(self) -> list[int]:
-        """Every other daemon, in ring order from this one."""
-        return group_view.successors(self.index, self.size, set(range(self.size)), self.size)
+        """Every other daemon, in ring order from this one. With etcd, while this daemon
+        holds no position, from the one it held last: its new copies still reach peers
+        (who publish them under their own positions), none with etcd away."""
+        index = self._etcd.last_index if self._etcd is not None else self._index
+        if index < 0:
+            return []
+        return group_view.successors(index, self.size, set(range(self.size)), self.size)
 
     def ring_order_live_first(self) -> list[int]:
         """The other daemons in ring order, those that answered last time first; then
@@ -209,6 +229,19 @@ class PeerGroup:
         if self._etcd is not None:
             self._etcd.listen(listener)
 
+    def on_seated(self, listener) -> None:
+        """With etcd, ``listener()`` hears when this daemon took a ring position under a
+        new lease (its lease had run out): what it holds is to be published under it."""
+        if self._etcd is not None:
+            self._etcd.listen_seated(lambda index: listener())
+
+    def mark_ready(self, held_of) -> None:
+        """With etcd, once per position taken: every job's copies held here
+        (``held_of()``: job -> this daemon's copies) and the layouts registered here are
+        published under it, then the position is marked ready (restores wait for it)."""
+        if self._etcd is not None and self._etcd.needs_ready():
+            self._etcd.publish_held(held_of())
+
     def etcd_layouts(self, job: str) -> list[bytes]:
         """The RankLayout messages daemons published in etcd for ``job``."""
         return self._etcd.layouts(job)
@@ -242,10 +275,15 @@ class PeerGroup:
         if self._etcd is not None:
             own = own_of()
             self._etcd.publish(job, own)
+            self._etcd.wait_ready()  # a daemon that just took its position publishes soon
+            index = self.index
             try:
+                found = self._etcd.all_holdings(job)
+                if index < 0:  # no position: the group's view, which every daemon shares
+                    return found
                 # this daemon's own copies as held now, not as etcd last took them
-                return [h for h in self._etcd.all_holdings(job) if h.index != self.index] + \
-                    [Holding(self.index, h.rank, h.step, h.replica, h.world_size, h.group)
+                return [h for h in found if h.index != index] + \
+                    [Holding(index, h.rank, h.step, h.replica, h.world_size, h.group)
                      for h in own]
             except Unavailable as err:
                 log.warning("%s; asking the peers instead", err)

@@ -3,7 +3,7 @@
 import dataclasses
 
 from bubblesnap.options import require
-from bubblesnap.service.coordination.etcd_group import CoordinationOptions
+from bubblesnap.service.coordination.options import CoordinationOptions
 from bubblesnap.service.peers.pacing import PacingOptions
 from bubblesnap.service.peers.security import PeerSecurity
 

@@ -83,6 +83,12 @@ class Replicator:
             self._rolled_back.pop(job, None)
         self._worker.submit((job, None), None)
 
+    def seated(self) -> None:
+        """With etcd, this daemon took a ring position under a new lease: everything it
+        holds is published under it now (then it is marked ready), not at the next
+        refresh."""
+        self._worker.submit((None, None), None)
+
     def copies(self, job: str) -> dict[tuple[int, int], int]:
         """(rank, step) -> live copies in the group, as last gathered."""
         with self._lock:
@@ -124,11 +130,14 @@ class Replicator:
     def _replicate_batch(self, batch: dict) -> None:
         """One step per (job, rank) is replicated now, the roundest; the others are
         dropped. Then what these commits changed is gathered."""
-        # (job, None) keys only ask for the refresh below (summary_changed)
+        # (job, None) keys only ask for the refresh below (summary_changed); (None, None)
+        # for a refresh of every job (seated)
         for (job, rank), steps in sorted((key, steps) for key, steps in batch.items()
                                          if key[1] is not None):
             self._replicate_new(job, rank, group_view.roundest(steps))
-        for job in sorted({job for job, _ in batch}):
+        if (None, None) in batch:
+            self._refresh(None)
+        for job in sorted({job for job, _ in batch if job is not None}):
             self._refresh(job)
 
     def _replicate_new(self, job: str, rank: int, step: int) -> None:
@@ -169,6 +178,8 @@ class Replicator:
         # Every job, not only those with copies here: a daemon whose ranks are all
         # held through other daemons' copiers still reports what the group committed.
         jobs = [only_job] if only_job else self._store.job_names()
+        if only_job is None:  # with etcd: what is held published once per position taken
+            self._group.mark_ready(lambda: {job: self._store.holdings(job) for job in jobs})
         for job in jobs:
             gathered_at = time.monotonic()
             holdings = self.view(job)
