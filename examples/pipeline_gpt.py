@@ -11,7 +11,9 @@ Two ways to run the stages:
                          stage (the demo and the timeline; stages share the cores)
   --transport processes  one process per stage, each pinned to its own core with
                          os.sched_setaffinity, activations passed over Unix sockets:
-                         idle time is really idle (what benchmarks/overhead.py uses)
+                         idle time is really idle (what benchmarks/overhead.py uses);
+                         with --hosts over TCP, and with --netns each stage in a
+                         network namespace of its own (as on separate hosts)
 
 Examples:
   python examples/pipeline_gpt.py --stages 4 --schedule 1f1b --timeline timeline.png
@@ -166,7 +168,8 @@ def stage_process(args) -> int:
     import jax
 
     from pipeline.transport import SocketLinks
-    links = SocketLinks(args.rendezvous, args.stages, args.stage)
+    links = SocketLinks(args.rendezvous, args.stages, args.stage,
+                        addresses=args.hosts.split(",") if args.hosts else None)
     inbox, send = links.endpoint(args.stage)
     result = run_stage(args, args.stage, jax.devices(), inbox, send)
     links.close()
@@ -179,9 +182,12 @@ def run_processes(args) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bubblesnap-pipeline-") as rendezvous:
         passthrough = [a for a in sys.argv[1:] if a != "--json"]
         daemon = ["--daemon", args.daemon] if args.daemon else []
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *passthrough,
+        netns = args.netns.split(",") if args.netns else None
+        procs = [subprocess.Popen([*(["ip", "netns", "exec", netns[s]] if netns else []),
+                                   sys.executable, os.path.abspath(__file__), *passthrough,
                                    "--role", "stage", "--stage", str(s), "--rendezvous",
-                                   rendezvous, "--orbax-dir", args.orbax_dir, *daemon])
+                                   rendezvous, "--orbax-dir", args.orbax_dir, *daemon],
+                                  preexec_fn=_die_with_parent)
                  for s in range(args.stages)]
         codes = _wait_all(procs)
         if any(codes):
@@ -191,6 +197,18 @@ def run_processes(args) -> list[dict]:
             with open(os.path.join(rendezvous, f"result{s}.json")) as f:
                 results.append(json.load(f))
         return results
+
+
+def _die_with_parent() -> None:
+    """Runs in each stage's child before it starts: the kernel kills the stage when
+    this process dies, so a run killed from outside (a benchmark stopping it, even by
+    SIGKILL) leaves no stage behind. Linux only; elsewhere a no-op."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        pass
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
@@ -311,6 +329,14 @@ def parse_args(argv=None):
                    help="forced CPU devices per stage; >1 shards each stage's kernels")
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="with --transport processes: do not pin stage s to core s")
+    p.add_argument("--hosts", metavar="HOST:PORT,...",
+                   help="with --transport processes: stage s listens for its previous "
+                        "stage on the s-th address and activations travel over TCP "
+                        "(default: Unix sockets)")
+    p.add_argument("--netns", metavar="NS,...",
+                   help="with --transport processes: run stage s in network namespace NS "
+                        "(ip netns exec, as root: a bubblesnap.testing.Cluster's hosts; "
+                        "benchmarks/overhead.py --link-rate)")
     model = p.add_argument_group("model size")
     model.add_argument("--vocab", type=int, default=2048)
     model.add_argument("--d-model", type=int, default=256)
@@ -357,6 +383,11 @@ def parse_args(argv=None):
     if args.daemons and len(args.daemons.split(",")) != args.stages:
         p.error(f"--daemons names {len(args.daemons.split(','))} daemons for {args.stages} "
                 "stages")
+    for flag, value in (("--hosts", args.hosts), ("--netns", args.netns)):
+        if value and len(value.split(",")) != args.stages:
+            p.error(f"{flag} names {len(value.split(','))} entries for {args.stages} stages")
+        if value and args.transport != "processes":
+            p.error(f"{flag} needs --transport processes")
     if len(args.layers_per_stage) not in (1, args.stages):
         p.error(f"--layers-per-stage has {len(args.layers_per_stage)} entries for "
                 f"{args.stages} stages")

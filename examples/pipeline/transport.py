@@ -8,7 +8,9 @@ came in.
 ``ThreadLinks`` connects stages that are threads of one process.
 ``SocketLinks`` connects stage processes over Unix sockets: each stage
 listens on ``<dir>/stage<N>.sock`` and connects to the next stage; one
-connection carries activations forward and gradients back.
+connection carries activations forward and gradients back. Given one
+``host:port`` per stage it uses TCP instead (stages on different hosts, or
+network namespaces as a ``bubblesnap.testing.Cluster`` makes them).
 ``RelayLinks`` connects a stage process to a relay (relay.py) that forwards
 tensors and outlives any one stage: a replacement stage joins it while the
 others keep their connections.
@@ -113,27 +115,28 @@ class ThreadLinks:
 
 
 class SocketLinks:
-    """One stage process's connections to its neighbours (Unix sockets in ``directory``)."""
+    """One stage process's connections to its neighbours: Unix sockets in ``directory``,
+    or, with ``addresses`` (``host:port`` of every stage, in stage order), TCP: stage
+    N listens on the N-th address and connects to the next stage's."""
 
-    def __init__(self, directory: str, stages: int, stage: int, timeout: float = 120.0):
+    def __init__(self, directory: str, stages: int, stage: int, timeout: float = 120.0,
+                 addresses: list[str] | None = None):
         self.inbox = Inbox()
         self._stage = stage
         self._sockets: dict[int, socket.socket] = {}
         self._locks: dict[int, threading.Lock] = {}
-        listener = None
-        if stage > 0:
-            path = os.path.join(directory, f"stage{stage}.sock")
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(path)
-            listener.listen(1)
+        if addresses is None:
+            where = [os.path.join(directory, f"stage{s}.sock") for s in range(stages)]
+        else:
+            where = [_host_port(a) for a in addresses]
+        listener = _listen(where[stage]) if stage > 0 else None
         if stage < stages - 1:
-            self._add(stage + 1, _connect(os.path.join(directory, f"stage{stage + 1}.sock"),
-                                          timeout))
+            self._add(stage + 1, _connect(where[stage + 1], timeout))
         if listener is not None:
             listener.settimeout(timeout)
             conn, _ = listener.accept()
             listener.close()
-            self._add(stage - 1, conn)
+            self._add(stage - 1, _nodelay(conn))
 
     def _add(self, peer: int, conn: socket.socket) -> None:
         self._sockets[peer] = conn
@@ -237,16 +240,43 @@ def tensor(meta: dict, raw) -> np.ndarray:
     return np.frombuffer(raw, dtype=meta["dtype"]).reshape(meta["shape"])
 
 
-def _connect(path: str, timeout: float) -> socket.socket:
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def _nodelay(conn: socket.socket) -> socket.socket:
+    """TCP sends each tensor at once: Nagle's algorithm would hold a frame's tail back
+    until the previous one is acknowledged, a round trip inside every handoff."""
+    if conn.family != socket.AF_UNIX:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def _listen(where) -> socket.socket:
+    """A listener on a Unix socket path or a (host, port)."""
+    family = socket.AF_UNIX if isinstance(where, str) else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    if family != socket.AF_UNIX:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(where)
+    listener.listen(1)
+    return listener
+
+
+def _connect(where, timeout: float) -> socket.socket:
+    """A connection to a Unix socket path or a (host, port), retried until the
+    neighbour listens or ``timeout`` passed (stages start in any order)."""
+    family = socket.AF_UNIX if isinstance(where, str) else socket.AF_INET
     deadline = time.monotonic() + timeout
     while True:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn = socket.socket(family, socket.SOCK_STREAM)
         try:
-            conn.connect(path)
-            return conn
+            conn.connect(where)
+            return _nodelay(conn)
         except (FileNotFoundError, ConnectionRefusedError):
             conn.close()
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"stage socket {path} did not appear in {timeout:.0f} s") from None
+                    f"stage socket {where} did not appear in {timeout:.0f} s") from None
             time.sleep(0.05)
