@@ -131,6 +131,15 @@ def same_state(expected, got) -> bool:
     return True
 
 
+def trim_memory() -> None:
+    """Collects this process's garbage and hands its free heap back to the OS (glibc
+    malloc_trim): a restore's arrays in a reference cycle keep the pages they map until
+    the collector runs, and freed heap stays in the process's RSS until trimmed."""
+    gc.collect()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def measure(bench, modes, rounds: int) -> dict[str, list[float]]:
     """Seconds per mode over ``rounds`` rounds of every mode, interleaved.
 
@@ -149,9 +158,7 @@ def measure(bench, modes, rounds: int) -> dict[str, list[float]]:
         order = modes[round_ % len(modes):] + modes[:round_ % len(modes)]
         timings = {}
         for mode in order:
-            gc.collect()
-            if _MALLOC_TRIM is not None:
-                _MALLOC_TRIM(0)
+            trim_memory()
             timings[mode] = getattr(bench, mode)()
         label = "warm-up" if round_ == 0 else f"round {round_}/{rounds}"
         log(f"{label}: " + " ".join(f"{m}={t * 1e3:.0f}ms" for m, t in timings.items()))

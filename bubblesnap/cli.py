@@ -109,6 +109,15 @@ def _show_status(stub, args, interrupted: threading.Event) -> int:
     return 0
 
 
+def _pages(mem) -> str:
+    """", 2 MiB pages (tmpfs huge=within_size)": the pages segments get (nothing from a
+    daemon that predates the fields)."""
+    if not mem.shm_page_bytes:
+        return ""
+    from bubblesnap.service.store.pages import SharedPages
+    return ", " + SharedPages(mem.shm_filesystem, mem.shm_huge, mem.shm_page_bytes).describe()
+
+
 def format_status(status) -> str:
     """A readable table of a StatusResponse."""
     from bubblesnap.protos import daemon_pb2
@@ -118,7 +127,8 @@ def format_status(status) -> str:
     lines = [f"memory: {human_bytes(mem.used_bytes)} used, "
              f"{human_bytes(mem.pooled_bytes)} pooled{warm}, "
              f"budget {human_bytes(mem.budget_bytes)}; {mem.shm_dir} has "
-             f"{human_bytes(mem.shm_free_bytes)} free; logs hold {human_bytes(mem.log_bytes)}"
+             f"{human_bytes(mem.shm_free_bytes)} free{_pages(mem)}; logs hold "
+             f"{human_bytes(mem.log_bytes)}"
              + (f" of {human_bytes(mem.log_budget_bytes)}" if mem.log_budget_bytes else "")]
     lines += _adoption_lines(status.adoption)
     lines += [in_flight_line(w) for w in status.in_flight]

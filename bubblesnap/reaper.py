@@ -9,11 +9,13 @@ reaper: a small process of its own session (no terminal signal reaches it)
 holding one end of a socket pair whose other end only the starting process
 holds. Each child is handed over as it starts (a pidfd, so a recycled pid is
 never signalled, and the paths to remove once it is gone) and released when
-its starter ended it itself. When the starting process ends, however it
-ends, the kernel closes its end: the reaper reads end-of-file, SIGKILLs every
-child still handed over (a stopped one too), waits until each is gone,
-removes their paths, runs the commands it was handed (``ip netns del``: the
-network a ``Cluster`` made) and exits.
+its starter ended it itself. Folders the starting process makes for itself
+(a benchmark's work files in /dev/shm) are handed over the same way. When
+the starting process ends, however it ends, the kernel closes its end: the
+reaper reads end-of-file, SIGKILLs every child still handed over (a stopped
+one too), waits until each is gone, removes their paths and the folders
+handed over, runs the commands it was handed (``ip netns del``: the network
+a ``Cluster`` made) and exits.
 
 Runs without the package (``python -I reaper.py FD``): only the standard library.
 """
@@ -57,6 +59,17 @@ def add_paths(token: int, paths) -> None:
     """More paths to remove after child ``token`` is gone (learnt once it started)."""
     with _lock:
         _send({"op": "paths", "id": token, "paths": [str(p) for p in paths]})
+
+
+def remove_at_end(paths) -> int:
+    """Paths (folders or files of this process's own) the reaper removes once this
+    process is gone, unless :func:`release` of the returned token came first: what
+    must not outlive a process that is SIGKILLed (shared memory stays until removed)."""
+    with _lock:
+        _state["next"] += 1
+        token = _state["next"]
+        _send({"op": "remove", "id": token, "paths": [str(p) for p in paths]})
+    return token
 
 
 def run_at_end(commands) -> int:
@@ -125,6 +138,7 @@ def _serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     children: dict[int, tuple[int | None, int, list[str]]] = {}  # id -> (pidfd, pid, paths)
     commands: dict[int, list[list[str]]] = {}  # id -> what to run at the end
+    removals: dict[int, list[str]] = {}  # id -> the starter's own paths to remove
     while True:
         data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
         if not data:  # every copy of the starting process's end is closed: it is gone
@@ -137,8 +151,11 @@ def _serve(fd: int) -> None:
             children[token][2].extend(message["paths"])
         elif message["op"] == "run":
             commands[token] = message["commands"]
+        elif message["op"] == "remove":
+            removals[token] = message["paths"]
         elif message["op"] == "release":
             commands.pop(token, None)
+            removals.pop(token, None)
             pidfd = children.pop(token, (None,))[0]
             if pidfd is not None:
                 os.close(pidfd)
@@ -154,9 +171,15 @@ def _serve(fd: int) -> None:
     for pidfd, _, _ in children.values():
         if pidfd is not None:  # readable once the process has ended
             select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
-    for _, _, paths in children.values():
+    for paths in [p for _, _, p in children.values()] + list(removals.values()):
         for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
     for argv in (argv for token in sorted(commands) for argv in commands[token]):
         subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, check=False)

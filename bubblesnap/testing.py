@@ -8,7 +8,8 @@ its signals (SIGTERM stops it and frees its shared memory, SIGKILL is a lost
 host). Nothing started here outlives the process that started it: should that
 process die without stopping them (even by SIGKILL), its reaper
 (:mod:`bubblesnap.reaper`) kills its daemons and etcd and removes their
-shared-memory and socket folders.
+shared-memory and socket folders (and the folders made with
+:func:`reaped_tempdir`).
 
     from bubblesnap.testing import DaemonProcess, Ring, wait_for
 
@@ -86,6 +87,15 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+def reaped_tempdir(prefix: str, parent: str | None = None) -> str:
+    """A new folder (``tempfile.mkdtemp``) that this process's reaper removes should the
+    process die before removing it itself (even by SIGKILL): a benchmark's work files
+    in /dev/shm are memory until someone deletes them."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    reaper.remove_at_end([path])
+    return path
+
+
 def in_netns(netns: str | None) -> list[str]:
     """The command prefix that runs a program inside network namespace ``netns`` (none
     for None). ``ip netns exec`` execs the program: its pid is the program's own."""
@@ -134,7 +144,9 @@ class DaemonProcess:
     the copies a killed one left in its --shm-dir, and one started later by
     another test or program must not find this one's. A ``--shm-dir`` flag
     names a directory that outlives it instead (a restart on the same shared
-    memory); ``own_shm_dir=False`` runs it on the daemon's default /dev/shm.
+    memory); ``own_shm_dir=False`` runs it on the daemon's default /dev/shm, and a
+    path makes the fresh folder there instead of in /dev/shm (a tmpfs mounted with
+    huge pages, say).
     ``name`` labels it in errors. ``netns`` runs it inside that network
     namespace (``ip netns exec``: a host of a :class:`~bubblesnap.cluster.Cluster`);
     its Unix socket is reached from any namespace.
@@ -146,11 +158,12 @@ class DaemonProcess:
     """
 
     def __init__(self, *flags: str, metrics: str = "", log_level: str = "WARNING",
-                 env: dict[str, str] | None = None, stderr=None, own_shm_dir: bool = True,
+                 env: dict[str, str] | None = None, stderr=None, own_shm_dir: bool | str = True,
                  name: str = "daemon", ready_timeout: float = 120.0, netns: str | None = None):
         self.name = name
         self.stderr_path = None if stderr is None or isinstance(stderr, int) else str(stderr)
-        self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir="/dev/shm")
+        parent = own_shm_dir if isinstance(own_shm_dir, str) else "/dev/shm"
+        self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir=parent)
                             if own_shm_dir else None)
         self._channel: grpc.Channel | None = None
         self._reaped: int | None = None  # its token with this process's reaper

@@ -4,6 +4,12 @@ Mappings are cached by path: the daemon recycles segments, so a trainer that
 snapshots every step keeps writing into the same few, already-mapped pages.
 Only a handful are kept; an evicted mapping of a segment the daemon has freed
 gives its memory back.
+
+Huge pages need nothing here: on a tmpfs mounted with huge=within_size (the
+daemon's Status says so: shm_page_bytes) the segment's pages are 2 MiB, the
+kernel places a mapping of the file on a 2 MiB boundary, and MAP_POPULATE
+maps them with huge page-table entries (tests/test_pages.py reads
+ShmemPmdMapped of such a mapping in /proc/self/smaps).
 """
 
 import collections

@@ -409,7 +409,7 @@ class Coverage(_message.Message):
     def __init__(self, whole: _Optional[bool] = ..., known: _Optional[bool] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemoryStatus(_message.Message):
-    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes", "log_bytes", "log_budget_bytes", "warm_bytes", "warm_pool_bytes", "warm_segments_taken")
+    __slots__ = ("budget_bytes", "used_bytes", "pooled_bytes", "shm_dir", "shm_free_bytes", "log_bytes", "log_budget_bytes", "warm_bytes", "warm_pool_bytes", "warm_segments_taken", "shm_filesystem", "shm_huge", "shm_page_bytes")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOLED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -420,6 +420,9 @@ class MemoryStatus(_message.Message):
     WARM_BYTES_FIELD_NUMBER: _ClassVar[int]
     WARM_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     WARM_SEGMENTS_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    SHM_FILESYSTEM_FIELD_NUMBER: _ClassVar[int]
+    SHM_HUGE_FIELD_NUMBER: _ClassVar[int]
+    SHM_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     used_bytes: int
     pooled_bytes: int
@@ -430,7 +433,10 @@ class MemoryStatus(_message.Message):
     warm_bytes: int
     warm_pool_bytes: int
     warm_segments_taken: int
-    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., warm_pool_bytes: _Optional[int] = ..., warm_segments_taken: _Optional[int] = ...) -> None: ...
+    shm_filesystem: str
+    shm_huge: str
+    shm_page_bytes: int
+    def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., warm_pool_bytes: _Optional[int] = ..., warm_segments_taken: _Optional[int] = ..., shm_filesystem: _Optional[str] = ..., shm_huge: _Optional[str] = ..., shm_page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("jobs", "memory", "adoption", "in_flight", "durable_directory")

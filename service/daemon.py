@@ -38,7 +38,7 @@ from bubblesnap.service.rpc.peer import PeerServicer
 from bubblesnap.service.rpc.server import TrainerServer
 from bubblesnap.service.rpc.trainer_token import TrainerToken
 from bubblesnap.service.status import Status
-from bubblesnap.service.store import SnapshotStore, StoreOptions
+from bubblesnap.service.store import SnapshotStore, StoreOptions, pages
 from bubblesnap.service.store.segments import leftover_bytes, shm_free_bytes
 from bubblesnap.trainer_api import DEFAULT_ADDRESS, TOKEN_ENV, socket_path
 
@@ -138,16 +138,6 @@ def _fit_budget_to_shm(options: DaemonOptions) -> StoreOptions:
     return dataclasses.replace(options.store, memory_budget_bytes=max(1, capped))
 
 
-def _filesystem_type(path: str) -> str:
-    best, fstype = "", "unknown"
-    with open("/proc/mounts") as mounts:
-        for line in mounts:
-            _, mount_point, kind = line.split()[:3]
-            if os.path.realpath(path).startswith(mount_point) and len(mount_point) > len(best):
-                best, fstype = mount_point, kind
-    return fstype
-
-
 def _server(threads: int, max_message_bytes: int, name: str, interceptors=()) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name),
                        interceptors=interceptors,
@@ -178,9 +168,13 @@ class Daemon:
     def __init__(self, options: DaemonOptions = DaemonOptions()):
         if not os.path.isdir(options.shm_dir):
             raise DaemonStartError(f"--shm-dir {options.shm_dir} does not exist")
-        if _filesystem_type(options.shm_dir) not in ("tmpfs", "ramfs", "unknown"):
+        shared = pages.detect(options.shm_dir)
+        if shared.unusable():
+            raise DaemonStartError(shared.unusable())
+        if shared.filesystem not in ("tmpfs", "ramfs", "unknown"):
             log.warning("%s is not a tmpfs: snapshots will go through the page cache to disk",
                         options.shm_dir)
+        log.info("segments in %s get %s", options.shm_dir, shared.describe())
         self.options = options
         self._server = TrainerServer(
             options.max_message_bytes,
@@ -329,7 +323,9 @@ class Daemon:
         return json.dumps({"event": "ready", "address": self.address, **peers,
                            "metrics": self.metrics_address, "shm_dir": memory.shm_dir,
                            "memory_budget_bytes": memory.budget_bytes,
-                           "shm_free_bytes": memory.shm_free_bytes, "pid": os.getpid()})
+                           "shm_free_bytes": memory.shm_free_bytes,
+                           "shm_page_bytes": memory.pages.page_bytes,
+                           "shm_pages": memory.pages.describe(), "pid": os.getpid()})
 
 
 def run(options: DaemonOptions) -> int:

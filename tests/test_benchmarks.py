@@ -2,7 +2,9 @@
 
 The reports carry the keys docs/development/benchmarks.md documents, every
 ratio is a finite number and every correctness check inside a benchmark
-holds. No timing is asserted: --quick numbers mean nothing.
+holds. No timing is asserted: --quick numbers mean nothing. Some benchmarks
+also run a variant (``VARIANTS``: overhead.py on a Cluster with --link-rate),
+where this machine can run it.
 """
 
 import importlib.util
@@ -16,8 +18,16 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-PROGRAMS = ("adoption", "datapath", "group_scale", "load", "log_cost", "manager", "overhead",
-            "plan_scale", "restore", "sick_daemon")
+PROGRAMS = ("adoption", "datapath", "gpu", "group_scale", "load", "log_cost", "manager",
+            "overhead", "plan_scale", "restore", "sick_daemon")
+#: Runs beyond each program's plain --quick: name -> (program, its extra flags).
+VARIANTS = {"overhead_link_rate": ("overhead", ("--link-rate", "1gbit"))}
+
+
+def variant_unavailable(name: str) -> str | None:
+    """Why variant ``name`` cannot run here (one line), or None."""
+    from bubblesnap import cluster
+    return cluster.unavailable()  # every variant so far runs on a Cluster
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +43,16 @@ def quick_runs(tmp_path_factory, request):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # conftest forces 4
     selected = {item.callspec.params["name"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")}
+    wanted = {name: (name, ()) for name in PROGRAMS if name in selected}
+    wanted.update((name, run) for name, run in VARIANTS.items()
+                  if name in selected and variant_unavailable(name) is None)
     runs = {}
-    for name in (n for n in PROGRAMS if n in selected):
+    for name, (program, flags) in wanted.items():
         stdout, stderr = out / f"{name}.out", out / f"{name}.err"
         with open(stdout, "w") as o, open(stderr, "w") as e:
             runs[name] = (subprocess.Popen(
-                [sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--json"],
-                stdout=o, stderr=e, env=env), stdout, stderr)
+                [sys.executable, str(BENCHMARKS / f"{program}.py"), "--quick", "--json",
+                 *flags], stdout=o, stderr=e, env=env), stdout, stderr)
     yield runs
     for proc, _, _ in runs.values():
         if proc.poll() is None:
@@ -86,8 +99,12 @@ def check_datapath(report: dict) -> None:
     assert all(isinstance(met, bool) for met in report["meets_targets"].values())
     assert report["restore_matches"] is True
     assert list(report["phases"]) == ["stage_stall", "stage_commit", "restore_local"]
-    assert list(report["phases"]["stage_stall"]) == ["begin", "copy"]
-    assert list(report["phases"]["stage_commit"]) == ["begin", "copy", "commit"]
+    # a save copies into the segment the last commit reserved (clients/save_lane.py), or
+    # begins one (BeginStep) where another mode's save took the reservation
+    assert "copy" in report["phases"]["stage_stall"]
+    assert set(report["phases"]["stage_stall"]) <= {"begin", "copy"}
+    assert {"copy", "commit"} <= set(report["phases"]["stage_commit"]) <= {
+        "begin", "copy", "commit"}
     assert {"call", "map", "place", "ready", "daemon.holdings"} <= set(
         report["phases"]["restore_local"])
 
@@ -139,6 +156,72 @@ def check_restore(report: dict) -> None:
         "restore_durable": ["durable"] * 2}
     assert report["problems"] == []
     assert isinstance(report["daemon_log"], dict)
+    check_restore_groups(report, modes)
+
+
+def check_restore_groups(report: dict, modes) -> None:
+    """--quick runs the split layout: every mode in exactly one group, each group at most
+    4 states of memory with its daemons' and this process's peaks; the ratios named as
+    across groups are exactly those whose modes ran in different groups."""
+    groups = report["groups"]
+    assert sorted(m for g in groups for m in g["modes"]) == sorted(modes)
+    assert len(groups) == 8
+    group_of = {m: i for i, g in enumerate(groups) for m in g["modes"]}
+    assert group_of["raw_tcp_parallel"] == group_of["restore_peer"]
+    assert group_of["restore_local"] == group_of["restore_local_resharded"]
+    daemons_seen = set()
+    for group in groups:
+        assert set(group) == {"modes", "footprint_states", "daemons", "client_peak_rss_bytes"}
+        assert 3 <= group["footprint_states"] <= 4, group
+        assert group["client_peak_rss_bytes"] > 0
+        for name, row in group["daemons"].items():
+            daemons_seen.add(name)
+            assert set(row) == {"peak_rss_bytes", "peak_held_bytes", "rss_vs_held"}, name
+            # every daemon held at least one state-sized segment (a copy, or the warm pool)
+            assert row["peak_held_bytes"] >= report["state_bytes"], (name, row)
+            assert row["peak_rss_bytes"] > 0 and math.isfinite(row["rss_vs_held"])
+    assert daemons_seen == {"A", "B", "C", "D", "E"}
+    assert not groups[-1]["daemons"]  # Orbax's group starts none
+    assert set(report["ratios_across_groups"]) <= set(report["ratios"])
+    assert "restore_peer_vs_raw_tcp_parallel" not in report["ratios_across_groups"]
+    assert "resharded_vs_same_local" not in report["ratios_across_groups"]
+    assert "2to1_vs_same_local" in report["ratios_across_groups"]
+    memory = report["memory"]
+    assert memory["layout"] == "split" and memory["state_bytes"] == report["state_bytes"]
+    assert memory["client_peak_rss_bytes"] == max(g["client_peak_rss_bytes"] for g in groups)
+    assert memory["client_peak_rss_bytes"] >= memory["client_baseline_rss_bytes"] > 0
+    assert memory["daemon_peak_rss_bytes"] == max(
+        r["peak_rss_bytes"] for g in groups for r in g["daemons"].values())
+    assert_finite({k: memory[k] for k in ("client_extra_states", "daemon_rss_vs_held_max",
+                                          "cap_states")}, "memory")
+    # every restore, bubblesnap's and Orbax's, measured what it cost this process
+    peaks = memory["client_restore_peak_states"]
+    assert list(peaks) == [m for m in modes if m.startswith(("restore_", "orbax_"))]
+    assert_finite(peaks, "client_restore_peak_states")
+    assert set(memory["meets_targets"]) == {"daemon_rss_within_5pct_of_held",
+                                            "client_restore_within_one_copy"}
+    assert all(isinstance(met, bool) for met in memory["meets_targets"].values())
+
+
+def check_gpu(report: dict) -> None:
+    """gpu.py --quick: its CPU run (benchmarks/gpu.sh runs the same on a CUDA host)."""
+    assert report["device"] == {"platform": "cpu", "kind": "cpu", "count": 1}
+    assert_bandwidth_modes(report, ("pinned_d2h", "orbax_fetch", "snapshot", "pinned_h2d",
+                                    "restore_local"))
+    assert set(report["ratios"]) == {"orbax_fetch_vs_pinned_d2h", "snapshot_vs_pinned_d2h",
+                                     "restore_local_vs_pinned_h2d"}
+    assert_finite(report["ratios"], "ratios")
+    assert report["matches"] == dict.fromkeys(report["modes"], True)
+    assert report["problems"] == [] and report["rounds"] == 1 and report["state_bytes"] > 0
+    pipeline = report["pipeline"]
+    assert list(pipeline["modes"]) == ["none", "bubblesnap", "eager"]
+    for mode, row in pipeline["modes"].items():
+        assert row["measured_steps"] == 2, mode
+        assert_finite({k: row[k] for k in ("median_step_seconds", "overhead_pct")}, mode)
+    assert pipeline["modes"]["none"]["snapshots"] == 0
+    assert [s["stage"] for s in pipeline["per_stage"]] == [0, 1]
+    assert all(s["state_bytes"] > 0 for s in pipeline["per_stage"])
+    assert report["seconds"] > 0
 
 
 def check_overhead(report: dict) -> None:
@@ -157,23 +240,66 @@ def check_overhead(report: dict) -> None:
                       f"stage {stage['stage']}")
         assert stage["state_bytes"] > 0
     assert_finite(report["noise_pct"], "noise_pct")
-    replication = report["replication"]
-    assert set(replication) == {"overhead_pct_vs_unreplicated", "unreplicated", "replicated",
-                                "paced"}
-    assert_finite(replication["overhead_pct_vs_unreplicated"], "replication overhead")
-    assert set(replication["overhead_pct_vs_unreplicated"]) == {"replicated", "paced"}
-    for mode in ("unreplicated", "replicated", "paced"):
-        row = replication[mode]
-        assert row["pushes"] >= 1, mode  # one record per measured step and stage
-        assert_finite({k: row[k] for k in ("copies_seconds_median", "copies_seconds_max",
-                                           "waited_seconds_median", "push_seconds_median")},
-                      mode)
-    for mode in ("replicated", "paced"):
-        assert 0 <= replication[mode]["in_bubbles_fraction"] <= 1, mode
+    check_replication(report["replication"])
     assert set(report["checks"]) == {
         "bubblesnap_overhead_le_1pct", "bubblesnap_snapshot_every_iteration",
         "bubblesnap_below_third_of_orbax_async", "naive_copy_ge_third_of_bubble_every_stage"}
     assert all(isinstance(ok, bool) for ok in report["checks"].values())
+
+
+def check_replication(replication: dict, pushes_every_run: bool = True) -> None:
+    """The ring modes' block of overhead.py's report (on loopback or on a Cluster).
+    Without ``pushes_every_run`` a ring mode may have pushed no measured step (on a slow
+    link the replicator may be busy re-replicating skipped copies all through them):
+    its push figures are then None, but the data channels still sent bytes."""
+    assert set(replication) == {"overhead_pct_vs_unreplicated", "paced_vs_unpaced",
+                                "unreplicated", "replicated", "paced"}
+    assert_finite(replication["overhead_pct_vs_unreplicated"], "replication overhead")
+    assert set(replication["overhead_pct_vs_unreplicated"]) == {"replicated", "paced"}
+    # None where unpaced replication cost nothing measurable: no ratio to take
+    ratio = replication["paced_vs_unpaced"]
+    assert ratio is None or math.isfinite(ratio), ratio
+    timings = ("copies_seconds_median", "copies_seconds_max", "waited_seconds_median",
+               "push_seconds_median")
+    for mode in ("unreplicated", "replicated", "paced"):
+        row = replication[mode]
+        assert row["pushes"] >= (1 if pushes_every_run else 0), mode  # per measured step
+        if row["pushes"]:
+            assert_finite({k: row[k] for k in timings}, mode)
+        else:
+            assert all(row[k] is None for k in (*timings, "in_bubbles_fraction")), row
+    for mode in ("replicated", "paced"):
+        row = replication[mode]
+        if row["pushes"]:
+            assert 0 <= row["in_bubbles_fraction"] <= 1, mode
+        # the first copies go while training runs
+        assert row["sent_bytes_per_iteration"] > 0 and row["pushed_bytes_per_iteration"] > 0
+    assert replication["unreplicated"]["sent_bytes_per_iteration"] == 0
+
+
+def check_overhead_link_rate(report: dict) -> None:
+    """overhead.py --link-rate 1gbit: its four modes, each stage on a host of a Cluster."""
+    assert report["benchmark"] == "overhead"
+    assert list(report["modes"]) == ["none", "unreplicated", "replicated", "paced"]
+    for mode, row in report["modes"].items():
+        assert row["measured_steps"] == 3, mode
+        assert_finite({k: row[k] for k in ("median_step_seconds", "min_step_seconds",
+                                           "max_step_seconds", "overhead_pct")}, mode)
+    assert report["modes"]["none"]["snapshots"] == 0
+    assert report["link_rate"] == "1gbit" and report["link_bits_per_second"] == 1e9
+    assert report["pace_max_wait_seconds"] == 2.0
+    assert [s["stage"] for s in report["per_stage"]] == [0, 1]
+    assert report["state_bytes_per_stage"] == [s["state_bytes"] for s in report["per_stage"]]
+    for stage in report["per_stage"]:
+        assert stage["state_bytes"] > 0
+        assert_finite({k: stage[k] for k in ("bubble_seconds_per_iteration",
+                                             "link_seconds_per_copy", "link_to_bubble_ratio")},
+                      f"stage {stage['stage']}")
+        assert stage["link_seconds_per_copy"] == stage["state_bytes"] * 8 / 1e9
+    assert_finite(report["noise_pct"], "noise_pct")
+    check_replication(report["replication"], pushes_every_run=False)
+    assert set(report["checks"]) == {"paced_below_unpaced"}
+    assert isinstance(report["checks"]["paced_below_unpaced"], bool)
 
 
 def check_sick_daemon(report: dict) -> None:
@@ -285,11 +411,11 @@ def check_manager(report: dict) -> None:
     assert report["restore_matches"] == {"bubblesnap": True, "orbax": True}
 
 
-CHECKS = {"adoption": check_adoption, "datapath": check_datapath,
+CHECKS = {"adoption": check_adoption, "datapath": check_datapath, "gpu": check_gpu,
           "group_scale": check_group_scale, "load": check_load,
           "log_cost": check_log_cost, "manager": check_manager, "overhead": check_overhead,
           "plan_scale": check_plan_scale, "sick_daemon": check_sick_daemon,
-          "restore": check_restore}
+          "restore": check_restore, "overhead_link_rate": check_overhead_link_rate}
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
@@ -297,6 +423,14 @@ def test_benchmark_runs_quick_and_reports_what_the_docs_document(name, quick_run
     report = report_of(quick_runs[name])
     assert report["benchmark"] == name
     CHECKS[name](report)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_benchmark_variant_runs_quick(name, quick_runs):
+    reason = variant_unavailable(name)
+    if reason:
+        pytest.skip(f"{name} needs a Cluster: {reason}")
+    CHECKS[name](report_of(quick_runs[name]))
 
 
 def test_every_benchmark_is_tested_and_none_shadows_an_installed_module():

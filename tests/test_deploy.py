@@ -6,6 +6,7 @@ and the health command the probes run."""
 
 import copy
 import importlib.metadata
+import os
 import pathlib
 import re
 import shlex
@@ -249,3 +250,28 @@ def test_the_health_command_says_whether_the_daemon_serves(start_daemon):
     daemon.stop()
     gone = _health("--daemon", address)
     assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
+
+
+def test_the_mount_unit_gives_segments_huge_pages(tmp_path):
+    """The unit's tmpfs, mounted with its own options (its size cut to fit here), gives
+    the daemon's segments huge pages, as the daemon detects them (service/store/pages.py)."""
+    from bubblesnap.service.store import pages
+    unit = (DEPLOY / "systemd" / "dev-shm-bubblesnap.mount").read_text()
+    options = re.search(r"^Options=(.*)$", unit, re.M).group(1).split(",")
+    assert "huge=within_size" in options
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = tmp_path / "shm"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(
+        "size=64m" if o.startswith("size=") else o for o in options), "tmpfs", str(where)],
+        capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        found = pages.detect(str(where))
+        assert (found.filesystem, found.huge) == ("tmpfs", "within_size")
+        if pages._sysfs_choice("/sys/kernel/mm/transparent_hugepage/shmem_enabled") != "deny":
+            assert found.huge_pages, found
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -116,3 +116,45 @@ def test_what_a_process_started_dies_with_it_even_when_it_is_sigkilled(tmp_path)
              "the daemons and etcd to die with their starter", timeout=60)
     wait_for(lambda: not any(os.path.exists(d) for d in started["dirs"]),
              "their shared-memory folders to be removed", timeout=60)
+
+
+# A benchmark as restore.py is one: daemons in a ring holding a step's copies (shared
+# memory in their folders), and a work folder of its own in /dev/shm (the durable tier,
+# Orbax's checkpoint), made with reaped_tempdir.
+_BENCHMARK_LIKE = """
+import json, os, signal, sys
+import numpy as np
+from bubblesnap.clients import ClientOptions, NumpyClient
+from bubblesnap.testing import Ring, reaped_tempdir, wait_for
+work = reaped_tempdir("bubblesnap-test-bench-", "/dev/shm")
+with open(os.path.join(work, "checkpoint"), "wb") as f:
+    f.write(os.urandom(1 << 20))
+ring = Ring(2, "--replicas", "1")
+client = NumpyClient("bench", options=ClientOptions(daemon=ring.daemons[0].address))
+assert client.snapshot(1, {"w": np.arange(1 << 18, dtype=np.float32)}, wait=True).taken
+segments = [os.path.join(d.shm_dir, n) for d in ring.daemons for n in os.listdir(d.shm_dir)
+            if n.startswith("seg-")]
+print(json.dumps({"pids": [d.proc.pid for d in ring.daemons],
+                  "dirs": [d.own_shm_dir for d in ring.daemons] + [work],
+                  "segments": segments}), flush=True)
+signal.pause()
+"""
+
+
+def test_a_sigkilled_benchmark_leaves_no_daemon_and_no_shared_memory():
+    bench = subprocess.Popen([sys.executable, "-c", _BENCHMARK_LIKE], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        line = bench.stdout.readline()
+        assert line, "the benchmark-like process printed nothing"
+        held = json.loads(line)
+        # both daemons hold the step (the copy and its replica) in segments of their own
+        assert len(held["segments"]) >= 2 and all(os.path.isfile(p) for p in held["segments"])
+        assert all(os.path.isdir(d) for d in held["dirs"])
+    finally:
+        bench.kill()  # SIGKILL: no finally, no atexit runs in it
+        bench.wait()
+    wait_for(lambda: all(_gone(pid) for pid in held["pids"]),
+             "the daemons to die with the benchmark", timeout=60)
+    wait_for(lambda: not any(os.path.exists(p) for p in held["dirs"] + held["segments"]),
+             "their shared memory and the benchmark's work folder to be removed", timeout=60)

@@ -293,6 +293,14 @@ def snapshot_summaries(jobs) -> list[pb.SnapshotSummary]:
         for view in jobs for step in view.steps]
 
 
+def _pages(pages) -> dict:
+    """MemoryStatus's fields of the pages segments get (none when not known)."""
+    if pages is None:
+        return {}
+    return {"shm_filesystem": pages.filesystem, "shm_huge": pages.huge,
+            "shm_page_bytes": pages.page_bytes}
+
+
 def daemon_status(status) -> pb.StatusResponse:
     memory = status.memory
     return pb.StatusResponse(
@@ -304,7 +312,8 @@ def daemon_status(status) -> pb.StatusResponse:
                                log_budget_bytes=status.log_budget_bytes,
                                warm_bytes=memory.warm_bytes,
                                warm_pool_bytes=memory.warm_pool_bytes,
-                               warm_segments_taken=memory.warm_taken),
+                               warm_segments_taken=memory.warm_taken,
+                               **_pages(memory.pages)),
         adoption=_adoption(status.adoption),
         in_flight=[pb.InFlight(kind=w.kind, job=w.job, rank=w.rank, step=w.step,
                                done_bytes=w.done_bytes, total_bytes=w.total_bytes,

@@ -38,6 +38,7 @@ import threading
 import numpy as np
 
 from bubblesnap.service.errors import ResourceExhausted
+from bubblesnap.service.store import pages
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -129,6 +130,8 @@ class SegmentPool:
 
     def __init__(self, shm_dir: str):
         self.shm_dir = shm_dir
+        #: The pages its segments get (huge pages on a tmpfs mounted huge=within_size).
+        self.pages = pages.detect(shm_dir)
         self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}-{os.getpid()}-", dir=shm_dir)
         self._own_lock = _lock(self.directory)
         #: This daemon's lock file, which also carries its heartbeat (service/heartbeat.py).

@@ -337,7 +337,8 @@ class SnapshotStore:
             used, pooled = memory.used_bytes, memory.pool.pooled_bytes
             warm, taken = memory.pool.warm_bytes, memory.pool.warm_taken
         return MemoryView(memory.budget_bytes, used, pooled, memory.pool.directory,
-                          shm_free_bytes(self.shm_dir), warm, self._warm.target_bytes, taken)
+                          shm_free_bytes(self.shm_dir), warm, self._warm.target_bytes, taken,
+                          memory.pool.pages)
 
     def close(self) -> None:
         self._warm.close()

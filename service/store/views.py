@@ -4,6 +4,7 @@ import dataclasses
 
 from bubblesnap.service.store.layout import Layout
 from bubblesnap.service.store.model import BubbleUsage, CopyState, Job, RankStep
+from bubblesnap.service.store.pages import SharedPages
 from bubblesnap.service.store.segments import Segment
 
 
@@ -127,6 +128,7 @@ class MemoryView:
     warm_bytes: int = 0       # of pooled_bytes: pre-faulted segments ready (warm_pool.py)
     warm_pool_bytes: int = 0  # what the warm pool keeps ready (--warm-pool-bytes)
     warm_taken: int = 0       # segments taken from the warm pool so far
+    pages: SharedPages | None = None  # the pages segments get in shm_dir (pages.py)
 
 
 def staging_of(rank_step: RankStep) -> Staging:
