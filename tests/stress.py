@@ -36,6 +36,8 @@ FAULT_PRONE = (
     "tests/test_restore_spread.py",
     "tests/test_testing.py",
     "tests/test_network_faults.py",
+    "tests/test_etcd_faults.py",
+    "tests/test_save_lane.py",
 )
 
 
