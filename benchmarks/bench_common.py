@@ -88,6 +88,22 @@ def make_state(size_bytes: int, devices: int):
     return state
 
 
+def adam_train_state(params):
+    """A Flax ``TrainState`` of ``params`` with optax Adam (its two moments: three times
+    the parameters' bytes), and a jitted training step applying a fixed gradient."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax.training import train_state
+
+    @jax.jit
+    def train_step(state):
+        grads = jax.tree.map(lambda p: jnp.sin(p) * 1e-3, state.params)
+        return state.apply_gradients(grads=grads)
+    return train_state.TrainState.create(apply_fn=None, params=params,
+                                         tx=optax.adam(1e-4)), train_step
+
+
 def restore_target(state):
     """The abstract state a restore fills: each leaf's shape, dtype and sharding."""
     import jax

@@ -38,10 +38,7 @@ class Bench:
 
     def __init__(self, size_bytes: int, steps: int, address: str, root: str):
         import jax
-        import jax.numpy as jnp
-        import optax
         import orbax.checkpoint as ocp
-        from flax.training import train_state
 
         from bubblesnap.clients.jax import (
             CheckpointManager,
@@ -52,15 +49,8 @@ class Bench:
         self._ocp, self._steps, self._root = ocp, steps, root
         # float32 parameters of a third of the size: with Adam's two moments, the size
         params = common.make_state(size_bytes * 10 // 12, 1)["mu"]
-        self.state = train_state.TrainState.create(apply_fn=None, params=params,
-                                                   tx=optax.adam(1e-4))
-
-        @jax.jit
-        def train_step(state):
-            grads = jax.tree.map(lambda p: jnp.sin(p) * 1e-3, state.params)
-            return state.apply_gradients(grads=grads)
-        self._train_step = train_step
-        self.state = train_step(self.state)
+        self.state, self._train_step = common.adam_train_state(params)
+        self.state = self._train_step(self.state)
         self.state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.state))
         self.step = 0
         options = CheckpointManagerOptions(max_to_keep=2,

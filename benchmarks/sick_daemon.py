@@ -45,9 +45,7 @@ class Loop:
     def __init__(self, size_bytes: int, address: str, directory: str):
         import jax
         import jax.numpy as jnp
-        import optax
         import orbax.checkpoint as ocp
-        from flax.training import train_state
 
         from bubblesnap.clients.jax import (
             CheckpointManager,
@@ -58,14 +56,7 @@ class Loop:
         self._jax, self._args = jax, ocp.args
         params = {f"w{i}": jnp.full((size_bytes // 48,), float(i), jnp.float32)
                   for i in range(4)}  # with Adam's two moments: about size_bytes
-        self.state = train_state.TrainState.create(apply_fn=None, params=params,
-                                                   tx=optax.adam(1e-3))
-
-        @jax.jit
-        def train_step(state):
-            grads = jax.tree.map(lambda p: jnp.cos(p) * 1e-2, state.params)
-            return state.apply_gradients(grads=grads)
-        self._train_step = train_step
+        self.state, self._train_step = common.adam_train_state(params)
         self.manager = CheckpointManager(directory, options=CheckpointManagerOptions(
             save_interval_steps=1, max_to_keep=2, client=ClientOptions(daemon=address)))
         self.number, self.skipped = 0, 0
