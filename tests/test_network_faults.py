@@ -150,7 +150,7 @@ def test_a_frozen_daemon_is_declared_dead_its_copies_made_again_and_it_rejoins(s
 
 
 def test_a_restore_from_a_peer_over_a_slowed_link_finishes_bit_for_bit(start_cluster):
-    cluster, history = start_cluster(2, *FLAGS), History()
+    cluster, history = start_cluster(3, *FLAGS), History()
     arrays = state(0, 3, size=1 << 21)  # 8 MiB: most of a second at 100 Mbit/s
     client = NumpyClient(JOB, 0, 1, options(cluster.daemons[0]))
     assert client.snapshot(3, arrays, wait="job").committed
@@ -158,6 +158,13 @@ def test_a_restore_from_a_peer_over_a_slowed_link_finishes_bit_for_bit(start_clu
     history.committed(JOB, 3, {0: digest(arrays)})
     cluster.kill(0)  # host 0 lost with its memory; its replica is on host 1
     history.fault("host 0 lost", keeps="committed")
+
+    def copied_to_host_2() -> bool:  # the replica pushed on: the group holds 1 + k again
+        status = cluster.daemons[2].stub.Status(pb.StatusRequest(job=JOB), timeout=10)
+        return any(s.step == 3 and row.replica for job in status.jobs for s in job.steps
+                   for row in s.ranks)
+    # then nothing is pushed to the restarted host 0: its restore pulls over its link
+    wait_for(copied_to_host_2, "rank 0's copy re-replicated to host 2")
     cluster.restart(0)
     cluster.slow(0, "100mbit")
     client = NumpyClient(JOB, 0, 1, options(cluster.daemons[0]))
