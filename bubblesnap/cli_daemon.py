@@ -135,6 +135,11 @@ def add_parser(sub) -> None:
                        metavar="T", help="seconds of silence (the static ring) or of a lapsed "
                        f"etcd lease after which a peer is dead and its copies are made again "
                        f"elsewhere (default {peer.dead_after_seconds:g})")
+    peers.add_argument("--peer-call-timeout", type=float, default=peer.call_timeout_seconds,
+                       metavar="T", help="seconds a small peer call (a Join, log records, a "
+                       "holdings query) waits for its answer before the peer counts as having "
+                       "missed it; raise it on a slow or distant network (default "
+                       f"{peer.call_timeout_seconds:g})")
     peers.add_argument("--replicas", type=int, default=peer.replicas, metavar="K",
                        help="copies pushed to the next K daemons; a step is committed when "
                             f"every rank has 1+K copies (default {peer.replicas})")
@@ -238,6 +243,7 @@ def _peer_options(args):
     return PeerOptions(peers=addresses, index=index, listen=args.peer_listen,
                        data_listen=args.data_listen, replicas=args.replicas, security=security,
                        coordination=etcd, dead_after_seconds=args.dead_after,
+                       call_timeout_seconds=args.peer_call_timeout,
                        spread_restores=args.spread_restores, pacing=pacing)
 
 

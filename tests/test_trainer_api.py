@@ -12,7 +12,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 
 import grpc
 import numpy as np
@@ -160,26 +159,35 @@ def test_streams_hold_no_thread_health_and_status_answer_and_the_limit_is_named(
 
 
 def test_a_begin_step_that_waited_past_its_deadline_reserves_nothing(start_ring):
-    ring = start_ring(2, "--replicas", "1", "--rpc-threads", "1")
+    # One calls thread, and a log record whose replication waits on a stopped peer
+    # until the test lets it go (the peer call's deadline is far off).
+    ring = start_ring(2, "--replicas", "1", "--rpc-threads", "1", "--peer-call-timeout", "120")
     stub = ring.daemons[0].stub
     register(stub, job="late")
 
-    def log_record(step: int, timeout: float = 30):
+    def log_record(step: int):
         return stub.AppendLog.future(pb.AppendLogRequest(
-            job="late", rank=0, records=[pb.LogRecord(step=step, payload=b"r")]),
-            timeout=timeout)
+            job="late", rank=0, records=[pb.LogRecord(step=step, payload=b"r")]), timeout=180)
+
+    def calls_thread_busy() -> bool:  # a call in its lane is not started within 0.3 s
+        try:
+            stub.ListSnapshots(pb.ListSnapshotsRequest(job="late"), timeout=0.3)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+            return True
+        return False
 
     wait_for(lambda: log_record(0).result().copies == 2, "daemon 1 taking log records")
     ring.daemons[1].proc.send_signal(signal.SIGSTOP)  # log replication waits for it now
     try:
         append = log_record(1)
-        time.sleep(1.0)  # the one calls thread waits on the stopped peer (for 2 s)
+        wait_for(calls_thread_busy, "the calls thread waiting on the stopped peer")
         with pytest.raises(grpc.RpcError) as info:
             stub.BeginStep(pb.BeginStepRequest(job="late", rank=0, step=0), timeout=0.5)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        append.result()
     finally:
         ring.daemons[1].proc.send_signal(signal.SIGCONT)
+    assert append.result().copies == 2  # the peer took it once it ran again
     status = stub.Status(pb.StatusRequest(job="late"), timeout=10)
     assert list(status.jobs[0].steps) == [] and status.memory.used_bytes == 0
     stub.BeginStep(pb.BeginStepRequest(job="late", rank=0, step=0), timeout=10)

@@ -33,7 +33,8 @@ class PeerOptions:
       security: TLS and token of peer calls.
       pacing: whether new copies are pushed in the stages' bubbles, and how long
         one may wait for them (``--pace-replication``, ``--pace-max-wait``).
-      call_timeout_seconds: deadline of small peer calls. Default 2 s.
+      call_timeout_seconds: deadline of small peer calls (``--peer-call-timeout``).
+        Default 2 s.
       transfer_timeout_seconds: deadline of a replica or restore transfer.
         Default 120 s.
       refresh_seconds: how often the group's holdings are gathered to find
@@ -80,9 +81,10 @@ class PeerOptions:
             require(self, "listen", bool(self.listen) and not self.listen.startswith("0.0.0.0"),
                     "the HOST:PORT peers dial (published in etcd) with --coordination",
                     "--peer-listen")
-        for name in ("call_timeout_seconds", "transfer_timeout_seconds", "refresh_seconds",
-                     "dead_after_seconds"):
-            require(self, name, getattr(self, name) > 0, "positive")
+        for name, flag in (("call_timeout_seconds", "--peer-call-timeout"),
+                           ("transfer_timeout_seconds", ""), ("refresh_seconds", ""),
+                           ("dead_after_seconds", "--dead-after")):
+            require(self, name, getattr(self, name) > 0, "positive", flag)
         require(self, "server_threads", self.server_threads >= 1, "at least 1")
 
     @property
