@@ -91,7 +91,10 @@ class Bench:
         self.pinned = jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), state)
         # The host-to-device mode's source: a pinned copy made once, outside the clock.
         self.host_copy = jax.block_until_ready(jax.device_put(state, self.pinned))
+        # A measured snapshot must complete: a trainer's 5 s give-up (rpc_timeout_seconds)
+        # is the product's, and a quick run beside every other benchmark can pass it.
         self.client = SnapshotClient(JOB, options=ClientOptions(daemon=daemon.address,
+                                                                rpc_timeout_seconds=120,
                                                                 restore_timeout_seconds=300))
         self.matches = dict.fromkeys(MODES, True)
         self.problems: list[str] = []
@@ -251,6 +254,9 @@ def main() -> int:
             seconds = common.measure(bench, MODES, args.rounds)
         finally:
             bench.close()
+            if bench.problems:  # what the daemon said of them, before its log goes
+                with open(os.path.join(logs, "daemon.log"), errors="replace") as log:
+                    common.log("daemon log, last lines:\n" + "".join(log.readlines()[-30:]))
     modes, med = common.bandwidths(seconds, lambda mode: state_bytes)
     pipeline = pipeline_overhead(platform, args)
     report = {

@@ -211,7 +211,7 @@ def check_gpu(report: dict) -> None:
     assert set(report["ratios"]) == {"orbax_fetch_vs_pinned_d2h", "snapshot_vs_pinned_d2h",
                                      "restore_local_vs_pinned_h2d"}
     assert_finite(report["ratios"], "ratios")
-    assert report["matches"] == dict.fromkeys(report["modes"], True)
+    assert report["matches"] == dict.fromkeys(report["modes"], True), report["problems"]
     assert report["problems"] == [] and report["rounds"] == 1 and report["state_bytes"] > 0
     pipeline = report["pipeline"]
     assert list(pipeline["modes"]) == ["none", "bubblesnap", "eager"]
