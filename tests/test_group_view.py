@@ -55,6 +55,14 @@ def test_re_replication_leaves_steps_below_the_retention_floor():
     assert [w[1] for w in re_replication(0, 3, {0, 2}, holdings, 2, floor=4)] == [4]
 
 
+def test_re_replication_leaves_new_copies_to_their_paced_push():
+    # Steps 5 and 6 of rank 0 are held only by daemon 0: 5 was skipped when replication
+    # fell behind (the push went to 6, whose peer then died), 6 lost its holder.
+    holdings = [Holding(0, 0, 5), Holding(0, 0, 6)]
+    assert re_replication(0, 3, {0, 2}, holdings, 2) == [(0, 5, [2]), (0, 6, [2])]
+    assert re_replication(0, 3, {0, 2}, holdings, 2, unpushed={(0, 5)}) == [(0, 6, [2])]
+
+
 def test_no_target_left_means_no_work():
     holdings = [Holding(0, 0, 1)]
     assert re_replication(0, 2, {0}, holdings, 2) == []

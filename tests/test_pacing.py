@@ -2,8 +2,10 @@
 stage reports bubbles (or stops) and Status tells how the pushes fell."""
 
 import queue
+import re
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -13,8 +15,9 @@ from bubblesnap.cli import format_status
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.peers import data_channel, pacing
-from bubblesnap.service.peers.data_server import GATED_PIECE_BYTES, DataServer
-from bubblesnap.service.peers.pacing import StageBubbles, idle_now, idle_windows, push_at
+from bubblesnap.service.peers.data_server import GATED_PIECE_BYTES, HELD_PIECE_BYTES, DataServer
+from bubblesnap.service.peers.idle_windows import IdleWindows
+from bubblesnap.service.peers.pacing import StageBubbles, idle_state, idle_windows, push_at
 from bubblesnap.testing import wait_for
 
 # -- the decision ------------------------------------------------------------------------------
@@ -51,11 +54,13 @@ def test_the_host_is_idle_only_when_every_stage_is_in_a_bubble():
     assert push_at([a, b], now=10.6, deadline=12.0) == pytest.approx(11.3)
 
 
-def test_idle_now_is_inside_a_window_seen_or_predicted():
+def test_idle_state_is_inside_a_window_seen_or_predicted_and_says_until_when():
     stage = StageBubbles(((1.0, 1.5), (2.0, 2.5)), period=1.0)
-    assert idle_now([stage], 2.2) and idle_now([stage], 3.2)  # the next one is predicted
-    assert not idle_now([stage], 2.7)
-    assert not idle_now([], 2.2)
+    assert idle_state([stage], 2.2, 2.3) == (True, 2.5)
+    assert idle_state([stage], 3.2, 3.3) == (True, 3.5)  # the next one is predicted
+    assert idle_state([stage], 2.7, 4.0) == (False, 3.0)  # until the next one opens
+    assert idle_state([stage], 2.7, 2.8) == (False, 2.8)  # ... or the horizon
+    assert idle_state([], 2.2, 2.3) == (False, 2.3)
 
 
 def test_a_tiny_period_cannot_make_the_work_unbounded():
@@ -63,22 +68,48 @@ def test_a_tiny_period_cannot_make_the_work_unbounded():
     assert len(stage.windows(until=3600.0)) <= 300
 
 
-def test_a_gated_offer_asks_its_gate_before_every_piece(tmp_path):
+class RecordingGate:
+    def __init__(self, holds_back: bool):
+        self.holds_back, self.asked = holds_back, []
+
+    def __call__(self, nbytes: int) -> None:
+        self.asked.append(nbytes)
+
+
+@pytest.mark.parametrize("holds_back, piece", [(False, GATED_PIECE_BYTES),
+                                               (True, HELD_PIECE_BYTES)])
+def test_a_gated_offer_asks_its_gate_before_every_piece(tmp_path, holds_back, piece):
     """The data channel's end of pacing: a gated offer's bytes go in pieces, each after
-    its gate returned (a gate that waits holds the bytes back)."""
-    nbytes = 2 * GATED_PIECE_BYTES + 12345
+    its gate returned (a gate that waits holds the bytes back); smaller ones where the
+    gate may hold them back."""
+    nbytes = 2 * piece + 12345
     path = tmp_path / "segment"
     path.write_bytes(np.random.default_rng(0).bytes(nbytes))
-    asked = []
+    gate = RecordingGate(holds_back)
     server = DataServer("127.0.0.1:0")
     try:
-        ticket = server.offer(str(path), nbytes, lambda: None, gate=asked.append)
+        ticket = server.offer(str(path), nbytes, lambda: None, gate=gate)
         [(data, _)] = data_channel.read_ranges(server.address, ticket, [(0, nbytes)], None,
                                                10.0, "a test copy", streams=1)
     finally:
         server.close()
     assert bytes(data) == path.read_bytes()
-    assert asked == [GATED_PIECE_BYTES, GATED_PIECE_BYTES, 12345]
+    assert gate.asked == [piece, piece, 12345]
+
+
+def test_a_push_gate_judges_again_when_a_bubble_closes():
+    """A gate keeps what it judged until it may change: a bubble ending early (END)
+    makes the next piece count as sent outside one."""
+    windows = IdleWindows()  # pacing off: nothing waits, the bytes are only counted
+    windows.observe("j", 0, True, 60.0, 0.0)
+    gate = windows.gate(time.monotonic(), threading.Event())
+    assert not gate.holds_back
+    gate(100)
+    gate(10)
+    assert gate.idle_bytes == 110
+    windows.observe("j", 0, False, 0.0, 0.0)
+    gate(1000)
+    assert gate.idle_bytes == 110
 
 
 def test_a_bound_out_of_range_is_refused():
@@ -192,8 +223,57 @@ def test_the_wait_bound_is_honoured_when_no_bubbles_come(start_ring):
     assert push.idle_bytes == 0, push
 
 
+def holdings_answered(daemon) -> float:
+    """Holdings calls ``daemon`` answered (its peers' gatherings), from its metrics."""
+    text = urllib.request.urlopen(f"http://{daemon.ready['metrics']}/metrics",
+                                  timeout=10).read().decode()
+    found = re.search(r'bubblesnap_rpcs_total\{code="OK",method="Holdings"\} (\S+)', text)
+    return float(found.group(1)) if found else 0.0
+
+
+def steps_held(daemon) -> list[int]:
+    jobs = daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs
+    return [s.step for s in jobs[0].steps if s.ranks] if jobs else []
+
+
+def bubble_events(daemon, iteration: int, *events) -> None:
+    """Hands the daemon (kind, fields) bubble events of rank 0 on a call of their own,
+    which ends once it has taken them all."""
+    assert list(daemon.stub.Bubbles(iter([
+        pb.BubbleEvent(job=JOB, rank=0, kind=kind, iteration=iteration, position=1, **fields)
+        for kind, fields in events]), timeout=30)) == []
+
+
+def test_steps_the_coalescing_skipped_are_not_pushed_by_the_refresh(start_ring):
+    """Replication behind training: steps 3 and 4 commit while step 2's push waits for
+    a bubble; the roundest (4) is pushed after it, 3 never. The periodic refreshes
+    after that (each gathers the peer's holdings) re-replicate only copies that lost
+    a holder: 3 is not sent unpaced behind the pacing's back."""
+    ring = start_ring(2, "--replicas", "1", "--pace-replication", "--pace-max-wait", "60")
+    sender, peer = ring.daemons
+    snapshot(sender, 1)  # registers the rank; pushed at once (no bubbles known yet)
+    pushed(sender, 1)
+    # a bubble seen (closed at once), and the next one due in 50 s: a push waits for
+    # it (or a START)
+    bubble_events(sender, 0, (pb.BubbleEvent.START, {"expected_seconds": 0.05}),
+                  (pb.BubbleEvent.END, {"measured_seconds": 0.0}),
+                  (pb.BubbleEvent.REPORT, {"iteration_seconds": 50.0, "reports": [
+                      pb.BubbleReport(position=1, measured_seconds=0.05)]}))
+    for step in (2, 3, 4):
+        snapshot(sender, step)
+    assert pushes(sender, 2) == []  # held for a bubble
+    bubble_events(sender, 1, (pb.BubbleEvent.START, {"expected_seconds": 60}))  # idle now
+    pushed(sender, 2)
+    pushed(sender, 4)
+    assert pushes(sender, 3) == []
+    wait_for(lambda: 4 in steps_held(peer), "step 4 on the peer")
+    gathered = holdings_answered(peer)
+    wait_for(lambda: holdings_answered(peer) >= gathered + 3, "three more gatherings")
+    assert 3 not in steps_held(peer), steps_held(peer)
+
+
 # How much of a copy larger than a bubble goes inside the windows, piece by piece, is a
 # measurement of stages keeping real time, not a check: benchmarks/overhead.py measures
 # it (its paced mode: in_bubbles_fraction) in a running pipeline. Above, the pieces' gate
 # (test_a_gated_offer_asks_its_gate_before_every_piece) and its decision (pacing.push_at,
-# idle_now) are checked on their own.
+# idle_state) are checked on their own.

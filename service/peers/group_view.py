@@ -124,12 +124,16 @@ def successors(index: int, ring_size: int, live, count: int) -> list[int]:
 
 
 def re_replication(index: int, ring_size: int, live, holdings, copies_wanted: int,
-                   floor: int = 0) -> list[tuple[int, int, list[int]]]:
+                   floor: int = 0, unpushed=frozenset()) -> list[tuple[int, int, list[int]]]:
     """(rank, step, targets) this daemon should push so every copy it holds of a
     step from ``floor`` on is back at ``copies_wanted`` live copies.
 
     Steps below ``floor`` are left alone: retention is freeing them on every
-    daemon, each at its own moment, and they must not be copied back.
+    daemon, each at its own moment, and they must not be copied back. So are
+    the (rank, step) copies in ``unpushed``: new ones this daemon committed
+    and has not pushed, which are the new-copy path's (paced into bubbles,
+    coalesced when replication falls behind); pushing them here would send
+    every step the coalescing skipped, at once.
 
     Of the live holders of a copy, the first in ring order (from index 0)
     does the pushing, so two survivors never push the same copy twice.
@@ -137,7 +141,7 @@ def re_replication(index: int, ring_size: int, live, holdings, copies_wanted: in
     """
     work = []
     for (rank, step), where in sorted(holders(holdings).items()):
-        if step < floor:
+        if step < floor or (rank, step) in unpushed:
             continue
         alive = sorted(where & set(live))
         if index not in alive or alive[0] != index or len(alive) >= copies_wanted:

@@ -22,6 +22,8 @@ _SEEN = 64
 _KEPT = 64
 #: A wait looks at the stop flag at least this often.
 _POLL_SECONDS = 0.25
+#: How far ahead a judgement of idleness is kept at most (stages go stale with time).
+_STATE_SECONDS = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +50,36 @@ class Replication:
 
 class PushGate:
     """One push's pieces: each waits for an idle window (pacing on) until the copy's
-    deadline, and is counted as sent inside one or not. Called on sending threads."""
+    deadline, and is counted as sent inside one or not. Called on sending threads,
+    once per piece: the state found is kept until it may change (the window's end,
+    the next one's start, a bubble seen), so a piece costs a lookup, not a judgement.
+
+    ``holds_back``: whether pieces may be held back (pacing on); the data channel
+    then keeps its send buffer to a piece, so the bytes let go are those that cross
+    the link in the window, not a buffer's worth more after it.
+    """
 
     def __init__(self, windows: "IdleWindows", since: float, stopping: threading.Event):
         self._windows, self._since, self._stopping = windows, since, stopping
+        self.holds_back = windows.options.in_bubbles
+        # after this the pieces go at once (pacing off: from the start)
+        self._deadline = since + windows.options.max_wait_seconds if self.holds_back else 0.0
         self._lock = threading.Lock()
+        self._idle, self._until, self._generation = False, 0.0, -1
         self.idle_bytes = 0
 
     def __call__(self, nbytes: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            known = now < self._until and self._generation == self._windows.generation
+            if known and (self._idle or now >= self._deadline):
+                self.idle_bytes += nbytes if self._idle else 0
+                return
         self._windows.wait(self._since, self._stopping)
-        if self._windows.idle_now():
-            with self._lock:
-                self.idle_bytes += nbytes
+        idle, until, generation = self._windows.state()
+        with self._lock:
+            self._idle, self._until, self._generation = idle, until, generation
+            self.idle_bytes += nbytes if idle else 0
 
 
 class IdleWindows:
@@ -71,6 +91,7 @@ class IdleWindows:
         self._periods: dict[tuple[str, int], float] = {}
         self._pushes: dict[str, collections.deque] = {}
         self._changed = threading.Condition()
+        self.generation = 0  # moves on with each bubble seen: a state judged before is old
 
     def observe(self, job: str, rank: int, opened: bool, seconds: float, period: float) -> None:
         """A bubble of ``rank`` opened now (``opened``), expected to last ``seconds`` (0:
@@ -86,6 +107,7 @@ class IdleWindows:
                 seen.append((now, now + seconds))
             elif seen and seen[-1][0] <= now:
                 seen[-1] = (seen[-1][0], now)
+            self.generation += 1
             self._changed.notify_all()
 
     def wait(self, since: float, stopping: threading.Event) -> float:
@@ -105,10 +127,15 @@ class IdleWindows:
                 self._changed.wait(min(at - now, _POLL_SECONDS))
         return time.monotonic() - started
 
-    def idle_now(self) -> bool:
-        """Whether every stage reporting bubbles is in one now (False: none reports)."""
+    def state(self) -> tuple[bool, float, int]:
+        """Whether every stage reporting bubbles is in one now (False: none reports), until
+        when that stays so (at most ``_STATE_SECONDS`` ahead: a stage may go stale), and
+        the generation it was judged in (:attr:`generation` moves on with each bubble
+        seen)."""
         with self._changed:
-            return pacing.idle_now(self._stages(), time.monotonic())
+            now = time.monotonic()
+            return (*pacing.idle_state(self._stages(), now, now + _STATE_SECONDS),
+                    self.generation)
 
     def gate(self, since: float, stopping: threading.Event) -> PushGate:
         """The gate of the pieces of a push of a copy committed at ``since``."""

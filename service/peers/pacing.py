@@ -120,9 +120,15 @@ def idle_windows(stages: Sequence[StageBubbles], now: float, until: float) -> li
     return found
 
 
-def idle_now(stages: Sequence[StageBubbles], now: float) -> bool:
-    """Whether every live stage is in a bubble now (False when none is live)."""
-    return any(start <= now < end for start, end in idle_windows(stages, now, now))
+def idle_state(stages: Sequence[StageBubbles], now: float, horizon: float
+               ) -> tuple[bool, float]:
+    """Whether every live stage is in a bubble now, and until when that stays so as far
+    as is known: the end of this window, or the start of the next one predicted
+    before ``horizon`` (else ``horizon``). A bubble seen meanwhile may change it."""
+    for start, end in idle_windows(stages, now, horizon):
+        if end > now:
+            return (True, end) if start <= now else (False, min(start, horizon))
+    return False, max(now, horizon)
 
 
 def push_at(stages: Sequence[StageBubbles], now: float, deadline: float) -> float:

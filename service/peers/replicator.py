@@ -11,7 +11,9 @@ then newest), so daemons that fall behind by different amounts still pick
 common steps, and a step gets committed for the whole job. Every
 ``refresh_seconds`` the group's holdings are gathered: they say which steps
 are committed (each rank 1 + k times, which drives retention) and which
-copies lost a holder (a dead peer), which this daemon then pushes again.
+copies lost a holder (a dead peer), which this daemon then pushes again; a
+new copy never pushed is not one of those (it waits for its push, or the
+coalescing skipped it), except the last a push left short of peers.
 With ``--pace-replication`` a new copy's push, and each piece of its bytes,
 waits for a window in which every stage reporting bubbles here is in one, up
 to a bound (:mod:`bubblesnap.service.peers.idle_windows`); re-replication is
@@ -51,6 +53,10 @@ class Replicator:
         # (job, rank) -> when its oldest commit still waiting here was made: a step that
         # replaced older ones waits no longer than they may.
         self._since: dict[tuple[str, int], float] = {}
+        # (job, rank) -> the step its last new-copy push left short of k peers (none live
+        # then, or they failed; or adopted unpushed at start): the refresh pushes it
+        # once nothing newer of the rank waits.
+        self._short: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
         self._worker = CoalescingWorker("replicator", self._replicate_batch,
                                         tick=lambda: self._refresh(None),
@@ -62,6 +68,9 @@ class Replicator:
                                            every_seconds=group.options.refresh_seconds)
 
     def start(self) -> None:
+        for job in self._store.job_names():  # adopted copies a peer never took
+            for rank, step in sorted(self._store.unpushed(job)):
+                self._short[(job, rank)] = step
         self._heartbeat.start()
         self._worker.start()
 
@@ -102,6 +111,8 @@ class Replicator:
             self._views.pop(job, None)
             self._seen.pop(job, None)
             self._since = {key: t for key, t in self._since.items() if key[0] != job}
+            self._short = {key: s for key, s in self._short.items()
+                           if key[0] != job or s <= step}
             self._rolled_back[job] = step
         # (job, None) items ask for a refresh after a summary changed: they stay
         self._worker.drop(lambda key, waiting: key[0] != job or waiting is None
@@ -158,6 +169,11 @@ class Replicator:
             pushed = self._push(job, rank, step, target, gate)
             acked, nbytes = acked + bool(pushed), nbytes + pushed
         stopped = time.monotonic()
+        with self._lock:
+            if acked < self._group.options.replicas:
+                self._short[(job, rank)] = step
+            else:
+                self._short.pop((job, rank), None)
         self.idle.record(job, Replication(
             rank=rank, step=step, nbytes=nbytes, paced=self.idle.options.in_bubbles,
             peers=acked, waited_seconds=waited, push_seconds=stopped - started,
@@ -202,12 +218,22 @@ class Replicator:
             kept = committed[-self._store.options.keep_steps:]
             work = group_view.re_replication(self._group.index, self._group.size,
                                              self._group.not_dead(), holdings, wanted,
-                                             floor=kept[0] if kept else 0)
+                                             floor=kept[0] if kept else 0,
+                                             unpushed=self._left_to_new_pushes(job))
             for rank, step, targets in work:
                 log.info("re-replicating step %d of rank %d of %s to peers %s", step, rank, job,
                          targets)
                 for target in targets:
                     self._push(job, rank, step, target)
+
+    def _left_to_new_pushes(self, job: str) -> set[tuple[int, int]]:
+        """The copies of ``job`` held here unpushed that re-replication leaves alone: all
+        but a rank's short one while no newer commit of the rank waits."""
+        unpushed = self._store.unpushed(job)
+        with self._lock:
+            short = {(rank, step) for (name, rank), step in self._short.items()
+                     if name == job and (name, rank) not in self._since}
+        return unpushed - short
 
     def _changed(self, job: str, holdings) -> set[int]:
         """Steps of ``job`` a copy of which landed in the group since the last gathering;

@@ -46,6 +46,7 @@ from bubblesnap.service.store.views import (
     Staging,
     held_copies,
     job_view,
+    unpushed_copies,
 )
 from bubblesnap.service.store.warm_pool import WarmPool
 
@@ -152,6 +153,13 @@ class SnapshotStore:
         with self._lock:
             return [copy for name, entry in sorted(self._state.jobs.items())
                     if not job or name == job for copy in held_copies(name, entry)]
+
+    def unpushed(self, job: str) -> set[tuple[int, int]]:
+        """(rank, step) of ``job``'s copies committed here that no peer acknowledged yet:
+        new copies waiting for their push, or skipped when replication fell behind."""
+        with self._lock:
+            entry = self._state.jobs.get(job)
+            return unpushed_copies(entry) if entry is not None else set()
 
     def pin(self, job: str, rank: int, step: int) -> PinnedCopy:
         with self._lock:

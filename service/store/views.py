@@ -165,6 +165,14 @@ def held_copies(name: str, entry: Job) -> list[HeldCopy]:
             for step, rank_step in sorted(held.steps.items()) if rank_step.local]
 
 
+def unpushed_copies(entry: Job) -> set[tuple[int, int]]:
+    """(rank, step) of the LOCAL copies committed here that no peer acknowledged yet (an
+    arrived copy counts as pushed: it is the acknowledged one)."""
+    return {(rank, step) for rank, held in entry.ranks.items()
+            for step, rank_step in held.steps.items()
+            if rank_step.local and not rank_step.replicated}
+
+
 def pinned(name: str, rank: int, step: int, rank_step: RankStep) -> PinnedCopy:
     return PinnedCopy(name, rank, step, rank_step.world_size, rank_step.segment,
                       rank_step.layout, rank_step.slots, rank_step.checksums, rank_step.group,
