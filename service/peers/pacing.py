@@ -38,12 +38,13 @@ class PacingOptions:
       in_bubbles: hold each new copy's push until every stage reporting bubbles
         to this daemon is in one (``--pace-replication``). Default False: the
         push starts at the commit, which makes the step committed (1 + k copies)
-        soonest; pacing can pay off only where the daemons' network also
-        carries the pipeline's activations, costs up to ``max_wait_seconds`` of
-        commit latency, and on a 2-core host with neighbouring stages as peers
-        it raised step time more than unpaced pushes did (the README's
-        numbers: the receiver works while its own stage computes). Jobs that
-        report no bubbles are never held.
+        soonest. Pacing pays where the daemons' network also carries the
+        pipeline's activations (docs/multihost/peers.md: half the step-time
+        cost of unpaced pushes on a 1 Gbit/s link), at up to
+        ``max_wait_seconds`` of commit latency and fewer steps replicated; on
+        loopback with neighbouring stages as peers it raised step time more
+        than unpaced pushes did (the receiver works while its own stage
+        computes). Jobs that report no bubbles are never held.
       max_wait_seconds: the longest a committed copy is held back, from its
         commit: its push waits for a window, then each piece of its bytes (a
         copy larger than a bubble spans several) waits for one, until this
