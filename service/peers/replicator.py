@@ -99,10 +99,14 @@ class Replicator:
         self._worker.submit((None, None), None)
 
     def copies(self, job: str) -> dict[tuple[int, int], int]:
-        """(rank, step) -> live copies in the group, as last gathered."""
+        """(rank, step) -> live copies in the group: this daemon's own as held now (a copy
+        that landed after the last gathering counts), the peers' as last gathered."""
         with self._lock:
             view = self._views.get(job, [])
-        return {key: len(where) for key, where in group_view.holders(view).items()}
+        here = self._group.index
+        found = [h for h in view if h.index != here] + [
+            group_view.Holding(here, h.rank, h.step) for h in self._store.holdings(job)]
+        return {key: len(where) for key, where in group_view.holders(found).items()}
 
     def forget_after(self, job: str, step: int) -> None:
         """``job`` was rolled back to ``step``: later steps waiting here are dropped, and
