@@ -69,13 +69,28 @@ def unavailable() -> str | None:
         return "needs root for network namespaces (ip netns), and this process is not root"
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "needs iproute2 (ip, tc), not found on PATH"
-    probe = f"bsprobe-{os.getpid()}"
+    _remove_dead_probes()
+    probe = f"{_PROBE}{os.getpid()}"
     try:
         _ip("ip", "netns", "add", probe)
     except ClusterError as err:
         return f"cannot make a network namespace: {err}"
     _ip("ip", "netns", "del", probe, check=False)
     return None
+
+
+#: The namespace :func:`unavailable` makes and deletes at once, named for its process.
+_PROBE = "bsprobe-"
+
+
+def _remove_dead_probes() -> None:
+    """Deletes the probe namespaces of processes killed between making and deleting one
+    (a SIGKILLed test run): nothing else would."""
+    for line in _ip("ip", "netns", "list", check=False).splitlines():
+        name = line.split(" ", 1)[0]
+        pid = name[len(_PROBE):]
+        if name.startswith(_PROBE) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _ip("ip", "netns", "del", name, check=False)
 
 
 @dataclass

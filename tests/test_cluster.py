@@ -92,6 +92,18 @@ def test_nothing_is_left_when_the_maker_is_killed(start_cluster):
              "the reaper to remove the killed maker's network, daemons and logs")
 
 
+def test_a_probe_left_by_a_killed_process_is_removed(start_cluster):
+    # start_cluster: skipped where no cluster can be made
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs, as a SIGKILLed run's between add and del
+    subprocess.run(["ip", "netns", "add", f"bsprobe-{gone.pid}"], check=True)
+    try:
+        assert cluster_module.unavailable() is None
+        assert leftovers(f"bsprobe-{gone.pid}") == []
+    finally:
+        subprocess.run(["ip", "netns", "del", f"bsprobe-{gone.pid}"], capture_output=True)
+
+
 def test_without_root_it_says_why_in_one_line(monkeypatch):
     monkeypatch.setattr(cluster_module.os, "geteuid", lambda: 1000)
     reason = cluster_module.unavailable()
