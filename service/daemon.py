@@ -328,6 +328,10 @@ class Daemon:
                            "shm_pages": memory.pages.describe(), "pid": os.getpid()})
 
 
+#: How often the main thread wakes to run a signal handler another thread received.
+_SIGNAL_POLL_SECONDS = 0.5
+
+
 def run(options: DaemonOptions) -> int:
     """Runs a daemon until SIGTERM or SIGINT; prints one JSON ready line on stdout."""
     if options.nice:
@@ -339,7 +343,10 @@ def run(options: DaemonOptions) -> int:
         signal.signal(sig, lambda *_: done.set())
     print(daemon.ready_line(), flush=True)
     log.info("serving on %s (metrics %s)", daemon.address, daemon.metrics_address or "off")
-    done.wait()
+    # A timed wait: the kernel may hand SIGTERM to any thread (gRPC's, say), and then
+    # nothing wakes a main thread blocked for good; Python runs the handler once it wakes.
+    while not done.wait(_SIGNAL_POLL_SECONDS):
+        pass
     log.info("shutting down: finishing in-flight calls, freeing shared memory")
     daemon.stop()
     sys.stdout.flush()

@@ -1,5 +1,6 @@
 """The daemon as a process: shutdown, memory budget, metrics, CLI, and clients when it is gone."""
 
+import ctypes
 import json
 import os
 import signal
@@ -22,6 +23,17 @@ def test_sigterm_stops_gracefully_and_frees_shared_memory(daemon):
     assert client.snapshot(0, {"x": np.ones(1000)}).committed
     assert os.listdir(daemon.shm_dir)
     assert daemon.stop() == 0
+    assert not os.path.exists(daemon.shm_dir)
+
+
+def test_a_sigterm_another_thread_receives_stops_it_too(daemon):
+    """The kernel hands a process's SIGTERM to any of its threads: sent to one of the
+    daemon's own (gRPC's, say) it must stop as gracefully (seen: a daemon that never
+    logged 'shutting down' and was SIGKILLed after 30 s, under load)."""
+    pid = daemon.proc.pid
+    other = next(int(t) for t in sorted(os.listdir(f"/proc/{pid}/task")) if int(t) != pid)
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, other, signal.SIGTERM) == 0
+    assert daemon.proc.wait(timeout=60) == 0
     assert not os.path.exists(daemon.shm_dir)
 
 
