@@ -78,9 +78,13 @@ def _run_example(*flags, timeout=600):
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_restores_what_it_snapshotted(schedule, tmp_path):
     timeline = tmp_path / "timeline.png"
+    # --max-interval 2: the planner's interval grows as the copy bandwidth it measures
+    # falls (a loaded host: 63 MB/s gave 2 here, and a fresh clone's make test once took
+    # no snapshot in the 9 measured steps); what is tested is the restore of those taken.
     report = _run_example("--stages", "3", "--schedule", schedule, "--steps", "12",
                           "--d-model", "64", "--vocab", "256", "--seq-len", "16",
-                          "--verify-restore", "--timeline", str(timeline))
+                          "--max-interval", "2", "--verify-restore", "--timeline",
+                          str(timeline))
     assert report["modes"]["bubblesnap"]["snapshots"] > 0
     assert report["restore_matches"] is True
     assert all(s["restore"]["matches"] for s in report["per_stage"])
