@@ -44,7 +44,7 @@ def test_the_caps_old_grace_loses_a_committed_step():
     """Seed 0 with the cap's grace counted from the copy's own landing only (before the
     fix): step 12 was reported committed by daemon 0, the others never saw it whole in
     time and freed their copies of rank 1 (the step's last copies landed late)."""
-    group = Group(0, Config(grace_from_group=False))
+    group = Group(0, Config(grace_from_group=False, leave_unpushed=False))
     with pytest.raises(Violation, match="step 12, reported committed, has no live copy of rank 1"):
         group.run_for(EVENTS)
 
@@ -53,7 +53,7 @@ def test_a_silent_peers_last_answer_once_made_a_freed_copy_count():
     """Seed 3 judging committed on a silent peer's last answer too (before the fix): daemon
     2 took step 2496 committed counting daemon 0's copy of rank 0, which daemon 0 had
     freed since; the step had one copy of rank 0, and lost it."""
-    group = Group(3, Config(fresh_judgement=False))
+    group = Group(3, Config(fresh_judgement=False, leave_unpushed=False))
     with pytest.raises(Violation, match="step 2496, reported committed, has no live copy of"):
         group.run_for(EVENTS)
 
@@ -90,7 +90,7 @@ def test_open_a_rollback_that_is_not_atomic_lets_an_abandoned_runs_bytes_back_in
     from step 58 with such copies of rank 0. Copies need the run they belong to (a
     generation) for a daemon to tell; until then the other histories keep Rollback
     calls reliable and let pushes drain before a resume (Config.atomic_rollback)."""
-    group = Group(1, Config(atomic_rollback=False))
+    group = Group(1, Config(atomic_rollback=False, leave_unpushed=False))
     with pytest.raises(Violation, match="step 58 chosen for the resume has copies of another"):
         group.run_for(EVENTS)
 
@@ -102,6 +102,6 @@ def test_open_a_host_lost_before_the_others_agreed_on_a_commit():
     to learn each other's committed steps (in the Holdings answer, say); until then the
     other histories lose a host only once every daemon took the newest committed step
     (Config.host_loss_after_agreement)."""
-    group = Group(0, Config(host_loss_after_agreement=False))
+    group = Group(0, Config(host_loss_after_agreement=False, leave_unpushed=False))
     with pytest.raises(Violation, match="step 320, reported committed, has no live copy of rank 2"):
         group.run_for(EVENTS)

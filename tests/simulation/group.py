@@ -8,7 +8,8 @@ the group's holdings; every ``refresh_seconds`` it announces itself to silent
 peers, gathers, takes the committed steps (``group_view.kept_committed``),
 frees what ``retention.steps_to_free`` lets go and re-replicates
 (``group_view.re_replication``, not while a peer that is not dead never
-answered). A peer that misses a call counts with what it answered last.
+answered; a daemon's own copies never pushed are left to the new-copy path,
+but the last one a push left short of peers). A peer that misses a call counts with what it answered last.
 
 Failures, within the failure model (at most ``replicas`` hosts lost at once,
 the next only once the newest committed step has 1 + k copies again): a host
@@ -68,6 +69,10 @@ class Config:
     # tests/test_simulation.py). True keeps hosts alive until every live daemon took the
     # newest step reported committed as committed too.
     host_loss_after_agreement: bool = True
+    # Re-replication leaves a daemon's unpushed new copies to their push (the coalescing
+    # skips some), but the last one a push left short. False: every copy short of 1 + k
+    # is re-replicated, as before (the histories the older seeds below were found in).
+    leave_unpushed: bool = True
     faults: Faults = dataclasses.field(default_factory=Faults)
 
     def host_of(self, rank: int) -> int:
@@ -105,6 +110,13 @@ class Daemon:
         self.silent: dict[int, float] = {}
         self.last: dict[int, list[Holding]] = {}
         self.work: dict[int, list[int]] = {}
+        # rank -> the step its last new-copy push left short of replicas (or adopted
+        # unpushed): re-replication pushes it; the other unpushed copies are the new-copy
+        # path's (the replicator's _short)
+        self.short: dict[int, int] = {}
+        for (r, s), c in sorted(self.copies.items()):
+            if not c.replica and not c.replicated:
+                self.short[r] = s
         self.probed: dict[int, float] = {}
         self.joining: set[int] = set()
         self.seen: dict = {}  # holders() of the last gathering
@@ -169,6 +181,7 @@ class Daemon:
     def roll_back(self, step: int) -> None:
         for key in [k for k in self.copies if k[1] > step]:
             del self.copies[key]
+        self.short = {r: s for r, s in self.short.items() if s <= step}
         self.committed = [s for s in self.committed if s <= step]
         self.work = {r: [s for s in steps if s <= step] for r, steps in self.work.items()}
         self.work = {r: steps for r, steps in self.work.items() if steps}
@@ -256,6 +269,10 @@ class Daemon:
             if target not in self.live and not (yield from self._probe(target)):
                 continue
             acked += bool((yield from self._push(rank, step, target)))
+        if acked < cfg.replicas:
+            self.short[rank] = step
+        else:
+            self.short.pop(rank, None)
 
     def _probe(self, target: int):
         if self.now - self.probed.get(target, float("-inf")) < self.group.cfg.refresh_seconds:
@@ -309,9 +326,14 @@ class Daemon:
         if only_commits or {p for p in silent if p not in self.last}:
             return
         kept = self.committed[-cfg.keep_steps:]
+        unpushed = {(r, s) for (r, s), c in self.copies.items()
+                    if not c.replica and not c.replicated}
+        short = {(r, s) for r, s in self.short.items() if r not in self.work}
+        if not cfg.leave_unpushed:
+            unpushed = set()
         for rank, step, targets in group_view.re_replication(
                 self.index, cfg.daemons, self.not_dead(), holdings, 1 + cfg.replicas,
-                floor=kept[0] if kept else 0):
+                floor=kept[0] if kept else 0, unpushed=unpushed - short):
             for target in targets:
                 yield from self._push(rank, step, target)
 
