@@ -9,7 +9,8 @@ peers, gathers, takes the committed steps (``group_view.kept_committed``),
 frees what ``retention.steps_to_free`` lets go and re-replicates
 (``group_view.re_replication``, not while a peer that is not dead never
 answered; a daemon's own copies never pushed are left to the new-copy path,
-but the last one a push left short of peers). A peer that misses a call counts with what it answered last.
+but the last one a push left short of peers). A peer that misses a call counts
+with what it answered last.
 
 Failures, within the failure model (at most ``replicas`` hosts lost at once,
 the next only once the newest committed step has 1 + k copies again): a host
