@@ -103,7 +103,8 @@ def test_a_copy_three_peers_hold_comes_from_all_three(start_ring, tmp_path, tls)
 
 def _block_sends(ring, index: int) -> list[socket.socket]:
     """Takes every send slot of daemon ``index``'s data channel: connections with good
-    tickets for its copy of rank 0 that never read, so what it sends next waits."""
+    tickets for its copy of rank 0 that never read, so what it sends next waits.
+    Returns once each of them is sending."""
     stub = peer_pb2_grpc.PeerStub(grpc.insecure_channel(ring.peers[index]))
     held = []
     for _ in range(64):
@@ -113,6 +114,11 @@ def _block_sends(ring, index: int) -> list[socket.socket]:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         conn.sendall(data_channel.HEADER.pack(opened.ticket, 0, opened.segment_bytes))
         held.append(conn)
+    # A connection holds a send slot once its first bytes come: until then the selector
+    # may not have admitted it, and the restorer's connection could take its slot.
+    for conn in held:
+        conn.settimeout(60)
+        assert conn.recv(1, socket.MSG_PEEK), "a held connection was closed before sending"
     return held
 
 
