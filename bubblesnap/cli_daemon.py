@@ -160,6 +160,11 @@ def add_parser(sub) -> None:
                        help="with --pace-replication: the longest a new copy waits for a "
                             f"bubble before it is pushed anyway (default "
                             f"{pacing.max_wait_seconds:g})")
+    peers.add_argument("--group-name", default=peer.group_name, metavar="NAME",
+                       help="the name every peer call carries; calls naming another group "
+                            "are refused. Give each group its own where groups can reach "
+                            "each other's addresses (default: the --coordination-prefix "
+                            "with etcd, else 'bubblesnap')")
     peers.add_argument("--peer-listen", default=peer.listen, metavar="HOST:PORT",
                        help="bind the peer port here instead of at this daemon's --peers entry")
     peers.add_argument("--data-listen", default=peer.data_listen, metavar="HOST:PORT",
@@ -242,6 +247,7 @@ def _peer_options(args):
     pacing = PacingOptions(in_bubbles=args.pace_replication, max_wait_seconds=args.pace_max_wait)
     return PeerOptions(peers=addresses, index=index, listen=args.peer_listen,
                        data_listen=args.data_listen, replicas=args.replicas, security=security,
+                       group_name=args.group_name,
                        coordination=etcd, dead_after_seconds=args.dead_after,
                        call_timeout_seconds=args.peer_call_timeout,
                        spread_restores=args.spread_restores, pacing=pacing)

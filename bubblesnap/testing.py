@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 
 import grpc
@@ -355,7 +356,8 @@ class Ring:
     """Daemons that replicate to each other, one per simulated host.
 
     Daemon ``i`` runs with ``--peers a0,a1,... --index i`` (peer addresses on
-    free loopback ports) and ``flags``. ``start(*flags, **options)`` makes
+    free loopback ports), a ``--group-name`` of the ring's own (``group_name``)
+    and ``flags``. ``start(*flags, **options)`` makes
     each daemon (default: :class:`DaemonProcess`; a test passes its fixture so
     the test stops them); ``options`` go to every call (``metrics`` defaults
     to a free port: the ring reads what each daemon sees there). :meth:`stop`
@@ -372,6 +374,8 @@ class Ring:
         self._options = {"metrics": "127.0.0.1:0", **options}
         self._etcd, self._connect_timeout = etcd, connect_timeout
         self.peers = [f"127.0.0.1:{free_port()}" for _ in range(size)]
+        # A ring of its own: a port another test's ring chose too must not join the two.
+        self.group_name = f"ring-{uuid.uuid4().hex[:12]}"
         self.started: list[DaemonProcess] = []
         self.daemons: list[DaemonProcess] = []
         try:
@@ -401,7 +405,8 @@ class Ring:
 
     def _launch_once(self, index: int, claim: bool) -> DaemonProcess:
         if self._etcd is None:
-            where = ("--peers", ",".join(self.peers), "--index", str(index))
+            where = ("--peers", ",".join(self.peers), "--index", str(index),
+                     "--group-name", self.group_name)
         else:
             where = ("--coordination", self._etcd.url, "--group-size", str(len(self.peers)),
                      "--peer-listen", self.peers[index],

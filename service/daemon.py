@@ -22,6 +22,7 @@ from bubblesnap.service.logs import LogOptions, TrainingLogs
 from bubblesnap.service.metrics import DaemonMetrics
 from bubblesnap.service.peers.data_server import DataServer
 from bubblesnap.service.peers.group import PeerGroup
+from bubblesnap.service.peers.group_name import GroupNameInterceptor
 from bubblesnap.service.peers.idle_windows import IdleWindows
 from bubblesnap.service.peers.layouts import GroupLayouts
 from bubblesnap.service.peers.log_replication import LogReplication
@@ -185,8 +186,15 @@ class Daemon:
         path = socket_path(options.listen)
         self.address = f"unix://{os.path.abspath(path)}" if path is not None else \
             f"{options.listen.rsplit(':', 1)[0]}:{self.port}"
-        self.group = self._group() if options.peers.enabled else None
-        self._peer_server = self._bind_peer_port() if self.group else None
+        # The peer port before a ring position: with etcd, taking one publishes the
+        # address peers dial, and a port another process holds must never be named ours.
+        self._peer_server = self._bind_peer_port() if options.peers.enabled else None
+        try:
+            self.group = self._group() if options.peers.enabled else None
+        except BaseException:
+            if self._peer_server is not None:
+                self._peer_server.stop(None)
+            raise
         self.logs = TrainingLogs(options.logs)
         self.store = SnapshotStore(options.shm_dir, _fit_budget_to_shm(options),
                                    grouped=self.group is not None)
@@ -267,9 +275,10 @@ class Daemon:
     def _bind_peer_port(self) -> grpc.Server:
         peers = self.options.peers
         interceptors = [TokenInterceptor(peers.security.token)] if peers.security.token else []
+        interceptors.append(GroupNameInterceptor(peers.group))
         server = _server(peers.server_threads, self.options.max_message_bytes, "peer",
                          interceptors)
-        listen = peers.listen or self.group.own_address
+        listen = peers.listen or peers.peers[peers.index]  # the static ring's own entry
         _bind(lambda address: peers.security.add_port(server, address), listen, "for peers")
         return server
 

@@ -3,6 +3,7 @@ holdings and commits as keys, host loss, replacement, re-replication, and etcd i
 restarted under a running ring. Daemons are processes on loopback; hosts die by SIGKILL.
 """
 
+import socket
 import subprocess
 import sys
 
@@ -145,3 +146,16 @@ def test_writes_and_reads_past_etcds_transaction_limit_are_batched(etcd):
     assert revision > 0 and [next(iter(f.values())) for f in found] == list(puts.values())
     kv.apply({}, list(puts))
     assert kv.range("/test/batched/")[1] == {}
+
+
+def test_a_daemon_that_cannot_bind_its_peer_port_publishes_no_slot(etcd, start_etcd_ring):
+    # Another process holds the port: peers must never be sent to dial it as ours (a
+    # slot published before the bind stayed until its lease ran out, and its peers'
+    # pushes went to whatever listened there).
+    prefix = start_etcd_ring.prefix
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = daemon_exit("--coordination", etcd.url, "--coordination-prefix", prefix,
+                           "--group-size", "2", "--peer-listen", f"127.0.0.1:{port}")
+    assert done.returncode != 0 and "cannot listen" in done.stderr, done.stderr[-2000:]
+    assert slots(etcd, prefix) == {}

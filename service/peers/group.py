@@ -11,7 +11,7 @@ from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
 from bubblesnap.service.coordination.etcd_kv import EtcdUnavailable
 from bubblesnap.service.errors import InvalidArgument, Unavailable
-from bubblesnap.service.peers import group_view
+from bubblesnap.service.peers import group_name, group_view
 from bubblesnap.service.peers.group_view import Holding
 from bubblesnap.service.peers.liveness import Liveness
 from bubblesnap.service.peers.peer_options import PeerOptions
@@ -36,6 +36,8 @@ class PeerGroup:
         self._stubs: dict[int, peer_pb2_grpc.PeerStub] = {}
         self._liveness = Liveness(len(self._addresses), options.dead_after_seconds,
                                   self.address)
+        self._group_metadata = group_name.metadata(options.group)
+        self._refused: set[str] = set()  # addresses that refused a Join (another group)
         self._joining: set[int] = set()  # quiet peers a heartbeat's Join is on its way to
         self._last_holdings: dict[tuple[int, str], list[Holding]] = {}
         self._missed: dict[str, tuple[set[int], set[int]]] = {}  # job -> (silent, unknown)
@@ -118,12 +120,15 @@ class PeerGroup:
         frozen host is (it holds its connections open and answers nothing)."""
         stub = self._stub(index)
         how = {"timeout": timeout or self.options.call_timeout_seconds,
-               "metadata": self.options.security.metadata()}
+               "metadata": self.options.security.metadata() + self._group_metadata}
         try:
             answer = (self._until_dead(index, getattr(stub, method).future(request, **how))
                       if until_dead else getattr(stub, method)(request, **how))
         except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # PERMISSION_DENIED: a daemon of another group listens there (group_name.py),
+            # as good as none for this one.
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.PERMISSION_DENIED):
                 self._liveness.mark(index, alive=False)
             raise
         self._liveness.mark(index, alive=True)
@@ -181,8 +186,14 @@ class PeerGroup:
         try:
             self.call(index, "Join", request)
         except grpc.RpcError as err:
-            log.info("peer %d (%s) did not take the join: %s", index, self.address(index),
-                     err.code().name)
+            address = self.address(index)
+            if err.code() == grpc.StatusCode.PERMISSION_DENIED and address not in self._refused:
+                self._refused.add(address)  # a misconfiguration: said once, not each refresh
+                log.warning("peer %d (%s) refused the join: %s", index, address,
+                            (err.details() or "")[:500])
+            else:
+                log.info("peer %d (%s) did not take the join: %s", index, address,
+                         err.code().name)
 
     def holdings(self, job: str, own) -> list[Holding]:
         """The committed copies of ``job`` in the group; ``own`` is this daemon's.

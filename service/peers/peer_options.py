@@ -31,6 +31,10 @@ class PeerOptions:
         (``--replicas``). A step is committed when every rank holds it 1 + k
         times. Default 1.
       security: TLS and token of peer calls.
+      group_name: the name every peer call carries; a daemon refuses calls that
+        name another group (``--group-name``). Two groups that can reach each
+        other's addresses (a host's address reused) need names of their own.
+        Default "": the ``--coordination-prefix`` with etcd, else "bubblesnap".
       pacing: whether new copies are pushed in the stages' bubbles, and how long
         one may wait for them (``--pace-replication``, ``--pace-max-wait``).
       call_timeout_seconds: deadline of small peer calls (``--peer-call-timeout``).
@@ -55,6 +59,7 @@ class PeerOptions:
     data_listen: str = ""
     replicas: int = 1
     security: PeerSecurity = PeerSecurity()
+    group_name: str = ""
     coordination: CoordinationOptions = CoordinationOptions()
     pacing: PacingOptions = PacingOptions()
     call_timeout_seconds: float = 2.0
@@ -86,6 +91,13 @@ class PeerOptions:
                            ("dead_after_seconds", "--dead-after")):
             require(self, name, getattr(self, name) > 0, "positive", flag)
         require(self, "server_threads", self.server_threads >= 1, "at least 1")
+
+    @property
+    def group(self) -> str:
+        """The group's name as calls carry it (``group_name`` or its default)."""
+        if self.group_name:
+            return self.group_name
+        return self.coordination.prefix if self.coordination.enabled else "bubblesnap"
 
     @property
     def enabled(self) -> bool:
