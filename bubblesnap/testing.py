@@ -356,11 +356,12 @@ class Ring:
     """Daemons that replicate to each other, one per simulated host.
 
     Daemon ``i`` runs with ``--peers a0,a1,... --index i`` (peer addresses on
-    free loopback ports), a ``--group-name`` of the ring's own (``group_name``)
-    and ``flags``. ``start(*flags, **options)`` makes
-    each daemon (default: :class:`DaemonProcess`; a test passes its fixture so
-    the test stops them); ``options`` go to every call (``metrics`` defaults
-    to a free port: the ring reads what each daemon sees there). :meth:`stop`
+    free loopback ports), a ``--group-name`` of the ring's own (``group_name``;
+    "" with etcd, where the prefix names the group; a ``--group-name`` in
+    ``flags`` replaces it) and ``flags``.
+    ``start(*flags, **options)`` makes each daemon (default: :class:`DaemonProcess`;
+    a test passes its fixture so the test stops them); ``options`` go to every call
+    (``metrics`` defaults to a free port: the ring reads what each daemon sees there). :meth:`stop`
     stops every daemon the ring started, replaced ones included.
 
     The constructor and :meth:`replace` return once every running daemon sees
@@ -375,7 +376,11 @@ class Ring:
         self._etcd, self._connect_timeout = etcd, connect_timeout
         self.peers = [f"127.0.0.1:{free_port()}" for _ in range(size)]
         # A ring of its own: a port another test's ring chose too must not join the two.
-        self.group_name = f"ring-{uuid.uuid4().hex[:12]}"
+        # With etcd, the prefix names the group (daemons a test starts by hand under it
+        # belong to it too).
+        given = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == "--group-name"]
+        self.group_name = given[-1] if given else \
+            "" if etcd is not None else f"ring-{uuid.uuid4().hex[:12]}"
         self.started: list[DaemonProcess] = []
         self.daemons: list[DaemonProcess] = []
         try:
@@ -405,12 +410,13 @@ class Ring:
 
     def _launch_once(self, index: int, claim: bool) -> DaemonProcess:
         if self._etcd is None:
-            where = ("--peers", ",".join(self.peers), "--index", str(index),
-                     "--group-name", self.group_name)
+            where = ("--peers", ",".join(self.peers), "--index", str(index))
         else:
             where = ("--coordination", self._etcd.url, "--group-size", str(len(self.peers)),
                      "--peer-listen", self.peers[index],
                      *(() if claim else ("--index", str(index))))
+        if self.group_name:
+            where += ("--group-name", self.group_name)
         daemon = self._start(*where, *self._flags, **{"name": f"daemon {index}", **self._options})
         self.started.append(daemon)
         return daemon

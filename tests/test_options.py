@@ -44,6 +44,7 @@ def test_options_are_frozen_and_keyword_only(options):
     (PeerOptions, dict(peers=("a:1", "b:2"), index=2), "PeerOptions.index: --index"),
     (PeerOptions, dict(peers=("a:1", "b:2"), replicas=2), "PeerOptions.replicas"),
     (PeerOptions, dict(refresh_seconds=0.0), "PeerOptions.refresh_seconds"),
+    (PeerOptions, dict(group_name="två ringar"), "PeerOptions.group_name: --group-name"),
     (PeerSecurity, dict(tls_cert="c.pem"), "--peer-tls-key"),
     (CoordinationOptions, dict(url="http://h:1", group_size=3), "--coordination"),
     (CoordinationOptions, dict(url="etcd://h:1"), "CoordinationOptions.group_size: --group-size"),
@@ -71,3 +72,15 @@ def test_spreading_restores_over_holders_can_be_turned_off():
     flags = ["daemon", "--peers", "127.0.0.1:1,127.0.0.1:2", "--no-spread-restores"]
     assert not cli_daemon.daemon_options(cli.parser().parse_args(flags)).peers.spread_restores
     assert cli_daemon.daemon_options(cli.parser().parse_args(flags[:3])).peers.spread_restores
+
+
+def test_a_group_is_named_as_its_etcd_keys_are():
+    def named(prefix: str) -> str:
+        return PeerOptions(listen="a:1", coordination=CoordinationOptions(
+            url="etcd://h:1", group_size=3, prefix=prefix)).group
+    # one group whatever the trailing "/", and a name gRPC metadata can carry
+    assert named("/prod/ring") == named("/prod/ring/") == "/prod/ring"
+    assert named("/prod/ringé").isascii()
+    assert PeerOptions().group == "bubblesnap"
+    assert PeerOptions(group_name="mine", listen="a:1", coordination=CoordinationOptions(
+        url="etcd://h:1", group_size=3)).group == "mine"

@@ -186,9 +186,12 @@ class PeerGroup:
         try:
             self.call(index, "Join", request)
         except grpc.RpcError as err:
-            address = self.address(index)
-            if err.code() == grpc.StatusCode.PERMISSION_DENIED and address not in self._refused:
-                self._refused.add(address)  # a misconfiguration: said once, not each refresh
+            address, first = self.address(index), False
+            if err.code() == grpc.StatusCode.PERMISSION_DENIED:
+                with self._lock:  # a misconfiguration: said once, not each refresh
+                    first = address not in self._refused
+                    self._refused.add(address)
+            if first:
                 log.warning("peer %d (%s) refused the join: %s", index, address,
                             (err.details() or "")[:500])
             else:

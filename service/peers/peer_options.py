@@ -1,6 +1,7 @@
 """Where a daemon sits among its peers, and how it calls them: the ``--peers`` flags."""
 
 import dataclasses
+import urllib.parse
 
 from bubblesnap.options import require
 from bubblesnap.service.coordination.options import CoordinationOptions
@@ -91,13 +92,20 @@ class PeerOptions:
                            ("dead_after_seconds", "--dead-after")):
             require(self, name, getattr(self, name) > 0, "positive", flag)
         require(self, "server_threads", self.server_threads >= 1, "at least 1")
+        require(self, "group_name", len(self.group_name) <= 200 and all(
+            " " < c <= "~" for c in self.group_name), "at most 200 printable ASCII "
+            "characters, no spaces (gRPC metadata carries it)", "--group-name")
 
     @property
     def group(self) -> str:
-        """The group's name as calls carry it (``group_name`` or its default)."""
+        """The group's name as calls carry it (``group_name`` or its default). A prefix
+        is named as its keys are (no trailing "/"), escaped to the ASCII that gRPC
+        metadata carries."""
         if self.group_name:
             return self.group_name
-        return self.coordination.prefix if self.coordination.enabled else "bubblesnap"
+        if not self.coordination.enabled:
+            return "bubblesnap"
+        return urllib.parse.quote(self.coordination.prefix.rstrip("/"), safe="/")
 
     @property
     def enabled(self) -> bool:
