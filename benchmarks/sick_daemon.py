@@ -22,7 +22,6 @@ At the end the latest step is restored and compared, bit for bit.
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -92,13 +91,13 @@ def freeze(loop: Loop, daemon: DaemonProcess, seconds: float, baseline: float) -
     """The loop through a freeze of ``seconds`` and until a step saved after the thaw is
     committed."""
     skipped_before = loop.skipped
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    daemon.freeze()  # returns once every thread stopped
     frozen_at, times = time.monotonic(), []
     try:
         while time.monotonic() - frozen_at < seconds:
             times.append(loop.step()[0])
     finally:
-        os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.thaw()
     thawed, first_after = time.monotonic(), loop.number
     first_taken = None
     while committed_step(daemon) < first_after:

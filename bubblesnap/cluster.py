@@ -33,7 +33,6 @@ import fcntl
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -303,13 +302,14 @@ class Cluster:
         self._blackholes.clear()
 
     def freeze(self, host: int) -> None:
-        """SIGSTOP of the host's daemon: alive, holding its sockets, answering nothing."""
-        os.kill(self.hosts[host].daemon.proc.pid, signal.SIGSTOP)
+        """SIGSTOP of the host's daemon: alive, holding its sockets, answering nothing
+        (returns once every thread of it stopped: ``testing.freeze``)."""
+        self.hosts[host].daemon.freeze()
         self._frozen.add(host)
 
     def thaw(self, host: int) -> None:
         """SIGCONT of a frozen daemon."""
-        os.kill(self.hosts[host].daemon.proc.pid, signal.SIGCONT)
+        self.hosts[host].daemon.thaw()
         self._frozen.discard(host)
 
     def kill(self, host: int, wipe_memory: bool = True) -> int:

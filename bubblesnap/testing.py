@@ -79,6 +79,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def freeze(pid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP of process ``pid``; returns once every thread of it is stopped.
+
+    The kernel stops a process only once the thread it handed the signal to runs
+    again (on a loaded host, a niced daemon's thread may wait for a CPU for many
+    milliseconds), and until then the other threads go on answering calls: a test
+    that expects silence right after ``kill`` races with that.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: _stopped(pid), f"process {pid} to stop", timeout=timeout,
+             interval=0.002)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether no thread of ``pid`` runs (each stopped, or exiting)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -247,6 +277,14 @@ class DaemonProcess:
     def alive(self) -> bool:
         """Whether the process still runs (it may be stopped with SIGSTOP)."""
         return self.proc.poll() is None
+
+    def freeze(self, timeout: float = 30.0) -> None:
+        """SIGSTOP: alive, holding its sockets, answering nothing; see :func:`freeze`."""
+        freeze(self.proc.pid, timeout)
+
+    def thaw(self) -> None:
+        """SIGCONT of a frozen daemon."""
+        os.kill(self.proc.pid, signal.SIGCONT)
 
     def healthy(self, timeout: float = 5.0) -> bool:
         """Whether the standard gRPC health service reports it SERVING within ``timeout``."""

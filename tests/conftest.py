@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import subprocess
 import tempfile
 
 # Four CPU devices so sharded layouts can be tested; must precede any jax import.
@@ -27,6 +26,10 @@ HEAVY_MODULES = {"test_benchmarks", "test_bubbles", "test_failover", "test_lossl
 #: their tests go to one worker together, so the fixtures run once.
 SHARED_FIXTURE_MODULES = {"test_orbax_loops"}
 RING_FIXTURES = {"start_ring", "start_etcd_ring", "etcd", "start_cluster"}
+#: The daemons a test started (``start_daemon``), for its report should it fail.
+DAEMONS_STARTED = pytest.StashKey[list]()
+#: How much of each daemon's log a failed test's report shows.
+LOG_TAIL_CHARS = 3000
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -64,20 +67,36 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def start_daemon():
+def start_daemon(request, tmp_path):
     """Starts daemons (:class:`bubblesnap.testing.DaemonProcess`: metrics on a free port,
-    stderr in a pipe the test may read); all are stopped after the test."""
-    started = []
+    its log in a file of the test's tmp_path, read with ``stderr_text()``); all are
+    stopped after the test. A failed test's report ends with each one's last lines."""
+    started = request.node.stash.setdefault(DAEMONS_STARTED, [])
 
     def start(*flags: str, **options) -> DaemonProcess:
-        daemon = DaemonProcess(*flags, **{"metrics": "127.0.0.1:0", "stderr": subprocess.PIPE,
-                                          **options})
+        log = tmp_path / f"daemon{len(started)}-{options.get('name', 'daemon')}.log".replace(
+            " ", "-")
+        daemon = DaemonProcess(*flags, **{"metrics": "127.0.0.1:0", "stderr": log, **options})
         started.append(daemon)
         return daemon
 
     yield start
     for daemon in started:
         daemon.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report gets the last log lines of every daemon it started: the
+    daemons' side of a failure seen once under load is otherwise lost."""
+    report = yield
+    if report.failed:
+        for daemon in item.stash.get(DAEMONS_STARTED, []):
+            tail = daemon.stderr_text()[-LOG_TAIL_CHARS:]
+            if tail:
+                report.sections.append((f"log of {daemon.name} (pid {daemon.proc.pid})",
+                                        tail))
+    return report
 
 
 @pytest.fixture

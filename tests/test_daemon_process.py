@@ -69,7 +69,7 @@ def test_shm_smaller_than_budget_caps_it(start_daemon):
 
 def _stop_and_read_stderr(daemon):
     daemon.stop()
-    return daemon.proc.stderr.read()
+    return daemon.stderr_text()
 
 
 def test_client_never_hangs_when_daemon_is_gone_or_stuck(daemon):
@@ -78,11 +78,11 @@ def test_client_never_hangs_when_daemon_is_gone_or_stuck(daemon):
     state = {"w": jnp.ones((64, 64))}
     assert client.snapshot(0, state, wait=True).committed
 
-    daemon.proc.send_signal(signal.SIGSTOP)  # alive but not answering
+    daemon.freeze()  # alive but not answering
     try:
         stuck = client.snapshot(1, state, wait=True)
     finally:
-        daemon.proc.send_signal(signal.SIGCONT)
+        daemon.thaw()
     assert not stuck.taken and "deadline exceeded" in stuck.reason
 
     daemon.stop()

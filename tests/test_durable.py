@@ -108,4 +108,4 @@ def test_damaged_durable_checkpoint_is_reported_not_served(start_daemon, tmp_pat
     with pytest.raises(RestoreError, match=r"DATA_LOSS.*durable"):
         SnapshotClient("bad", options=ClientOptions(daemon=fresh.address)).restore(same)
     fresh.stop()
-    assert "corrupt copy skipped" in fresh.proc.stderr.read()  # recorded, not only refused
+    assert "corrupt copy skipped" in fresh.stderr_text()  # recorded, not only refused

@@ -3,6 +3,7 @@ holdings and commits as keys, host loss, replacement, re-replication, and etcd i
 restarted under a running ring. Daemons are processes on loopback; hosts die by SIGKILL.
 """
 
+import logging
 import socket
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 from etcd3gw.client import Etcd3Client
 
+from bubblesnap.service.coordination import keys as keys_lib
 from bubblesnap.service.coordination.etcd_kv import EtcdKV, parse_endpoints
 from bubblesnap.testing import free_port, wait_for
 from tests.test_peers import assert_restores, committed, job_status, snapshot_steps
@@ -159,3 +161,14 @@ def test_a_daemon_that_cannot_bind_its_peer_port_publishes_no_slot(etcd, start_e
                            "--group-size", "2", "--peer-listen", f"127.0.0.1:{port}")
     assert done.returncode != 0 and "cannot listen" in done.stderr, done.stderr[-2000:]
     assert slots(etcd, prefix) == {}
+
+
+def test_a_key_no_daemon_wrote_is_warned_about_once(caplog):
+    # every read of the prefix meets it again (several a second): one line, not one a read
+    junk = [("/p/holdings/job/000000000000/000000000001/junk", b"\xff\x00garbage")]
+    with caplog.at_level(logging.WARNING, logger="bubblesnap.daemon"):
+        for _ in range(3):
+            assert keys_lib.parse_holdings(junk) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "ignoring etcd key /p/holdings/job/000000000000/000000000001/junk: not a HeldCopy "
+        "(said once per key)"]

@@ -10,7 +10,6 @@ publishers under one index. The others run on loopback daemons and a real etcd.
 """
 
 import base64
-import signal
 import threading
 import time
 import types
@@ -335,14 +334,14 @@ def test_a_daemon_thawed_past_its_lease_takes_a_free_position_not_its_old_one(
     ring, history = start_etcd_ring(2, *FLAGS, "--group-size", "3"), History()
     with RingWatch(history, etcd.url, start_etcd_ring.prefix, lambda: list(ring.daemons)):
         frozen = ring.daemons[1]
-        frozen.proc.send_signal(signal.SIGSTOP)  # alive, renewing nothing
+        frozen.freeze()  # alive, renewing nothing
         try:
             wait_for(lambda: 1 not in slots(etcd, start_etcd_ring.prefix),
                      "the frozen daemon's lease to run out", timeout=30)
             replacement = ring.replace(1)  # the lowest free position: 1
             assert replacement.ready["peer_index"] == 1
         finally:
-            frozen.proc.send_signal(signal.SIGCONT)
+            frozen.thaw()
         ring.daemons.append(frozen)
         wait_for(lambda: frozen.ring_index() == 2, "the thawed daemon to take position 2")
         ring.wait_connected()

@@ -88,7 +88,7 @@ def test_a_restarted_daemon_adopts_its_committed_copies_and_drops_the_rest(
     numpy.close()
     assert second.stop() == 0
     assert os.listdir(shm) == []
-    assert "adopted 2 copies (2.0 MiB) of jobs ['job']" in second.proc.stderr.read()
+    assert "adopted 2 copies (2.0 MiB) of jobs ['job']" in second.stderr_text()
 
 
 def test_damaged_copies_are_dropped_and_newer_formats_left_alone(start_daemon, shm_dirs):

@@ -72,7 +72,7 @@ def test_a_frozen_daemon_is_skipped_without_a_call_and_the_first_save_after_it_i
     client = NumpyClient("frozen", options=ClientOptions(daemon=daemon.address,
                                                          rpc_timeout_seconds=1.0))
     assert client.snapshot(0, arrays(0), wait="rank").taken
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    daemon.freeze()
     try:
         step, skipped, late = 1, [], []
 
@@ -86,7 +86,7 @@ def test_a_frozen_daemon_is_skipped_without_a_call_and_the_first_save_after_it_i
             return len(skipped) >= 3 and late
         wait_for(frozen_long_enough, "saves skipped, and the call in flight given up")
     finally:
-        os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.thaw()
     # told by the heartbeat, not by a call's deadline
     assert all("has not answered" in reason for reason in skipped), skipped
     assert "deadline exceeded" in late[0].reason

@@ -7,7 +7,6 @@ default socket itself.
 
 import os
 import queue
-import signal
 import socket
 import stat
 import subprocess
@@ -178,7 +177,7 @@ def test_a_begin_step_that_waited_past_its_deadline_reserves_nothing(start_ring)
         return False
 
     wait_for(lambda: log_record(0).result().copies == 2, "daemon 1 taking log records")
-    ring.daemons[1].proc.send_signal(signal.SIGSTOP)  # log replication waits for it now
+    ring.daemons[1].freeze()  # log replication waits for it now
     try:
         append = log_record(1)
         wait_for(calls_thread_busy, "the calls thread waiting on the stopped peer")
@@ -186,7 +185,7 @@ def test_a_begin_step_that_waited_past_its_deadline_reserves_nothing(start_ring)
             stub.BeginStep(pb.BeginStepRequest(job="late", rank=0, step=0), timeout=0.5)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
-        ring.daemons[1].proc.send_signal(signal.SIGCONT)
+        ring.daemons[1].thaw()
     assert append.result().copies == 2  # the peer took it once it ran again
     status = stub.Status(pb.StatusRequest(job="late"), timeout=10)
     assert list(status.jobs[0].steps) == [] and status.memory.used_bytes == 0

@@ -34,6 +34,7 @@ import logging
 from google.protobuf.message import DecodeError
 
 from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service.log_once import warn_once
 from bubblesnap.service.peers.group_view import Holding
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -122,7 +123,7 @@ def parse_holdings(items) -> list[Holding]:
         try:
             found.append(parse_holding(key, value))
         except ValueError as err:
-            log.warning("ignoring etcd key %s", err)
+            warn_once(log, key, "ignoring etcd key %s (said once per key)", err)
     return found
 
 
@@ -138,7 +139,8 @@ def parse_summary(value: bytes) -> tuple[list[int], list[int]] | None:
         found = json.loads(value)
         return [int(s) for s in found["committed"]], [int(s) for s in found["restorable"]]
     except (ValueError, KeyError, TypeError):
-        log.warning("ignoring a malformed summary in etcd: %r", value[:80])
+        warn_once(log, f"summary {value[:80]!r}", "ignoring a malformed summary in etcd: "
+                  "%r (said once per value)", value[:80])
         return None
 
 

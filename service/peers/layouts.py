@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.errors import DaemonError, NotFound
+from bubblesnap.service.log_once import warn_once
 from bubblesnap.service.rpc.messages import tensor_specs
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.registration import Coverage, judge
@@ -59,7 +60,8 @@ class GroupLayouts:
                 layout = ppb.RankLayout.FromString(value)
                 layout_lib.build_layout(layout.tensors)
             except (DecodeError, DaemonError):
-                log.warning("ignoring a layout in etcd that no daemon wrote for job %s", job)
+                warn_once(log, f"layout {job} {value[:80]!r}", "ignoring a layout in etcd "
+                          "that no daemon wrote for job %s (said once per value)", job)
                 continue
             yield layout
 
