@@ -399,8 +399,8 @@ class Ring:
     ``flags`` replaces it) and ``flags``.
     ``start(*flags, **options)`` makes each daemon (default: :class:`DaemonProcess`;
     a test passes its fixture so the test stops them); ``options`` go to every call
-    (``metrics`` defaults to a free port: the ring reads what each daemon sees there). :meth:`stop`
-    stops every daemon the ring started, replaced ones included.
+    (``metrics`` defaults to a free port: the ring reads what each daemon sees there).
+    :meth:`stop` stops every daemon the ring started, replaced ones included.
 
     The constructor and :meth:`replace` return once every running daemon sees
     every other one alive (:meth:`wait_connected`): a daemon started before its
