@@ -128,7 +128,8 @@ class DataServer:
 
     @property
     def sent_bytes(self) -> int:
-        """Bytes sent since the start, in ranges sent whole (the metrics' counter)."""
+        """Bytes sent since the start (the metrics' counter), counted piece by piece as
+        they go: a paced send in flight counts what it sent so far."""
         with self._lock:
             return self._sent_bytes
 
@@ -265,6 +266,10 @@ class DataServer:
             log.warning("data channel: connection refused: %s", err)
             self._finish(ticket, offer)
 
+    def _count_sent(self, nbytes: int) -> None:
+        with self._lock:
+            self._sent_bytes += nbytes
+
     def _send(self, conn: socket.socket, ticket: bytes, offer: _Offer, start: int,
               stop: int) -> None:
         try:
@@ -274,9 +279,7 @@ class DataServer:
                 log.warning("data channel: %d sends busy; one refused", _MAX_SENDS)
                 return
             try:
-                _send_file(conn, offer.path, start, stop - start, offer.gate)
-                with self._lock:
-                    self._sent_bytes += stop - start
+                _send_file(conn, offer.path, start, stop - start, offer.gate, self._count_sent)
             finally:
                 self._sends.release()
         except OSError as err:
@@ -296,9 +299,11 @@ class DataServer:
             offer.done()
 
 
-def _send_file(conn, path: str, offset: int, nbytes: int, gate=None) -> None:
+def _send_file(conn, path: str, offset: int, nbytes: int, gate=None, counted=None) -> None:
     # socket.sendfile: os.sendfile (zero copy) on a plain socket, waiting out a
-    # full send buffer under the socket's timeout; plain sends under TLS.
+    # full send buffer under the socket's timeout; plain sends under TLS. Each piece
+    # is counted once sent (``counted``): a paced send lasts seconds, and what it
+    # sent so far is on the link already.
     piece = GATED_PIECE_BYTES if gate is not None else max(nbytes, 1)
     if gate is not None and gate.holds_back:
         piece = HELD_PIECE_BYTES
@@ -309,6 +314,9 @@ def _send_file(conn, path: str, offset: int, nbytes: int, gate=None) -> None:
             count = min(piece, offset + nbytes - start)
             if gate is not None:
                 gate(count)
-            sent += conn.sendfile(f, start, count)
+            done = conn.sendfile(f, start, count)
+            sent += done
+            if counted is not None:
+                counted(done)
     if sent != nbytes:
         raise ConnectionError(f"{path} ended after {sent} of {nbytes} bytes")
