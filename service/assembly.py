@@ -6,16 +6,25 @@ copy intact (this daemon's memory, a peer, the durable tier) and is checked
 against its checksum before any byte of it is used; a copy that fails is
 recorded and the next place is tried. The pieces are then copied box by
 box (a box of one element size, so no dtype is interpreted) into a fresh
-segment the trainer maps.
+segment the trainer maps (region_cut.py: hashed as they land, regions in parallel).
 """
 
+import contextlib
 import dataclasses
 
+import grpc
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.service import phases
-from bubblesnap.service.errors import DaemonError, DataLoss, NotFound, Unavailable
+from bubblesnap.service import phases, region_cut
+from bubblesnap.service.errors import (
+    DaemonError,
+    DataLoss,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    reason,
+)
 from bubblesnap.service.region_plan import Asked, RegionPlan
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store import regions
@@ -70,17 +79,16 @@ class Assembler:
         needed: dict[int, list[int]] = {}
         for rank, slot in plan.sources():
             needed.setdefault(rank, []).append(slot)
-        shards, used, pinned = {}, set(), []
-        try:
+        shards, used = {}, set()
+        # Sources are read in place (a copy here, a peer's pulled into a scratch segment):
+        # each stays pinned or held until the regions are cut out of it.
+        with contextlib.ExitStack() as held:
             for rank, slots in sorted(needed.items()):
-                got, place = self._read(job, step, rank, slots, sources[rank], pinned)
+                got, place = self._read(job, step, rank, slots, sources[rank], held)
                 shards.update({(rank, slot): data for slot, data in got.items()})
                 used.add(place)
             return self._cut(job, step, world_size, caller, plan, asked, shards), \
                 ", ".join(sorted(used))
-        finally:  # local copies were read in place: they stay pinned until cut
-            for copy in pinned:
-                self._store.unpin(copy)
 
     def read_durable(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
                      asked: list[Asked], rank: int, source: Source) -> Restorable:
@@ -89,14 +97,15 @@ class Assembler:
         (no intermediate arrays, no copy, one hash)."""
         layout = asked_layout(asked)
         slots = layout.slots()
-        segment = self._store.assembled(job, caller, layout.segment_bytes)
         written = source.layout.slots()
-        targets = [(*written[pieces[0].slot][:2], segment.view[offset:offset + nbytes])
-                   for pieces, (_, _, offset, nbytes) in zip(
-                       (region for tensor in plan.pieces for region in tensor), slots,
-                       strict=True)]
         try:
-            checksums = self._durable.read_into(job, step, rank, targets)
+            with self._store.landing():
+                segment = self._store.assembled(job, caller, layout.segment_bytes)
+                targets = [(*written[pieces[0].slot][:2], segment.view[offset:offset + nbytes])
+                           for pieces, (_, _, offset, nbytes) in zip(
+                               (region for tensor in plan.pieces for region in tensor), slots,
+                               strict=True)]
+                checksums = self._durable.read_into(job, step, rank, targets)
         except DataLoss as err:
             self._record(job, rank, step, "durable", str(err))
             raise DataLoss(f"no intact copy of step {step} of rank {rank} of job {job!r}; "
@@ -107,43 +116,41 @@ class Assembler:
              asked: list[Asked], shards: dict) -> Restorable:
         layout = asked_layout(asked)
         slots = layout.slots()
-        segment = self._store.assembled(job, caller, layout.segment_bytes)
-        view = segment.view
-        with phases.timed("cut"):
-            self._copy_boxes(view, slots, plan, asked, shards)
-        with phases.timed("hash"):
-            checksums = tuple(checksum(view[o:o + n]) for _, _, o, n in slots)
+        with self._store.landing():
+            segment = self._store.assembled(job, caller, layout.segment_bytes)
+            checksums = self._cut_into(segment.view, slots, plan, asked, shards)
         return Restorable(step, segment.path, tuple(slots), checksums, layout, world_size)
 
-    @staticmethod
-    def _copy_boxes(view, slots, plan: RegionPlan, asked: list[Asked], shards: dict) -> None:
+    def _cut_into(self, view, slots, plan: RegionPlan, asked: list[Asked], shards: dict
+                  ) -> tuple[int, ...]:
+        """Fills ``slots`` of ``view`` with the regions of ``plan``; their checksums."""
+        where = {(t, r): (offset, nbytes) for t, r, offset, nbytes in slots}
+        filled = {}
         for t, (request, tensor_pieces) in enumerate(zip(asked, plan.pieces, strict=True)):
-            itemsize = layout_lib.ITEMSIZE[request.dtype]
-            first = next(i for i, s in enumerate(slots) if s[0] == t) if request.boxes else 0
             for r, (box, pieces) in enumerate(zip(request.boxes, tensor_pieces, strict=True)):
-                _, _, offset, nbytes = slots[first + r]
-                target = _elements(view[offset:offset + nbytes], box, itemsize)
-                for piece in pieces:
-                    source = _elements(shards[(piece.rank, piece.slot)], piece.source_box,
-                                       itemsize)
-                    target[regions.relative(piece.box, box)] = \
-                        source[regions.relative(piece.box, piece.source_box)]
+                offset, nbytes = where[(t, r)]
+                filled[(t, r)] = region_cut.Region(view[offset:offset + nbytes], box,
+                                                   layout_lib.ITEMSIZE[request.dtype], pieces)
+        with phases.timed("cut"):
+            checksums = dict(zip(filled, region_cut.cut(list(filled.values()), shards,
+                                                        self._store.workers), strict=True))
+        return tuple(checksums[(t, r)] for t, r, _, _ in slots)
 
     def _read(self, job: str, step: int, rank: int, slots: list[int], source: Source,
-              pinned: list) -> tuple[dict[int, np.ndarray], str]:
+              held: contextlib.ExitStack) -> tuple[dict[int, np.ndarray], str]:
         """The verified bytes of ``slots`` of ``rank``'s copy, from its first intact place
-        (a copy in memory is read in place and added to ``pinned``)."""
+        (views of memory ``held`` keeps pinned or reserved)."""
         tried, corrupt = [], False
         for kind, index in source.places:
             try:
-                return self._read_at(kind, index, job, step, rank, slots, source, pinned), kind
+                return self._read_at(kind, index, job, step, rank, slots, source, held), kind
             except DataLoss as err:
                 self._record(job, rank, step, kind if index is None else f"peer {index}",
                              str(err))
                 tried.append(f"{kind}: {err}")
                 corrupt = True
-            except (DaemonError, OSError) as err:
-                tried.append(f"{kind}: {err}")
+            except (DaemonError, grpc.RpcError, OSError) as err:  # a peer gone since the plan
+                tried.append(f"{kind}: {reason(err)}")
         what = f"step {step} of rank {rank} of job {job!r}"
         if corrupt:
             raise DataLoss(f"no intact copy of {what}; tried: {'; '.join(tried)}")
@@ -151,42 +158,62 @@ class Assembler:
                           f"{'; '.join(tried) or 'nothing holds it'}. Try again")
 
     def _read_at(self, kind: str, index, job: str, step: int, rank: int, slots: list[int],
-                 source: Source, pinned: list) -> dict[int, np.ndarray]:
+                 source: Source, held: contextlib.ExitStack) -> dict[int, np.ndarray]:
         if kind == "memory":
-            return self._read_memory(job, step, rank, slots, pinned)
+            return self._read_memory(job, step, rank, slots, held)
         if kind == "peer":
             described = self._transfers.describe(index, job, rank, step)
             if described.layout != source.layout:
                 raise NotFound(f"peer {index} holds another layout of step {step} of rank "
                                f"{rank}")
+            if _most_of(source.layout, slots):
+                try:
+                    return self._pull_whole(index, job, step, rank, slots, described, held)
+                except ResourceExhausted:
+                    pass  # the budget has no room for the whole copy: the slots asked alone
             got = self._transfers.read_slots(index, job, rank, step, slots, described)
             return {slot: np.frombuffer(data, np.uint8) for slot, data in got.items()}
         layout_slots = source.layout.slots()
         read = self._durable.read_shards(job, step, rank, [layout_slots[s][:2] for s in slots])
         return dict(zip(slots, read, strict=True))
 
+    def _pull_whole(self, index: int, job: str, step: int, rank: int, slots: list[int],
+                    described, held: contextlib.ExitStack) -> dict[int, np.ndarray]:
+        """Pulls peer ``index``'s whole copy into a scratch segment (back to the pool once
+        the regions are cut) and answers views of ``slots`` of it. Slot by slot into
+        buffers of their own, bytes land at a fraction of the rate a whole copy's do
+        (parallel streams into pre-faulted pages, hashed as they land)."""
+        layout = described.layout
+        segment = held.enter_context(self._store.scratch(
+            layout.segment_bytes, f"step {step} of rank {rank} of job {job!r} pulled to be "
+            "cut for a restore"))
+        self._transfers.pull_into(index, job, rank, step, described, segment.view)
+        every = layout.slots()
+        return {slot: segment.view[every[slot][2]:every[slot][2] + every[slot][3]]
+                for slot in slots}
+
     def _read_memory(self, job: str, step: int, rank: int, slots: list[int],
-                     pinned: list) -> dict[int, np.ndarray]:
-        """Views of the slots of this daemon's copy, each hashed first; the copy is
-        pinned (added to ``pinned``), so it cannot be recycled under the views."""
+                     held: contextlib.ExitStack) -> dict[int, np.ndarray]:
+        """Views of the slots of this daemon's copy, hashed first (on the store's workers);
+        the copy stays pinned while ``held`` is open, so it is not recycled under them."""
         copy = self._store.pin(job, rank, step)
         got = {}
         for slot in slots:
             _, _, offset, nbytes = copy.slots[slot]
-            data = copy.segment.view[offset:offset + nbytes]
-            with phases.timed("verify"):
-                computed = checksum(data)
-            if computed != copy.checksums[slot]:
-                self._store.unpin(copy)
-                raise DataLoss(f"step {step} of rank {rank}: slot {slot} failed its "
-                               "checksum in memory")
-            got[slot] = data
-        pinned.append(copy)
+            got[slot] = copy.segment.view[offset:offset + nbytes]
+        with phases.timed("verify"):
+            computed = list(self._store.workers.map(checksum, got.values()))
+        bad = [slot for slot, value in zip(got, computed, strict=True)
+               if value != copy.checksums[slot]]
+        if bad:
+            self._store.unpin(copy)
+            raise DataLoss(f"step {step} of rank {rank}: slot {bad[0]} failed its checksum in "
+                           "memory")
+        held.callback(self._store.unpin, copy)
         return got
 
 
-def _elements(data: np.ndarray, box, itemsize: int) -> np.ndarray:
-    """Raw bytes of a C-order box as an array of its shape with one trailing axis of
-    ``itemsize`` bytes: boxes of it slice whole elements whatever the dtype."""
-    shape = tuple(stop - start for start, stop in box)
-    return np.asarray(data).reshape(*shape, itemsize)
+def _most_of(layout: layout_lib.Layout, slots: list[int]) -> bool:
+    """Whether ``slots`` hold at least half of a copy's bytes."""
+    every = layout.slots()
+    return 2 * sum(every[s][3] for s in slots) >= layout.segment_bytes

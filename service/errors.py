@@ -36,6 +36,15 @@ def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
     return f"{cut}... ({len(encoded) - len(cut.encode())} more bytes cut)"
 
 
+def reason(err: Exception) -> str:
+    """What went wrong, in a line: a gRPC error by its code and details (its str() is a
+    multi-line debug dump), anything else as it says it."""
+    code = getattr(err, "code", None)
+    if callable(code) and callable(getattr(err, "details", None)):
+        return f"{code().name}: {err.details()}"
+    return str(err)
+
+
 class DaemonError(Exception):
     """Base class: a request the daemon refused. Nothing it held was changed.
 

@@ -30,6 +30,7 @@ from bubblesnap.service.errors import (
     FailedPrecondition,
     NotFound,
     Unavailable,
+    reason,
 )
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.progress import Progress
@@ -262,7 +263,7 @@ class Restorer:
                 tried.append(f"peer {address}: {err}")
                 corrupt = True
             except (DaemonError, grpc.RpcError, OSError) as err:
-                tried.append(f"peer {address}: {_reason(err)}")
+                tried.append(f"peer {address}: {reason(err)}")
         if step in durable:
             try:
                 self._load_durable(job, world, rank, step, group)
@@ -377,11 +378,6 @@ def _chosen(job: str, world: int, holdings, steps: list[int], asked: int | None)
                                  f"finished it; {restorable}")
     raise NotFound(f"job {job!r} holds no step {asked}; {restorable}")
 
-
-def _reason(err) -> str:
-    if isinstance(err, grpc.RpcError):
-        return f"{err.code().name}: {err.details()}"
-    return str(err)
 
 
 def _describe(holdings, world: int) -> str:

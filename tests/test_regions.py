@@ -110,6 +110,24 @@ def test_regions_are_gathered_from_every_ranks_copy(daemon):
     assert (got[("w", 0)] == GLOBAL[5:7, 1:2]).all() and (got[("w", 1)] == GLOBAL[3:5, 2:6]).all()
 
 
+def test_a_copy_that_fails_its_checksum_is_never_cut_into_a_restore(daemon):
+    two_rank_job(daemon, steps=())
+    snapshot(daemon.stub, "wide", 0, 0, [GLOBAL[0:4], np.int32(0)])
+    staging = daemon.stub.BeginStep(pb.BeginStepRequest(job="wide", rank=1, step=0), timeout=10)
+    with open(staging.segment_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[staging.slots[0].offset:staging.slots[0].offset + staging.slots[0].nbytes] = \
+            GLOBAL[4:8].tobytes()
+        daemon.stub.CommitStep(pb.CommitStepRequest(job="wide", rank=1, step=0), timeout=10)
+        m[staging.slots[0].offset + 5] ^= 0x10  # a bit flips in host memory
+    got, details = code_of(restore, daemon.stub, "wide", 0, 1,
+                           [("w", "float32", (8, 6), [((0, 8), (0, 3))])])
+    assert got == C.DATA_LOSS and "rank 1: slot 0 failed its checksum in memory" in details
+    status = daemon.stub.Status(pb.StatusRequest(job="wide"), timeout=10).jobs[0]
+    assert [(c.rank, c.step, c.source) for c in status.corrupt_copies] == [(1, 0, "memory")]
+    # the intact copy is still served: rank 0's own rows
+    _, rows = restore(daemon.stub, "wide", 0, 2, [("w", "float32", (8, 6), [((0, 4), (0, 6))])])
+    assert (rows[("w", 0)] == GLOBAL[0:4]).all()
+
 def test_a_rank_asking_for_its_own_shards_gets_its_copy_as_it_is(daemon):
     two_rank_job(daemon)
     used = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.used_bytes
@@ -214,6 +232,55 @@ def test_a_ring_judges_coverage_and_gathers_regions_from_a_peer(start_ring):
     assert (got[("w", 0)] == GLOBAL[2:7, 1:5]).all()
     assert answer.source == "memory, peer"
 
+
+WIDE = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)  # a row: 64 bytes
+
+
+def ring_of_rows(ring):
+    """Rank 0 of job 'rows' on daemon 0 holds rows 0:4 of 'w', rank 1 on daemon 1 rows
+    4:8 (256 bytes each); step 0 committed. Daemon 0, and rank 1's BeginStep answer."""
+    a, b = ring.daemons
+    for daemon, rank in ((a, 0), (b, 1)):
+        box = ((4 * rank, 4 * rank + 4), (0, 16))
+        wait_for(lambda d=daemon, r=rank, x=box: _registered(d, r, x), "registered")
+    snapshot(a.stub, "rows", 0, 0, [WIDE[0:4]])
+    staging = b.stub.BeginStep(pb.BeginStepRequest(job="rows", rank=1, step=0), timeout=10)
+    with open(staging.segment_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[staging.slots[0].offset:staging.slots[0].offset + 256] = WIDE[4:8].tobytes()
+    b.stub.CommitStep(pb.CommitStepRequest(job="rows", rank=1, step=0), timeout=10)
+    wait_for(lambda: a.stub.Status(pb.StatusRequest(job="rows"), timeout=10)
+             .jobs[0].latest_committed_step == 0, "step 0 committed by the group")
+    return a, staging
+
+
+def _registered(daemon, rank, box) -> bool:
+    try:
+        register(daemon.stub, "rows", rank, 2, [spec("w", box, shape=(8, 16))])
+        return True
+    except grpc.RpcError as err:  # the other daemon's layout not seen yet
+        daemon.stub.DeleteSnapshots(pb.DeleteSnapshotsRequest(job="rows"), timeout=10)
+        assert err.code() == C.FAILED_PRECONDITION, err.details()
+        return False
+
+
+def test_a_peers_copy_pulled_to_be_cut_is_checked_before_it_is_used(start_ring):
+    a, held = ring_of_rows(start_ring(2, "--replicas", "0"))
+    answer, got = restore(a.stub, "rows", 0, 1, [("w", "float32", (8, 16), [((3, 5), (0, 16))])])
+    assert (got[("w", 0)] == WIDE[3:5]).all() and answer.source == "memory, peer"
+    with open(held.segment_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[held.slots[0].offset + 70] ^= 0x01  # a bit flips in b's memory
+    code, details = code_of(restore, a.stub, "rows", 0, 1,
+                            [("w", "float32", (8, 16), [((3, 5), (0, 16))])])
+    assert code == C.DATA_LOSS and "slot 0 does not match its checksum" in details, details
+    status = a.stub.Status(pb.StatusRequest(job="rows"), timeout=10).jobs[0]
+    assert [(c.rank, c.step) for c in status.corrupt_copies] == [(1, 0)]
+
+
+def test_without_room_to_pull_a_peers_whole_copy_the_slots_asked_come_alone(start_ring):
+    # 448 bytes: daemon 0's own copy (256) and the answer (128) fit, not the pulled copy too
+    a, _ = ring_of_rows(start_ring(2, "--replicas", "0", "--memory-budget", "448"))
+    answer, got = restore(a.stub, "rows", 0, 1, [("w", "float32", (8, 16), [((3, 5), (0, 16))])])
+    assert (got[("w", 0)] == WIDE[3:5]).all() and answer.source == "memory, peer"
 
 def test_regions_come_from_the_durable_tier_when_no_memory_holds_them(start_daemon, tmp_path):
     flags = ("--durable-dir", str(tmp_path / "durable"), "--durable-every-steps", "1")

@@ -22,7 +22,7 @@ import grpc
 
 from bubblesnap.protos.checksum import SlotHasher
 from bubblesnap.service import progress
-from bubblesnap.service.errors import Aborted, DaemonError
+from bubblesnap.service.errors import Aborted, DaemonError, reason
 from bubblesnap.service.peers import data_channel
 
 
@@ -131,7 +131,7 @@ class SpreadPull:
                 try:
                     address, ticket = self._offer(holder, [i for g in share for i in g.indices])
                 except (DaemonError, grpc.RpcError, OSError) as err:
-                    self._failed[holder] = _reason(err)
+                    self._failed[holder] = reason(err)
                     pending += share
                     continue
                 dealt += [(group, holder, address, ticket) for group in share]
@@ -184,8 +184,3 @@ class SpreadPull:
         return (f"no peer holding {self._what} could send slots {slots[:8]}"
                 f"{' ...' if len(slots) > 8 else ''}; tried: {tried}")
 
-
-def _reason(err) -> str:
-    if isinstance(err, grpc.RpcError):
-        return f"{err.code().name}: {err.details()}"
-    return str(err)

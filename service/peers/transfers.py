@@ -116,6 +116,31 @@ class Transfers:
             pieces[slot] = data
         return pieces
 
+    def pull_into(self, index: int, job: str, rank: int, step: int, expected: PeerCopy,
+                  view) -> None:
+        """Pulls peer ``index``'s whole copy into ``view`` (a segment of its size), every
+        slot checked against the checksums ``expected`` (what Describe said); DataLoss for
+        one that does not match, Aborted when the transfer breaks off."""
+        with phases.timed("open"):
+            answer = self._group.call(index, "OpenRead",
+                                      ppb.OpenReadRequest(job=job, rank=rank, step=step))
+        if tuple(answer.checksums) != expected.checksums or \
+                answer.segment_bytes != expected.layout.segment_bytes:
+            # Not read: the peer unpins it when the ticket expires.
+            raise DataLoss(f"peer {index}'s copy of step {step} of rank {rank} changed between "
+                           "Describe and OpenRead")
+        options = self._group.options
+        fill = data_channel.puller(answer.data_address, answer.ticket,
+                                   options.security.client_ssl_context(),
+                                   options.transfer_timeout_seconds, f"step {step} of rank {rank}")
+        with phases.timed("receive"):
+            computed = fill(view, [(o, n) for _, _, o, n in expected.layout.slots()])
+        bad = [s for s, (got, want) in enumerate(zip(computed, expected.checksums, strict=True))
+               if got != want]
+        if bad:
+            raise DataLoss(f"peer {index}'s copy of step {step} of rank {rank}: slot {bad[0]} "
+                           "does not match its checksum")
+
     def fetch(self, indices, job: str, world_size: int, rank: int, step: int,
               group: tuple[int, ...], on_corrupt=None) -> list[int]:
         """Pulls the copy of ``step`` of ``rank`` to serve a restore here, from peer

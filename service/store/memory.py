@@ -76,7 +76,8 @@ class Memory:
         self._in_use += segment.nbytes
 
     def drop(self, segment: Segment) -> None:
-        """Frees a handed-over segment (a trainer's mapping of it stays valid)."""
+        """Frees a handed-over or scratch segment (a trainer's mapping of it stays valid;
+        the warm pool makes what the next restore lands in)."""
         self._in_use -= segment.nbytes
         self._destroy(segment)
 

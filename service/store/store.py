@@ -20,9 +20,10 @@ returns whether it held anything of the job), both outside the lock;
 under the lock (it must not call the store).
 """
 
+import contextlib
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from bubblesnap.service import phases
 from bubblesnap.service.errors import NotFound
@@ -129,6 +130,36 @@ class SnapshotStore:
                                                            f"job {job!r}")
             self._state.served.setdefault((job, rank), []).append(segment)
             return segment
+
+    @contextlib.contextmanager
+    def landing(self):
+        """Bytes land in this daemon's memory inside the block (an assembled restore being
+        cut): the warm pool makes no segment meanwhile, whose page zeroing would take
+        the cores and the memory bandwidth the copy needs."""
+        with self._lock:
+            self._state.memory.arriving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._state.memory.arriving -= 1
+            self._state.memory.pool_changed.set()
+
+    @contextlib.contextmanager
+    def scratch(self, nbytes: int, what: str):
+        """A segment of ``nbytes`` for the block alone (a peer's copy pulled to be cut for
+        a restore), counted in the budget while it is used and freed after (never
+        recycled: the pool keeps warm segments in the sizes restores land in).
+        Bytes land in it: the warm pool waits (``landing``). ResourceExhausted when the
+        budget has no room."""
+        with self.landing():
+            with self._lock:
+                segment = self._state.memory.acquire(nbytes, what)
+            try:
+                yield segment
+            finally:
+                with self._lock:
+                    self._state.memory.drop(segment)
 
     def resume(self, job: str, world_size: int, step: int) -> None:
         """The job resumes from ``step`` under ``world_size`` ranks: they may register as
@@ -333,6 +364,12 @@ class SnapshotStore:
                 raise NotFound(f"no job {job!r} is registered with this daemon")
             names = [job] if job else sorted(self._state.jobs)
             return [job_view(name, self._state.jobs[name]) for name in names]
+
+    @property
+    def workers(self) -> Executor:
+        """The threads that hash shards (``checksum_threads``); an assembled restore cuts
+        its regions on them too (region_cut.py)."""
+        return self._state.hashers
 
     @property
     def heartbeat_path(self) -> str:

@@ -1,0 +1,77 @@
+"""region_cut: regions of a restore cut out of source shards, and hashed as they land."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from bubblesnap.protos.checksum import checksum
+from bubblesnap.service import region_cut
+from bubblesnap.service.region_plan import Piece
+from bubblesnap.service.store import regions
+
+
+def _sources(array: np.ndarray, boxes) -> tuple[dict, list]:
+    """Shards of ``array`` as raw bytes keyed (rank, slot 0), and their boxes by rank."""
+    shards = {(rank, 0): np.ascontiguousarray(array[regions.relative(box, regions.whole(
+        array.shape))]).reshape(-1).view(np.uint8) for rank, box in enumerate(boxes)}
+    return shards, list(boxes)
+
+
+def _regions(array: np.ndarray, source_boxes, target_boxes) -> list[region_cut.Region]:
+    """Regions to fill (fresh, poisoned targets) with the pieces every source adds."""
+    made = []
+    for box in target_boxes:
+        pieces = tuple(Piece(rank, 0, common, source)
+                       for rank, source in enumerate(source_boxes)
+                       if (common := regions.intersect(source, box)) is not None)
+        target = np.full(regions.volume(box) * array.itemsize, 0xAB, np.uint8)
+        made.append(region_cut.Region(target, box, array.itemsize, pieces))
+    return made
+
+
+def _expected(array: np.ndarray, box) -> np.ndarray:
+    return np.ascontiguousarray(array[regions.relative(box, regions.whole(array.shape))])
+
+
+@pytest.mark.parametrize("block_bytes", [64, 1 << 20])
+@pytest.mark.parametrize("threads", [0, 3])
+def test_regions_of_another_sharding_come_out_bit_for_bit_with_their_checksums(
+        monkeypatch, block_bytes, threads):
+    # Rows held unevenly by three ranks, asked by columns and by boxes across them, in
+    # blocks small enough that every region is cut in several.
+    monkeypatch.setattr(region_cut, "FUSED_BLOCK_BYTES", block_bytes)
+    array = np.random.default_rng(1).integers(0, 1 << 16, (37, 13), dtype=np.uint16)
+    rows = [((0, 5), (0, 13)), ((5, 30), (0, 13)), ((30, 37), (0, 13))]
+    shards, _ = _sources(array, rows)
+    asked = [((0, 37), (0, 4)), ((0, 37), (4, 13)), ((3, 33), (2, 11)), ((36, 37), (12, 13))]
+    filled = _regions(array, rows, asked)
+    workers = ThreadPoolExecutor(threads) if threads else None
+    try:
+        checksums = region_cut.cut(filled, shards, workers)
+    finally:
+        if workers:
+            workers.shutdown()
+    for region, box, got in zip(filled, asked, checksums, strict=True):
+        expected = _expected(array, box)
+        assert region.target.tobytes() == expected.tobytes(), box
+        assert got == checksum(expected.reshape(-1).view(np.uint8)), box
+
+
+def test_three_dimensions_a_scalar_and_an_empty_region(monkeypatch):
+    monkeypatch.setattr(region_cut, "FUSED_BLOCK_BYTES", 32)
+    cube = np.arange(4 * 5 * 6, dtype=np.float32).reshape(4, 5, 6)
+    halves = [((0, 4), (0, 5), (0, 3)), ((0, 4), (0, 5), (3, 6))]
+    shards, _ = _sources(cube, halves)
+    asked = [((1, 3), (0, 5), (2, 5)), ((0, 4), (2, 2), (0, 6))]  # the second holds nothing
+    filled = _regions(cube, halves, asked)
+    scalar = np.array(7.5, np.float64)
+    shards[(9, 0)] = scalar.reshape(-1).view(np.uint8)
+    filled.append(region_cut.Region(np.zeros(8, np.uint8), (), 8, (Piece(9, 0, (), ()),)))
+    checksums = region_cut.cut(filled, shards)
+    for region, box, got in zip(filled, asked, checksums, strict=False):
+        expected = _expected(cube, box).reshape(-1).view(np.uint8)
+        assert region.target.tobytes() == expected.tobytes() and got == checksum(expected)
+    assert filled[2].target.view(np.float64)[0] == 7.5 and checksums[2] == checksum(
+        scalar.reshape(-1).view(np.uint8))
+
