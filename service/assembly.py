@@ -184,10 +184,12 @@ class Assembler:
         buffers of their own, bytes land at a fraction of the rate a whole copy's do
         (parallel streams into pre-faulted pages, hashed as they land)."""
         layout = described.layout
-        segment = held.enter_context(self._store.scratch(
-            layout.segment_bytes, f"step {step} of rank {rank} of job {job!r} pulled to be "
-            "cut for a restore"))
-        self._transfers.pull_into(index, job, rank, step, described, segment.view)
+        with contextlib.ExitStack() as pulling:  # a pull that fails frees it at once
+            segment = pulling.enter_context(self._store.scratch(
+                layout.segment_bytes, f"step {step} of rank {rank} of job {job!r} pulled to "
+                "be cut for a restore"))
+            self._transfers.pull_into(index, job, rank, step, described, segment.view)
+            held.enter_context(pulling.pop_all())
         every = layout.slots()
         return {slot: segment.view[every[slot][2]:every[slot][2] + every[slot][3]]
                 for slot in slots}

@@ -269,9 +269,12 @@ def test_a_peers_copy_pulled_to_be_cut_is_checked_before_it_is_used(start_ring):
     assert (got[("w", 0)] == WIDE[3:5]).all() and answer.source == "memory, peer"
     with open(held.segment_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
         m[held.slots[0].offset + 70] ^= 0x01  # a bit flips in b's memory
+    used = a.stub.Status(pb.StatusRequest(), timeout=10).memory.used_bytes
     code, details = code_of(restore, a.stub, "rows", 0, 1,
                             [("w", "float32", (8, 16), [((3, 5), (0, 16))])])
     assert code == C.DATA_LOSS and "slot 0 does not match its checksum" in details, details
+    # the segment the copy was pulled into is freed with the restore that failed
+    assert a.stub.Status(pb.StatusRequest(), timeout=10).memory.used_bytes == used
     status = a.stub.Status(pb.StatusRequest(job="rows"), timeout=10).jobs[0]
     assert [(c.rank, c.step) for c in status.corrupt_copies] == [(1, 0)]
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.store.warm_pool import next_size
 from bubblesnap.testing import wait_for
 
 MIB = 1 << 20
@@ -83,3 +84,16 @@ def test_a_replacement_host_restores_a_peers_copy_into_a_warm_segment(start_ring
     # the peer's copy landed in a warm segment, not a new one
     assert memory(replacement).warm_segments_taken == 1
     c.close()
+
+
+def test_the_pool_makes_the_largest_size_asked_that_fits():
+    # a rank's half-state snapshots asked last, a whole-state restore before: the whole
+    # one is made (it serves both, cut to size), the halves once it cannot fit
+    assert next_size([], [5 * MIB, 10 * MIB], 0, 12 * MIB, 64 * MIB) == 10 * MIB
+    assert next_size([10 * MIB], [5 * MIB, 10 * MIB], 0, 16 * MIB, 64 * MIB) == 5 * MIB
+    assert next_size([10 * MIB, 5 * MIB], [5 * MIB, 10 * MIB], 0, 16 * MIB, 64 * MIB) == 0
+    assert next_size([10 * MIB], [5 * MIB, 10 * MIB], 0, 20 * MIB, 64 * MIB) == 10 * MIB
+    assert next_size([], [5 * MIB, 10 * MIB], 0, 12 * MIB, 8 * MIB) == 5 * MIB  # the budget
+    assert next_size([], [5 * MIB], 4 * MIB, 8 * MIB, 64 * MIB) == 0  # one being made
+    assert next_size([], [], 0, 8 * MIB, 64 * MIB) == 8 * MIB  # nothing asked yet: it all
+    assert next_size([8 * MIB], [], 0, 8 * MIB, 64 * MIB) == 0

@@ -9,8 +9,11 @@ to recycle, so without warm segments every byte of its restore pays that.
 Sizes: at start the daemon knows nothing of what it will be asked for, so
 the first fill is one segment of the whole size (the first acquire cuts it
 to size, giving the tail back). After that the pool refills in the sizes
-asked lately (the same layouts restore or arrive again), newest first, as
-many of each as fit.
+asked lately (the same layouts restore or arrive again), largest first, as
+many of each as fit: a large warm segment serves a smaller ask (cut to
+size), never the reverse, and the asks a restore makes come after a job's
+snapshots, which may be smaller (a rank's half of a state that one process
+restores whole; a staging segment).
 
 Room: a segment is made only while the budget has room for it beside
 everything held, and its bytes count as held while it is made
@@ -119,10 +122,18 @@ class WarmPool:
     def _next_size(self) -> int:
         """The size of the next warm segment to make (0: none is wanted)."""
         held, asked = self._memory.pool.warm_sizes()
-        room = min(self.target_bytes - sum(held) - self._memory.filling_bytes,
-                   self._memory.room_bytes())
-        if room <= 0:
-            return 0
-        if not asked:  # nothing asked yet: one segment of it all, cut to size when taken
-            return room if not held and not self._memory.filling_bytes else 0
-        return next((size for size in asked if size <= room), 0)
+        return next_size(held, asked, self._memory.filling_bytes, self.target_bytes,
+                         self._memory.room_bytes())
+
+
+def next_size(held: list[int], asked: list[int], filling: int, target: int,
+              budget_room: int) -> int:
+    """The size of the next warm segment to make, 0 for none (pure): ``held`` the warm
+    segments' sizes, ``asked`` the sizes asked lately, ``filling`` the bytes being
+    made, ``target`` the pool's size, ``budget_room`` what the budget has room for."""
+    room = min(target - sum(held) - filling, budget_room)
+    if room <= 0:
+        return 0
+    if not asked:  # nothing asked yet: one segment of it all, cut to size when taken
+        return room if not held and not filling else 0
+    return next((size for size in sorted(asked, reverse=True) if size <= room), 0)
