@@ -79,16 +79,28 @@ class Assembler:
         needed: dict[int, list[int]] = {}
         for rank, slot in plan.sources():
             needed.setdefault(rank, []).append(slot)
+        layout = asked_layout(asked)
+        slots = layout.slots()
         shards, used = {}, set()
-        # Sources are read in place (a copy here, a peer's pulled into a scratch segment):
-        # each stays pinned or held until the regions are cut out of it.
-        with contextlib.ExitStack() as held:
-            for rank, slots in sorted(needed.items()):
-                got, place = self._read(job, step, rank, slots, sources[rank], held)
-                shards.update({(rank, slot): data for slot, data in got.items()})
-                used.add(place)
-            return self._cut(job, step, world_size, caller, plan, asked, shards), \
-                ", ".join(sorted(used))
+        with self._store.landing():
+            # The answer's room first: a source pulled into a scratch segment only where
+            # the budget has room beside it (else its slots alone, outside the budget).
+            segment = self._store.assembled(job, caller, layout.segment_bytes)
+            try:
+                # Sources are read in place (a copy here, a peer's pulled into a scratch
+                # segment): each stays pinned or held until the regions are cut out of it.
+                with contextlib.ExitStack() as held:
+                    for rank, rank_slots in sorted(needed.items()):
+                        got, place = self._read(job, step, rank, rank_slots, sources[rank],
+                                                held)
+                        shards.update({(rank, slot): data for slot, data in got.items()})
+                        used.add(place)
+                    checksums = self._cut_into(segment.view, slots, plan, asked, shards)
+            except BaseException:
+                self._store.give_back(job, caller, segment)
+                raise
+        return Restorable(step, segment.path, tuple(slots), checksums, layout, world_size), \
+            ", ".join(sorted(used))
 
     def read_durable(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
                      asked: list[Asked], rank: int, source: Source) -> Restorable:
@@ -110,15 +122,6 @@ class Assembler:
             self._record(job, rank, step, "durable", str(err))
             raise DataLoss(f"no intact copy of step {step} of rank {rank} of job {job!r}; "
                            f"tried: durable: {err}") from None
-        return Restorable(step, segment.path, tuple(slots), checksums, layout, world_size)
-
-    def _cut(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
-             asked: list[Asked], shards: dict) -> Restorable:
-        layout = asked_layout(asked)
-        slots = layout.slots()
-        with self._store.landing():
-            segment = self._store.assembled(job, caller, layout.segment_bytes)
-            checksums = self._cut_into(segment.view, slots, plan, asked, shards)
         return Restorable(step, segment.path, tuple(slots), checksums, layout, world_size)
 
     def _cut_into(self, view, slots, plan: RegionPlan, asked: list[Asked], shards: dict
@@ -199,6 +202,7 @@ class Assembler:
         """Views of the slots of this daemon's copy, hashed first (on the store's workers);
         the copy stays pinned while ``held`` is open, so it is not recycled under them."""
         copy = self._store.pin(job, rank, step)
+        held.callback(self._store.unpin, copy)
         got = {}
         for slot in slots:
             _, _, offset, nbytes = copy.slots[slot]
@@ -208,10 +212,8 @@ class Assembler:
         bad = [slot for slot, value in zip(got, computed, strict=True)
                if value != copy.checksums[slot]]
         if bad:
-            self._store.unpin(copy)
             raise DataLoss(f"step {step} of rank {rank}: slot {bad[0]} failed its checksum in "
                            "memory")
-        held.callback(self._store.unpin, copy)
         return got
 
 

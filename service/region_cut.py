@@ -10,6 +10,7 @@ after its pieces land; regions run in parallel (numpy's copies and xxhash
 release the GIL).
 """
 
+import concurrent.futures
 import dataclasses
 from concurrent.futures import Executor
 
@@ -40,6 +41,9 @@ def cut(regions_to_fill: list[Region], shards: dict, workers: Executor | None = 
         return tuple(_fill(region, shards) for region in regions_to_fill)
     order = sorted(range(len(regions_to_fill)), key=lambda i: -regions_to_fill[i].target.nbytes)
     futures = {i: workers.submit(_fill, regions_to_fill[i], shards) for i in order}
+    # every region done (or failed) before any error is raised: the caller frees the
+    # sources right after, and no worker may still be reading them
+    concurrent.futures.wait(futures.values())
     return tuple(futures[i].result() for i in range(len(regions_to_fill)))
 
 

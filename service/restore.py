@@ -379,7 +379,6 @@ def _chosen(job: str, world: int, holdings, steps: list[int], asked: int | None)
     raise NotFound(f"job {job!r} holds no step {asked}; {restorable}")
 
 
-
 def _describe(holdings, world: int) -> str:
     """Which ranks hold nothing (themselves or through their replica group's copier),
     and what the others hold; bounded for huge jobs."""

@@ -183,4 +183,3 @@ class SpreadPull:
         tried = "; ".join(f"peer {h}: {why}" for h, why in self._failed.items())
         return (f"no peer holding {self._what} could send slots {slots[:8]}"
                 f"{' ...' if len(slots) > 8 else ''}; tried: {tried}")
-

@@ -48,20 +48,24 @@ class Memory:
         self.filling_bytes += nbytes
         return True
 
-    def acquire(self, nbytes: int, what: str) -> Segment:
+    def acquire(self, nbytes: int, what: str, scratch: bool = False) -> Segment:
         """A segment of ``nbytes`` for ``what`` (a step of a rank, for messages);
-        ResourceExhausted, with everything held kept, when the budget has no room."""
+        ResourceExhausted, with everything held kept, when the budget has no room.
+        ``scratch``: wanted for a moment, where the caller can do without it (a peer's
+        copy pulled whole to be cut): no pooled segment is destroyed to make room, and
+        its size is not one the warm pool makes."""
         self.pool_changed.set()
         over = self._held() + nbytes - self.budget_bytes
         if over > 0 and not self.pool.has(nbytes):
-            self.pool.trim(over)
+            if not scratch:
+                self.pool.trim(over)
             if self._held() + nbytes > self.budget_bytes:
                 raise ResourceExhausted(
                     f"no room for {what}: it needs {nbytes} bytes and the daemon holds "
                     f"{self._in_use} of its {self.budget_bytes}-byte memory budget. "
                     "Raise --memory-budget, lower --keep, or delete snapshots; "
                     "everything already held is kept")
-        segment = self.pool.acquire(nbytes)
+        segment = self.pool.acquire(nbytes, remember=not scratch)
         self._in_use += segment.nbytes
         return segment
 

@@ -169,11 +169,14 @@ class SegmentPool:
             return any(seg.nbytes == nbytes for seg in self._free) or \
                 any(seg.nbytes >= nbytes for seg in self._warm)
 
-    def acquire(self, nbytes: int) -> Segment:
+    def acquire(self, nbytes: int, remember: bool = True) -> Segment:
         """A segment of exactly ``nbytes``: a recycled one of that size, else the smallest
-        warm one that holds it (cut to size), else a new one."""
+        warm one that holds it (cut to size), else a new one. ``remember``: a size the
+        warm pool makes (asked lately)."""
         with self._lock:
-            self._sizes = [nbytes, *[n for n in self._sizes if n != nbytes][:_SIZES_KEPT - 1]]
+            if remember:
+                self._sizes = [nbytes, *[n for n in self._sizes if n != nbytes]
+                               [:_SIZES_KEPT - 1]]
             for i, seg in enumerate(self._free):
                 if seg.nbytes == nbytes:
                     return self._free.pop(i)

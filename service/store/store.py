@@ -131,6 +131,15 @@ class SnapshotStore:
             self._state.served.setdefault((job, rank), []).append(segment)
             return segment
 
+    def give_back(self, job: str, rank: int, segment: Segment) -> None:
+        """Frees a segment ``assembled`` gave for a restore that failed before it was
+        answered."""
+        with self._lock:
+            served = self._state.served.get((job, rank), [])
+            if segment in served:
+                served.remove(segment)
+                self._state.memory.drop(segment)
+
     @contextlib.contextmanager
     def landing(self):
         """Bytes land in this daemon's memory inside the block (an assembled restore being
@@ -149,12 +158,12 @@ class SnapshotStore:
     def scratch(self, nbytes: int, what: str):
         """A segment of ``nbytes`` for the block alone (a peer's copy pulled to be cut for
         a restore), counted in the budget while it is used and freed after (never
-        recycled: the pool keeps warm segments in the sizes restores land in).
-        Bytes land in it: the warm pool waits (``landing``). ResourceExhausted when the
-        budget has no room."""
+        recycled). Bytes land in it: the warm pool waits (``landing``).
+        ResourceExhausted, with nothing pooled destroyed for it, when the budget has no
+        room: the caller can do without."""
         with self.landing():
             with self._lock:
-                segment = self._state.memory.acquire(nbytes, what)
+                segment = self._state.memory.acquire(nbytes, what, scratch=True)
             try:
                 yield segment
             finally:
