@@ -117,7 +117,11 @@ class Assembler:
                            for pieces, (_, _, offset, nbytes) in zip(
                                (region for tensor in plan.pieces for region in tensor), slots,
                                strict=True)]
-                checksums = self._durable.read_into(job, step, rank, targets)
+                try:
+                    checksums = self._durable.read_into(job, step, rank, targets)
+                except BaseException:
+                    self._store.give_back(job, caller, segment)
+                    raise
         except DataLoss as err:
             self._record(job, rank, step, "durable", str(err))
             raise DataLoss(f"no intact copy of step {step} of rank {rank} of job {job!r}; "
