@@ -1,6 +1,6 @@
 """Cutting the regions a restore asked for out of the source shards: each region's
 pieces copied block by block, each block hashed while it is still in cache, regions
-spread over worker threads. Pure: arrays in, checksums out.
+spread over worker threads. No I/O: arrays in, checksums out.
 
 An assembled restore (another mesh, another number of processes) moves every
 byte of the state once; copying it all and then hashing it all reads it twice

@@ -132,8 +132,7 @@ class SnapshotStore:
             return segment
 
     def give_back(self, job: str, rank: int, segment: Segment) -> None:
-        """Frees a segment ``assembled`` gave for a restore that failed before it was
-        answered."""
+        """Frees what ``assembled`` gave a restore that failed before it answered."""
         with self._lock:
             served = self._state.served.get((job, rank), [])
             if segment in served:
@@ -156,11 +155,9 @@ class SnapshotStore:
 
     @contextlib.contextmanager
     def scratch(self, nbytes: int, what: str):
-        """A segment of ``nbytes`` for the block alone (a peer's copy pulled to be cut for
-        a restore), counted in the budget while it is used and freed after (never
-        recycled). Bytes land in it: the warm pool waits (``landing``).
-        ResourceExhausted, with nothing pooled destroyed for it, when the budget has no
-        room: the caller can do without."""
+        """A segment of ``nbytes`` for the block alone (a peer's copy pulled to be cut),
+        in the budget while used, then freed; bytes land in it (``landing``).
+        ResourceExhausted, nothing pooled destroyed for it, when the budget has no room."""
         with self.landing():
             with self._lock:
                 segment = self._state.memory.acquire(nbytes, what, scratch=True)
@@ -376,8 +373,7 @@ class SnapshotStore:
 
     @property
     def workers(self) -> Executor:
-        """The threads that hash shards (``checksum_threads``); an assembled restore cuts
-        its regions on them too (region_cut.py)."""
+        """The threads that hash shards and cut assembled restores (region_cut.py)."""
         return self._state.hashers
 
     @property
