@@ -52,13 +52,12 @@ class Memory:
         """A segment of ``nbytes`` for ``what`` (a step of a rank, for messages);
         ResourceExhausted, with everything held kept, when the budget has no room.
         ``scratch``: wanted for a moment, where the caller can do without it (a peer's
-        copy pulled whole to be cut): no pooled segment is destroyed to make room, and
-        its size is not one the warm pool makes."""
+        copy pulled whole to be cut): only doomed segments are destroyed to make room
+        (none that could be used again), and its size is not one the warm pool makes."""
         self.pool_changed.set()
         over = self._held() + nbytes - self.budget_bytes
         if over > 0 and not self.pool.has(nbytes):
-            if not scratch:
-                self.pool.trim(over)
+            self.pool.trim(over, doomed_only=scratch)
             if self._held() + nbytes > self.budget_bytes:
                 raise ResourceExhausted(
                     f"no room for {what}: it needs {nbytes} bytes and the daemon holds "

@@ -219,12 +219,13 @@ class SegmentPool:
         with self._lock:
             self._warm.append(segment)
 
-    def trim(self, nbytes: int) -> int:
+    def trim(self, nbytes: int, doomed_only: bool = False) -> int:
         """Destroys pooled segments, doomed and recycled ones first, until ``nbytes`` are
-        freed (or the pool is empty)."""
+        freed (or the pool is empty); ``doomed_only``: none that could be used again."""
         freed = 0
         with self._lock:
-            for pooled in (self._doomed, self._free, self._warm):
+            for pooled in (self._doomed,) if doomed_only else (self._doomed, self._free,
+                                                               self._warm):
                 while pooled and freed < nbytes:
                     seg = pooled.pop(0)
                     freed += seg.nbytes

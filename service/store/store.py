@@ -157,7 +157,7 @@ class SnapshotStore:
     def scratch(self, nbytes: int, what: str):
         """A segment of ``nbytes`` for the block alone (a peer's copy pulled to be cut),
         in the budget while used, then freed; bytes land in it (``landing``).
-        ResourceExhausted, nothing pooled destroyed for it, when the budget has no room."""
+        ResourceExhausted, no reusable segment destroyed for it, when there is no room."""
         with self.landing():
             with self._lock:
                 segment = self._state.memory.acquire(nbytes, what, scratch=True)
