@@ -82,23 +82,17 @@ class Assembler:
         layout = asked_layout(asked)
         slots = layout.slots()
         shards, used = {}, set()
-        with self._store.landing():
-            # The answer's room first: a source pulled into a scratch segment only where
-            # the budget has room beside it (else its slots alone, outside the budget).
-            segment = self._store.assembled(job, caller, layout.segment_bytes)
-            try:
-                # Sources are read in place (a copy here, a peer's pulled into a scratch
-                # segment): each stays pinned or held until the regions are cut out of it.
-                with contextlib.ExitStack() as held:
-                    for rank, rank_slots in sorted(needed.items()):
-                        got, place = self._read(job, step, rank, rank_slots, sources[rank],
-                                                held)
-                        shards.update({(rank, slot): data for slot, data in got.items()})
-                        used.add(place)
-                    checksums = self._cut_into(segment.view, slots, plan, asked, shards)
-            except BaseException:
-                self._store.give_back(job, caller, segment)
-                raise
+        # The answer's room first: a source pulled into a scratch segment only where the
+        # budget has room beside it (else its slots alone, outside the budget). Sources
+        # are read in place (a copy here, a peer's pulled into a scratch segment): each
+        # stays pinned or held until the regions are cut out of it.
+        with self._answer(job, caller, layout.segment_bytes) as segment, \
+                contextlib.ExitStack() as held:
+            for rank, rank_slots in sorted(needed.items()):
+                got, place = self._read(job, step, rank, rank_slots, sources[rank], held)
+                shards.update({(rank, slot): data for slot, data in got.items()})
+                used.add(place)
+            checksums = self._cut_into(segment.view, slots, plan, asked, shards)
         return Restorable(step, segment.path, tuple(slots), checksums, layout, world_size), \
             ", ".join(sorted(used))
 
@@ -111,22 +105,29 @@ class Assembler:
         slots = layout.slots()
         written = source.layout.slots()
         try:
-            with self._store.landing():
-                segment = self._store.assembled(job, caller, layout.segment_bytes)
+            with self._answer(job, caller, layout.segment_bytes) as segment:
                 targets = [(*written[pieces[0].slot][:2], segment.view[offset:offset + nbytes])
                            for pieces, (_, _, offset, nbytes) in zip(
                                (region for tensor in plan.pieces for region in tensor), slots,
                                strict=True)]
-                try:
-                    checksums = self._durable.read_into(job, step, rank, targets)
-                except BaseException:
-                    self._store.give_back(job, caller, segment)
-                    raise
+                checksums = self._durable.read_into(job, step, rank, targets)
         except DataLoss as err:
             self._record(job, rank, step, "durable", str(err))
             raise DataLoss(f"no intact copy of step {step} of rank {rank} of job {job!r}; "
                            f"tried: durable: {err}") from None
         return Restorable(step, segment.path, tuple(slots), checksums, layout, world_size)
+
+    @contextlib.contextmanager
+    def _answer(self, job: str, caller: int, nbytes: int):
+        """The segment a restore answers with, bytes landing in it inside the block; given
+        back if the block fails."""
+        with self._store.landing():
+            segment = self._store.assembled(job, caller, nbytes)
+            try:
+                yield segment
+            except BaseException:
+                self._store.give_back(job, caller, segment)
+                raise
 
     def _cut_into(self, view, slots, plan: RegionPlan, asked: list[Asked], shards: dict
                   ) -> tuple[int, ...]:
@@ -186,8 +187,8 @@ class Assembler:
 
     def _pull_whole(self, index: int, job: str, step: int, rank: int, slots: list[int],
                     described, held: contextlib.ExitStack) -> dict[int, np.ndarray]:
-        """Pulls peer ``index``'s whole copy into a scratch segment (back to the pool once
-        the regions are cut) and answers views of ``slots`` of it. Slot by slot into
+        """Pulls peer ``index``'s whole copy into a scratch segment (freed once the regions
+        are cut) and answers views of ``slots`` of it. Slot by slot into
         buffers of their own, bytes land at a fraction of the rate a whole copy's do
         (parallel streams into pre-faulted pages, hashed as they land)."""
         layout = described.layout
