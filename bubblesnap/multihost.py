@@ -14,6 +14,8 @@ the parent waits for, e.g. to SIGKILL every process at a chosen moment::
         job.kill()                                  # every process, SIGKILL
     results = JaxJob("...:resume", 1, args, devices=4).results()   # one per process
 
+A program that stands for a crash at a point of its own calls :func:`crash` there, and
+the parent ``JaxJob(...).wait_crash()``: every process SIGKILLed once all got there.
 A process that exits without a result, or a job past its timeout, raises
 :class:`JobError` with each process's exit status and the tail of its stderr.
 """
@@ -34,6 +36,7 @@ from bubblesnap.testing import free_port
 
 _RESULT_FILE = "BUBBLESNAP_RESULT_FILE"
 _EVENT = "BUBBLESNAP_EVENT "
+_CRASH = "bubblesnap.multihost.crash"
 
 
 class JobError(RuntimeError):
@@ -43,6 +46,19 @@ class JobError(RuntimeError):
 def event(**fields) -> None:
     """Prints one event (JSON-able fields) for the parent's :meth:`JaxJob.wait_event`."""
     _say(_EVENT, fields)
+
+
+def crash() -> None:
+    """Stands for this process crashing here: tells the parent and waits to be SIGKILLed
+    (:meth:`JaxJob.wait_crash`), never returns.
+
+    A process of a job that SIGKILLs itself can take the job's coordination service down
+    (process 0 hosts it) while another process has not reached its own kill yet; that
+    one then dies of the lost service (SIGABRT) instead, wherever it was.
+    """
+    _say(_EVENT, {"event": _CRASH})
+    while True:
+        signal.pause()
 
 
 def _say(marker: str, value) -> None:
@@ -168,9 +184,17 @@ class JaxJob:
             self._fail(f"process {failed[0]} failed")
         return [results[i] for i in range(self.count)]
 
+    def wait_crash(self) -> list[int]:
+        """Waits until every process called :func:`crash`, SIGKILLs them; their exit
+        statuses (``-9`` each). JobError if a process exits before it got there."""
+        self.wait_event(lambda e: e.get("event") == _CRASH)
+        self.kill()
+        return [proc.returncode for proc in self.procs]
+
     def kill(self) -> None:
-        """SIGKILLs every process still running and reaps it."""
-        for proc in self.procs:
+        """SIGKILLs every process still running and reaps it; process 0, which hosts the
+        job's coordination service, last (the others would abort when it goes)."""
+        for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
         for proc in self.procs:

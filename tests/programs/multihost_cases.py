@@ -4,8 +4,8 @@
 snapshot a few steps of some jobs (waiting for the job to commit each),
 then wait to be SIGKILLed. ``restore``: restore jobs into target meshes and
 partition specs, compare every local shard with the values the step had,
-and snapshot on. Each returns (or, before being killed, prints as an event)
-plain JSON for the test to check.
+and snapshot on. ``crash_one_after_another``: crash. Each returns (or, before
+being killed, prints as an event) plain JSON for the test to check.
 """
 
 import time
@@ -20,7 +20,7 @@ from trees import nested
 
 from bubblesnap.clients import ClientOptions, RestoreError
 from bubblesnap.clients.jax import SnapshotClient, _layout, _transfer
-from bubblesnap.multihost import event
+from bubblesnap.multihost import crash, event
 
 #: The job-wide state: name -> (shape, dtype, partition spec on the ("x", "y") mesh).
 GLOBAL = {"f32": ((8, 6), np.float32, P("x", "y")),
@@ -144,6 +144,13 @@ def train(args) -> dict:
     event(event="trained", **report)
     while True:  # the test SIGKILLs every process now
         time.sleep(60)
+
+
+def crash_one_after_another(args) -> None:
+    """Every process crashes (``bubblesnap.multihost.crash``), process 0 first and each
+    next one ``args["lag"]`` seconds later, as processes of a loaded host fall behind."""
+    time.sleep(jax.process_index() * args["lag"])
+    crash()
 
 
 def _held_bytes(client) -> dict:

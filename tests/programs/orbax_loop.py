@@ -6,14 +6,13 @@ A target for ``bubblesnap.multihost.JaxJob`` (one process or several under
 ``jax.distributed``; one global mesh whose devices are ordered so that a
 process's devices are not contiguous): it resumes from the latest step if
 there is one, trains to ``steps``, saves every step, and at ``kill_at``
-waits for the save to finish and SIGKILLs itself (the parent runs it again).
+waits for the save to finish and crashes (``bubblesnap.multihost.crash``: the parent
+SIGKILLs every process once each got there, then runs the loop again).
 It returns the step it resumed from and a digest of its final local shards.
 bubblesnap's manager finds its daemon through $BUBBLESNAP_DAEMON.
 """
 
 import hashlib
-import os
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from bubblesnap.multihost import crash
 
 
 def _import_manager(name: str):
@@ -64,7 +65,7 @@ def train(args: dict) -> dict:
             mngr.save(step, args=ocp.args.StandardSave(state))
             if step == args.get("kill_at"):
                 mngr.wait_until_finished()
-                os.kill(os.getpid(), signal.SIGKILL)
+                crash()
         mngr.wait_until_finished()
         mngr.check_for_errors()
     # ---- end of the loop ----

@@ -13,15 +13,15 @@ in turn in its own folder of ``args["root"]`` (named
 ``args["prefix"]`` and the loop's name): it resumes from its latest
 step if there is one and trains, saving as its project does, until
 ``args["steps"]``; with ``args["kill"]`` it stops after ``args["kill_at"]``
-(its last save finished) and, once every loop did, the process SIGKILLs
-itself. Each loop reports the step it resumed from, a digest of its final
+(its last save finished) and, once every loop did, the process crashes
+(``bubblesnap.multihost.crash``: the parent SIGKILLs every process once each
+got there). Each loop reports the step it resumed from, a digest of its final
 global state (the same in any process count), ``all_steps()`` and the
 metadata it read back.
 """
 
 import hashlib
 import os
-import signal
 
 import flax.linen as nn
 import jax
@@ -34,6 +34,8 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from bubblesnap.multihost import crash
 
 
 def _managers(name: str):
@@ -282,7 +284,7 @@ def train(args: dict) -> dict:
                                  os.path.join(args["root"], prefix + name), args)
                for name in args["loops"]}
     if args.get("kill"):
-        os.kill(os.getpid(), signal.SIGKILL)
+        crash()
     return results
 
 
