@@ -97,3 +97,29 @@ def test_the_pool_makes_the_largest_size_asked_that_fits():
     assert next_size([], [5 * MIB], 4 * MIB, 8 * MIB, 64 * MIB) == 0  # one being made
     assert next_size([], [], 0, 8 * MIB, 64 * MIB) == 8 * MIB  # nothing asked yet: it all
     assert next_size([8 * MIB], [], 0, 8 * MIB, 64 * MIB) == 0
+
+
+def _mapped_bytes(path: str) -> int:
+    """The bytes of ``path``'s mapping in this process that have page-table entries (Rss)."""
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.endswith(" " + path))
+    rss = next(line for line in lines[at + 1:] if line.startswith("Rss:"))
+    return int(rss.split()[1]) * 1024
+
+
+def test_a_fresh_segment_the_daemon_fills_is_prefaulted_on_the_workers_once(tmp_path):
+    # A segment the daemon writes whole (a copy landing, a restore cut or pulled) faults
+    # its pages in on every core before the bytes come, not one by one under the copy.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bubblesnap.service.store.segments import Segment
+    segment = Segment(str(tmp_path / "seg"), 80 * MIB)  # three pieces, the last short
+    try:
+        assert _mapped_bytes(segment.path) == 0 and not segment.faulted
+        with ThreadPoolExecutor(2) as workers:
+            segment.prefault(workers)
+        assert segment.faulted and _mapped_bytes(segment.path) == 80 * MIB
+        assert not segment.view.any()  # the pages fallocate reserved: still zeros
+    finally:
+        segment.destroy()

@@ -12,7 +12,10 @@ then ~90 ms of first-touch faults under the copy, against ~13 ms for the
 copy itself), so the pool also keeps warm segments: made and pre-faulted
 ahead of need by a background thread (warm_pool.py), taken by whatever
 needs a segment no recycled one fits (a peer's copy landing, an assembled
-restore, a first snapshot).
+restore, a first snapshot). A fresh segment the daemon itself is about to
+fill whole (a copy landing, a restore cut or pulled into it) is pre-faulted
+first on the store's worker threads: 256 MB in ~38 ms on 2 cores, against
+~145 ms of faults one by one under the copy.
 
 Each daemon keeps its segments in a directory of its own,
 ``bubblesnap-<pid>-<random>``, and holds an exclusive ``flock`` on a
@@ -34,6 +37,7 @@ import os
 import shutil
 import tempfile
 import threading
+from concurrent.futures import Executor
 
 import numpy as np
 
@@ -49,6 +53,8 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _madvise = ctypes.CDLL(None, use_errno=True).madvise
 _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _madvise.restype = ctypes.c_int
+#: The piece of a segment one worker pre-faults at a time (a multiple of 2 MiB pages).
+_PREFAULT_CHUNK = 32 << 20
 #: The last distinct sizes asked of the pool, which warm segments are made in.
 _SIZES_KEPT = 4
 
@@ -61,6 +67,7 @@ class Segment:
         self.path = path
         self.nbytes = nbytes
         self.handed_out = False  # a client may alias it: never recycle
+        self.faulted = False  # every page mapped in this process: writes need no fault
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Reserve the pages now: on a full tmpfs this fails with ENOSPC
@@ -79,13 +86,26 @@ class Segment:
             os.close(fd)
         self.view = np.frombuffer(self._map, dtype=np.uint8)
 
-    def prefault(self) -> None:
+    def prefault(self, workers: Executor | None = None) -> None:
         """Faults every page in now (writable, in this mapping), so that bytes written
-        later land at memcpy speed: MADV_POPULATE_WRITE (Linux 5.14) in one call, or
-        one byte written per page where the kernel lacks it. Both let other threads
-        run meanwhile (ctypes and numpy release the GIL; mmap.madvise would not)."""
-        if _madvise(self.view.ctypes.data, self.nbytes, MADV_POPULATE_WRITE) != 0:
-            self.view[::mmap.PAGESIZE] = 0  # fresh from posix_fallocate: already zeros
+        later land at memcpy speed; nothing once done. MADV_POPULATE_WRITE (Linux 5.14),
+        or one byte written per page where the kernel lacks it; both let other threads
+        run meanwhile (ctypes and numpy release the GIL; mmap.madvise would not).
+        ``workers``: the pieces on its threads (faults scale with the cores)."""
+        if self.faulted:
+            return
+        starts = range(0, self.nbytes, _PREFAULT_CHUNK)
+        if workers is None:
+            for start in starts:
+                self._prefault_piece(start)
+        else:
+            list(workers.map(self._prefault_piece, starts))
+        self.faulted = True
+
+    def _prefault_piece(self, start: int) -> None:
+        end = min(start + _PREFAULT_CHUNK, self.nbytes)
+        if _madvise(self.view.ctypes.data + start, end - start, MADV_POPULATE_WRITE) != 0:
+            self.view[start:end:mmap.PAGESIZE] = 0  # fresh from posix_fallocate: zeros
 
     def shrink(self, nbytes: int) -> None:
         """Cuts the file and its mapping to its first ``nbytes``, whose pages stay faulted
@@ -100,7 +120,7 @@ class Segment:
         """Maps a segment file a dead daemon made. A trainer may still map it (a copy
         it restored), so it is marked handed out: never recycled, unlinked when freed."""
         segment = cls.__new__(cls)
-        segment.path, segment.handed_out = path, True
+        segment.path, segment.handed_out, segment.faulted = path, True, True
         fd = os.open(path, os.O_RDWR)
         try:
             segment.nbytes = os.fstat(fd).st_size
@@ -197,6 +217,9 @@ class SegmentPool:
         return Segment(os.path.join(self.directory, f"seg-{next(self._ids)}"), nbytes)
 
     def release(self, segment: Segment) -> None:
+        # Its pages were mapped here as its copy was verified or written: recycled
+        # segments are not pre-faulted again (that walk alone takes ~16 ms per 256 MB).
+        segment.faulted = True
         with self._lock:
             self._free.append(segment)
 

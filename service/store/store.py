@@ -1,12 +1,11 @@
 """The daemon's snapshot store: one lock over jobs, ranks, steps, segments and the budget.
 
-Each public method takes the lock and calls one function of the part that
-owns the decision (registration, staging, reads, arrivals; retention is
-pure). Checksums are computed under the lock too (on a small thread pool,
-one task per shard): it keeps a segment from being recycled while it is
-read, at the cost of other calls waiting for one hash (~20 ms per 256 MB on
-the dev VM). Inputs are validated where the request enters (rpc/); names
-reaching the store are well formed.
+Each public method takes the lock and calls one function of the part that owns the
+decision (registration, staging, reads, arrivals; retention is pure). Checksums are
+computed under the lock too (on a small thread pool, one task per shard): it keeps a
+segment from being recycled while it is read, at the cost of other calls waiting for
+one hash (~20 ms per 256 MB on the dev VM). Inputs are validated where the request
+enters (rpc/); names reaching the store are well formed.
 
 A store started on a --shm-dir where a killed daemon left its segments
 adopts the committed copies first (adoption.py): ``adoption`` says what it
@@ -223,6 +222,7 @@ class SnapshotStore:
             return 0
         slots = layout.slots()
         try:
+            arrival.rank_step.segment.prefault(self.workers)  # fresh pages: every core
             with phases.timed("receive"):
                 computed = fill(arrival.rank_step.segment.view,
                                 [(o, n) for _, _, o, n in slots])
