@@ -73,8 +73,9 @@ def add_parser(sub) -> None:
                    metavar="SIZE", help=f"largest gRPC message accepted (default "
                    f"{human_bytes(d.max_message_bytes)})")
     p.add_argument("--checksum-threads", type=int, default=s.checksum_threads, metavar="N",
-                   help=f"threads hashing shards and cutting the regions of a restore "
-                        f"onto another mesh (default {s.checksum_threads})")
+                   help=f"threads hashing shards, cutting the regions of a restore "
+                        f"onto another mesh and pre-faulting fresh segments the daemon fills "
+                        f"(default {s.checksum_threads})")
     p.add_argument("--max-interval", type=int, default=planner.max_interval,
                    metavar="N", help="longest snapshot interval the bubble planner may choose; "
                    "what does not fit into N iterations' bubbles is copied at the end of the "

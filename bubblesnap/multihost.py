@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from bubblesnap.testing import free_port
 
@@ -48,7 +49,7 @@ def event(**fields) -> None:
     _say(_EVENT, fields)
 
 
-def crash() -> None:
+def crash() -> NoReturn:
     """Stands for this process crashing here: tells the parent and waits to be SIGKILLed
     (:meth:`JaxJob.wait_crash`), never returns.
 
@@ -186,15 +187,16 @@ class JaxJob:
 
     def wait_crash(self) -> list[int]:
         """Waits until every process called :func:`crash`, SIGKILLs them; their exit
-        statuses (``-9`` each). JobError if a process exits before it got there."""
+        statuses (``-9`` each: a process's status is fixed once the signal is sent, so
+        one killed after process 0 cannot die of the lost coordination service
+        instead). JobError if a process exits before it got there."""
         self.wait_event(lambda e: e.get("event") == _CRASH)
         self.kill()
         return [proc.returncode for proc in self.procs]
 
     def kill(self) -> None:
-        """SIGKILLs every process still running and reaps it; process 0, which hosts the
-        job's coordination service, last (the others would abort when it goes)."""
-        for proc in reversed(self.procs):
+        """SIGKILLs every process still running and reaps it."""
+        for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
         for proc in self.procs:

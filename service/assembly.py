@@ -124,8 +124,7 @@ class Assembler:
         with self._store.landing():
             segment = self._store.assembled(job, caller, nbytes)
             try:
-                with phases.timed("prefault"):  # fresh pages: faulted in on every core
-                    segment.prefault(self._store.workers)
+                segment.prefault(self._store.workers)  # fresh pages: faulted in on every core
                 yield segment
             except BaseException:
                 self._store.give_back(job, caller, segment)
@@ -198,8 +197,7 @@ class Assembler:
             segment = pulling.enter_context(self._store.scratch(
                 layout.segment_bytes, f"step {step} of rank {rank} of job {job!r} pulled to "
                 "be cut for a restore"))
-            with phases.timed("prefault"):
-                segment.prefault(self._store.workers)
+            segment.prefault(self._store.workers)
             self._transfers.pull_into(index, job, rank, step, described, segment.view)
             held.enter_context(pulling.pop_all())
         every = layout.slots()

@@ -43,7 +43,7 @@ def _train_and_kill(daemons: list[str], jobs: list[dict], processes: int = 2) ->
 
 def test_a_job_that_crashes_dies_of_sigkill_whichever_process_gets_there_last():
     # Processes that SIGKILLed themselves died of SIGABRT when process 0, the coordination
-    # service's host, went first (3 runs of 4, process 1 two seconds behind).
+    # service's host, went first (3 runs of 4 with 2 processes, process 1 behind).
     job = JaxJob(f"{CASES}:crash_one_after_another", 3, {"lag": 1.0})
     assert job.wait_crash() == [-9, -9, -9]
 

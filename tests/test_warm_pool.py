@@ -108,7 +108,7 @@ def _mapped_bytes(path: str) -> int:
     return int(rss.split()[1]) * 1024
 
 
-def test_a_fresh_segment_the_daemon_fills_is_prefaulted_on_the_workers_once(tmp_path):
+def test_a_fresh_segment_the_daemon_fills_is_prefaulted_on_the_workers(tmp_path):
     # A segment the daemon writes whole (a copy landing, a restore cut or pulled) faults
     # its pages in on every core before the bytes come, not one by one under the copy.
     from concurrent.futures import ThreadPoolExecutor

@@ -16,9 +16,10 @@ class StoreOptions:
         newer step commits (``--keep``). Default 2, so the step before the
         newest survives while the newest is restored. With peers, a rank also
         keeps at most ``keep_steps + 2`` uncommitted copies (retention.py).
-      checksum_threads: threads that hash shards in parallel, and cut the regions
-        of a restore assembled from several copies (``--checksum-threads``; a
-        commit's hashing, when it has any, waits behind such a cut). Default 2.
+      checksum_threads: threads that hash shards in parallel, cut the regions of a
+        restore assembled from several copies and pre-fault a fresh segment the
+        daemon fills (``--checksum-threads``; a commit's hashing, when it has any,
+        waits behind such work). Default 2.
       uncommitted_grace_seconds: with peers, how long a copy the group has not
         committed yet is kept before the cap on uncommitted copies may free it
         (retention.py): longer than the group's view takes to see a commit

@@ -7,15 +7,15 @@ segments go back to a pool instead of being unlinked: writing into pages that
 are already allocated runs at memcpy speed, first-touch allocation is several
 times slower.
 
-A fresh segment is slow to fill (on the dev VM, 256 MB: ~60 ms to reserve,
-then ~90 ms of first-touch faults under the copy, against ~13 ms for the
-copy itself), so the pool also keeps warm segments: made and pre-faulted
+A fresh segment is slow to fill (on the dev VM, 256 MB: ~28 ms to reserve,
+then ~145 ms of faults one by one under a copy that takes ~25 ms into pages
+already mapped), so the pool also keeps warm segments: made and pre-faulted
 ahead of need by a background thread (warm_pool.py), taken by whatever
 needs a segment no recycled one fits (a peer's copy landing, an assembled
 restore, a first snapshot). A fresh segment the daemon itself is about to
 fill whole (a copy landing, a restore cut or pulled into it) is pre-faulted
-first on the store's worker threads: 256 MB in ~38 ms on 2 cores, against
-~145 ms of faults one by one under the copy.
+first, in pieces on the store's worker threads: ~38 ms for 256 MB on 2
+cores (~68 ms on one).
 
 Each daemon keeps its segments in a directory of its own,
 ``bubblesnap-<pid>-<random>``, and holds an exclusive ``flock`` on a
@@ -41,6 +41,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
+from bubblesnap.service import phases
 from bubblesnap.service.errors import ResourceExhausted
 from bubblesnap.service.store import pages
 
@@ -91,15 +92,17 @@ class Segment:
         later land at memcpy speed; nothing once done. MADV_POPULATE_WRITE (Linux 5.14),
         or one byte written per page where the kernel lacks it; both let other threads
         run meanwhile (ctypes and numpy release the GIL; mmap.madvise would not).
-        ``workers``: the pieces on its threads (faults scale with the cores)."""
+        ``workers``: the pieces on its threads (faults scale with the cores); timed as
+        the ``prefault`` phase."""
         if self.faulted:
             return
         starts = range(0, self.nbytes, _PREFAULT_CHUNK)
-        if workers is None:
-            for start in starts:
-                self._prefault_piece(start)
-        else:
-            list(workers.map(self._prefault_piece, starts))
+        with phases.timed("prefault"):
+            if workers is None:
+                for start in starts:
+                    self._prefault_piece(start)
+            else:
+                list(workers.map(self._prefault_piece, starts))
         self.faulted = True
 
     def _prefault_piece(self, start: int) -> None:
