@@ -96,19 +96,17 @@ class Segment:
         the ``prefault`` phase."""
         if self.faulted:
             return
-        starts = range(0, self.nbytes, _PREFAULT_CHUNK)
+        # The view held throughout keeps the mapping alive should the segment be freed
+        # meanwhile (destroy() leaves a mapping a view still uses to that view's end).
+        view = self.view
+        starts = range(0, view.nbytes, _PREFAULT_CHUNK)
         with phases.timed("prefault"):
             if workers is None:
                 for start in starts:
-                    self._prefault_piece(start)
+                    _prefault_piece(view, start)
             else:
-                list(workers.map(self._prefault_piece, starts))
+                list(workers.map(lambda start: _prefault_piece(view, start), starts))
         self.faulted = True
-
-    def _prefault_piece(self, start: int) -> None:
-        end = min(start + _PREFAULT_CHUNK, self.nbytes)
-        if _madvise(self.view.ctypes.data + start, end - start, MADV_POPULATE_WRITE) != 0:
-            self.view[start:end:mmap.PAGESIZE] = 0  # fresh from posix_fallocate: zeros
 
     def shrink(self, nbytes: int) -> None:
         """Cuts the file and its mapping to its first ``nbytes``, whose pages stay faulted
@@ -146,6 +144,12 @@ class Segment:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _prefault_piece(view: np.ndarray, start: int) -> None:
+    end = min(start + _PREFAULT_CHUNK, view.nbytes)
+    if _madvise(view.ctypes.data + start, end - start, MADV_POPULATE_WRITE) != 0:
+        view[start:end:mmap.PAGESIZE] = 0  # fresh from posix_fallocate: zeros
 
 
 class SegmentPool:
