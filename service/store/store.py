@@ -373,7 +373,7 @@ class SnapshotStore:
 
     @property
     def workers(self) -> Executor:
-        """The threads that hash shards and cut assembled restores (region_cut.py)."""
+        """The threads that hash shards, cut assembled restores, pre-fault fresh segments."""
         return self._state.hashers
 
     @property
