@@ -61,7 +61,9 @@ class RawStep:
       source: where the daemon found it: ``memory``, ``peer`` or ``durable``.
       world_size: the world size the step was taken with (0: not said).
       phases: where the time went, name -> seconds: ``call`` (the Restore
-        call, the daemon's work included), ``map`` (mapping the segment),
+        call, the daemon's work included), ``map_early`` (mapping the segment
+        while the daemon worked, inside ``call``), ``map`` (mapping it after the
+        answer: none when the early mapping was the answer's),
         ``verify`` (with ``verify_restore``), and the daemon's own phases as
         ``daemon.<name>`` (e.g. ``daemon.receive``: a peer's bytes arriving).
     """

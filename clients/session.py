@@ -24,8 +24,8 @@ from bubblesnap.clients._bubble_stream import BubbleStream
 from bubblesnap.clients._commits import CommitsInFlight
 from bubblesnap.clients._log_calls import LogCalls
 from bubblesnap.clients._regions import in_request_order
-from bubblesnap.clients._restore_progress import restore_progress
-from bubblesnap.clients._shared_memory import Heartbeat, SegmentMaps, map_restored
+from bubblesnap.clients._restore_call import restore_call
+from bubblesnap.clients._shared_memory import Heartbeat, SegmentMaps
 from bubblesnap.clients.options import ClientOptions
 from bubblesnap.clients.results import LogError, RawStep, RestoreError, SnapshotResult
 from bubblesnap.clients.save_lane import SaveLane
@@ -327,22 +327,7 @@ class Session:
                                     world_size=self.world_size, tensors=tensors)
         if step is not None:
             request.step = step
-        started = time.perf_counter()
-        try:
-            with restore_progress(self._stub, self.job, self.rank, self.options.show_progress):
-                found = self._stub.Restore(request,
-                                           timeout=self.options.restore_timeout_seconds)
-        except grpc.RpcError as err:
-            raise RestoreError(f"daemon {self.options.daemon}: {err.code().name}: "
-                               f"{err.details()}") from None
-        mapped = time.perf_counter()
-        try:
-            segment = map_restored(found.segment_path)
-        except FileNotFoundError:
-            raise RestoreError(f"step {found.step} was deleted while it was being restored; "
-                               "restore again") from None
-        phases = {"call": mapped - started, "map": time.perf_counter() - mapped,
-                  **{f"daemon.{p.name}": p.seconds for p in found.phases}}
+        found, segment, phases = restore_call(self._stub, request, self.options)
         verified = time.perf_counter()
         shards = {}
         for slot, expected in zip(found.slots, found.checksums, strict=True):

@@ -570,6 +570,22 @@ class RestoreResponse(_message.Message):
     phases: _containers.RepeatedCompositeFieldContainer[Phase]
     def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ..., world_size: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ...) -> None: ...
 
+class RestoreUpdate(_message.Message):
+    __slots__ = ("segment", "restored")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    segment: AnswerSegment
+    restored: RestoreResponse
+    def __init__(self, segment: _Optional[_Union[AnswerSegment, _Mapping]] = ..., restored: _Optional[_Union[RestoreResponse, _Mapping]] = ...) -> None: ...
+
+class AnswerSegment(_message.Message):
+    __slots__ = ("path", "nbytes")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    nbytes: int
+    def __init__(self, path: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
 class Phase(_message.Message):
     __slots__ = ("name", "seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class DaemonStub:
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.RestoreStream = channel.unary_stream(
+                '/bubblesnap.v1.Daemon/RestoreStream',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreUpdate.FromString,
+                _registered_method=True)
         self.WaitCommitted = channel.unary_unary(
                 '/bubblesnap.v1.Daemon/WaitCommitted',
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedRequest.SerializeToString,
@@ -160,6 +165,18 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreStream(self, request, context):
+        """Restore in two messages: first the segment the answer will be in, as soon
+        as the daemon knows it (before its bytes are verified, pulled from a peer,
+        read from disk or cut), so the client maps it meanwhile; then the same
+        answer as Restore's. A segment's bytes are ready only with the answer, and
+        a later message may name another segment (a corrupt copy given up, the
+        next tier tried): only the answer's segment_path counts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WaitCommitted(self, request, context):
         """Waits (at most timeout_seconds, capped by the daemon) until a step is
         committed for the whole job, or answers at once when it already is.
@@ -243,6 +260,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreResponse.SerializeToString,
+            ),
+            'RestoreStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.RestoreStream,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.RestoreUpdate.SerializeToString,
             ),
             'WaitCommitted': grpc.unary_unary_rpc_method_handler(
                     servicer.WaitCommitted,
@@ -464,6 +486,33 @@ class Daemon:
             '/bubblesnap.v1.Daemon/Restore',
             bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.SerializeToString,
             bubblesnap_dot_protos_dot_daemon__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/bubblesnap.v1.Daemon/RestoreStream',
+            bubblesnap_dot_protos_dot_daemon__pb2.RestoreRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.RestoreUpdate.FromString,
             options,
             channel_credentials,
             insecure,

@@ -121,13 +121,14 @@ class Assembler:
     def _answer(self, job: str, caller: int, nbytes: int):
         """The segment a restore answers with, bytes landing in it inside the block; given
         back if the block fails."""
-        with self._store.landing():
-            segment = self._store.assembled(job, caller, nbytes)
+        segments = self._store.restore_segments
+        with segments.landing():
+            segment = segments.assembled(job, caller, nbytes)
             try:
                 segment.prefault(self._store.workers)  # fresh pages: faulted in on every core
                 yield segment
             except BaseException:
-                self._store.give_back(job, caller, segment)
+                segments.give_back(job, caller, segment)
                 raise
 
     def _cut_into(self, view, slots, plan: RegionPlan, asked: list[Asked], shards: dict
@@ -194,7 +195,7 @@ class Assembler:
         (parallel streams into pre-faulted pages, hashed as they land)."""
         layout = described.layout
         with contextlib.ExitStack() as pulling:  # a pull that fails frees it at once
-            segment = pulling.enter_context(self._store.scratch(
+            segment = pulling.enter_context(self._store.restore_segments.scratch(
                 layout.segment_bytes, f"step {step} of rank {rank} of job {job!r} pulled to "
                 "be cut for a restore"))
             segment.prefault(self._store.workers)

@@ -77,8 +77,8 @@ class DaemonOptions:
         trainer port and between peers (layouts of huge pytrees); larger
         ones get RESOURCE_EXHAUSTED (``--max-message``). Default 64 MiB.
       rpc_threads: threads doing the work of trainer calls (``--rpc-threads``);
-        calls that may wait long (Restore, WaitCommitted) have as many again
-        of their own and Status two, so none waits behind the others. A
+        calls that may wait long (Restore, RestoreStream, WaitCommitted) have as
+        many again of their own and Status two, so none waits behind the others. A
         Bubbles stream holds none between its messages. Default 16 (more
         threads mostly contend for the GIL and the store lock).
       max_streams: Bubbles streams open at once (one per pipeline stage);

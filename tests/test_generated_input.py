@@ -237,7 +237,7 @@ DAEMON_CALLS = st.one_of(
     st.tuples(st.just("AbortStep"), st.builds(pb.AbortStepRequest, job=NAMES,
                                               rank=st.one_of(SMALL, INT32), step=STEPS)),
     st.tuples(st.just("Status"), st.builds(pb.StatusRequest, job=NAMES)),
-    st.tuples(st.just("Restore"), st.one_of(
+    st.tuples(st.sampled_from(["Restore", "RestoreStream"]), st.one_of(
         _restore(MUTABLE, st.one_of(SMALL, INT32)),
         _restore(st.just("held"), st.sampled_from([0, 1]))).map(_with_optional)
         | _held_regions()),
@@ -293,6 +293,8 @@ def _answer(stub, method: str, request) -> tuple[grpc.StatusCode, str]:
     try:
         if method == "Bubbles":
             list(stub.Bubbles(iter(request), timeout=20))
+        elif method == "RestoreStream":
+            list(stub.RestoreStream(request, timeout=20))
         else:
             getattr(stub, method)(request, timeout=20)
     except grpc.RpcError as err:

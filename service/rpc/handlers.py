@@ -9,7 +9,9 @@ message type that was expected.
 :func:`aio_handler` is for the trainer API's ``grpc.aio`` server: each call
 runs its servicer method (parsing included) in a thread of a bounded pool,
 and a bidi stream does so once per request, so a stream holds no thread
-between its messages however long it lives.
+between its messages however long it lives. A method that streams its answers
+(one request) runs once, sends the early ones with ``CallContext.send`` and
+returns the last.
 """
 
 import asyncio
@@ -66,11 +68,19 @@ class CallContext:
     context belongs to the event loop): the caller's deadline, metadata and peer.
     ``abort`` raises, and the call ends with that status."""
 
-    def __init__(self, context: grpc.aio.ServicerContext):
+    def __init__(self, context: grpc.aio.ServicerContext, send=None):
         left = context.time_remaining()
         self._deadline = None if left is None else time.monotonic() + left
         self._metadata = tuple(context.invocation_metadata() or ())
         self._peer = context.peer()
+        self._send = send
+
+    def send(self, answer) -> None:
+        """Sends ``answer`` before the method returns its last one (a method that
+        streams its answers only); thread-safe, never blocks."""
+        if self._send is None:
+            raise TypeError("send: this method answers once")
+        self._send(answer)
 
     def time_remaining(self) -> float | None:
         """Seconds until the caller's deadline (None: it set none)."""
@@ -121,8 +131,12 @@ def aio_handler(service_descriptor, servicer, pools: dict, lanes: dict[str, str]
         elif not method.client_streaming and not method.server_streaming:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                 _unary(impl, request_cls, pool), response_serializer=serialize)
+        elif method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _answers(impl, request_cls, pool), response_serializer=serialize)
         else:
-            raise NotImplementedError(f"{method.full_name}: only unary and bidi methods are used")
+            raise NotImplementedError(f"{method.full_name}: a client stream without a server "
+                                      "stream is not used")
     return grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers)
 
 
@@ -134,6 +148,33 @@ def _unary(impl, request_cls, pool):
                 pool, _call, impl, request_cls, raw, call)
         except _Abort as stop:
             await context.abort(stop.code, stop.details)
+    return handle
+
+
+def _answers(impl, request_cls, pool):
+    """A method with one request and a stream of answers: what it ``send``s from its pool
+    thread goes out as it is sent, then what it returns."""
+    async def handle(raw, context):
+        loop = asyncio.get_running_loop()
+        sent: asyncio.Queue = asyncio.Queue()
+        call = CallContext(context, lambda answer: loop.call_soon_threadsafe(sent.put_nowait,
+                                                                             answer))
+        running = loop.run_in_executor(pool, _call, impl, request_cls, raw, call)
+        while not running.done():
+            next_sent = asyncio.ensure_future(sent.get())
+            await asyncio.wait((next_sent, running), return_when=asyncio.FIRST_COMPLETED)
+            if not next_sent.done():
+                next_sent.cancel()
+                break
+            yield next_sent.result()
+        # what was sent before the method returned is queued before its end is seen
+        while not sent.empty():
+            yield sent.get_nowait()
+        try:
+            last = await running
+        except _Abort as stop:
+            await context.abort(stop.code, stop.details)
+        yield last
     return handle
 
 

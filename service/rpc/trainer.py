@@ -1,6 +1,7 @@
 """The gRPC face trainers and tools see (``bubblesnap.v1.Daemon``): convert, call, convert back."""
 
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service import answer_segment
 from bubblesnap.service.errors import DeadlineExceeded
 from bubblesnap.service.rpc import messages
 from bubblesnap.service.rpc.status_codes import late, streaming, unary
@@ -8,7 +9,8 @@ from bubblesnap.service.rpc.status_codes import late, streaming, unary
 #: The pools (lanes) of the calls that do not run in "calls": those that may wait long (a
 #: restore pulling from a peer or the durable tier, a wait for the job's commit) so that
 #: they never hold up stagings and commits, and Status so that it answers under any load.
-LANES = {"Restore": "waits", "WaitCommitted": "waits", "Status": "status"}
+LANES = {"Restore": "waits", "RestoreStream": "waits", "WaitCommitted": "waits",
+         "Status": "status"}
 
 
 def _release_if_late(context, release) -> None:
@@ -79,6 +81,17 @@ class DaemonServicer:
 
     @unary
     def Restore(self, request, context):
+        return self._restore(request, context)
+
+    @unary
+    def RestoreStream(self, request, context):
+        def early(path: str, nbytes: int) -> None:
+            context.send(pb.RestoreUpdate(segment=pb.AnswerSegment(path=path, nbytes=nbytes)))
+
+        with answer_segment.listening(early):
+            return pb.RestoreUpdate(restored=self._restore(request, context))
+
+    def _restore(self, request, context) -> pb.RestoreResponse:
         if not request.alone:
             self._token.check(context, "Restore (not alone: it drops every later step of the "
                               "job, on every daemon of the ring)")

@@ -3,6 +3,7 @@
 Called with the store's lock held.
 """
 
+from bubblesnap.service import answer_segment
 from bubblesnap.service.errors import DataLoss, NotFound
 from bubblesnap.service.store import registration
 from bubblesnap.service.store.model import mismatches
@@ -36,6 +37,7 @@ def serve_copy(state: StoreState, job: str, rank: int, step: int) -> Restorable:
     rank_step = held.steps.get(step) if held is not None else None
     if rank_step is None or not rank_step.local:
         raise NotFound(f"this daemon holds no copy of step {step} of rank {rank}")
+    answer_segment.announce(rank_step.segment.path, rank_step.segment.nbytes)
     # A copy verified as it arrived (a moment ago, from a peer or disk) is not
     # read a second time.
     computed = rank_step.checksums if rank_step.just_verified else \

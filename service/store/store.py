@@ -19,12 +19,11 @@ returns whether it held anything of the job), both outside the lock;
 under the lock (it must not call the store).
 """
 
-import contextlib
 import threading
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from bubblesnap.service import phases
+from bubblesnap.service import answer_segment, phases
 from bubblesnap.service.errors import NotFound
 from bubblesnap.service.store import adoption, arrivals, reads, registration, staging
 from bubblesnap.service.store.adoption import Adoption
@@ -32,7 +31,8 @@ from bubblesnap.service.store.layout import Layout
 from bubblesnap.service.store.memory import Memory
 from bubblesnap.service.store.model import BubbleUsage, lookup
 from bubblesnap.service.store.options import StoreOptions
-from bubblesnap.service.store.segments import Segment, shm_free_bytes
+from bubblesnap.service.store.restore_segments import RestoreSegments
+from bubblesnap.service.store.segments import shm_free_bytes
 from bubblesnap.service.store.state import StoreState
 from bubblesnap.service.store.views import (
     Commit,
@@ -70,6 +70,8 @@ class SnapshotStore:
             self.adoption: Adoption = adoption.adopt(self._state)
         # after adoption: what was taken over counts in the budget before warm segments do
         self._warm = WarmPool(self._lock, self._state.memory, options.warm_pool_bytes)
+        #: The segments restores fill (restore_segments.py).
+        self.restore_segments = RestoreSegments(self._lock, self._state)
 
     def listen(self, on_local=None, on_job_deleted=None, on_retained=None) -> None:
         """Adds listeners (see the module docstring)."""
@@ -118,53 +120,6 @@ class SnapshotStore:
         """Verifies this daemon's copy of ``step`` of ``rank`` and hands it over as it is."""
         with phases.timed("verify"), self._lock:
             return reads.serve_copy(self._state, job, rank, step)
-
-    def assembled(self, job: str, rank: int, nbytes: int) -> Segment:
-        """A fresh segment for a restore of ``rank`` assembled from several copies,
-        counted in the budget; freed at the rank's next restore or commit, or with the
-        job. ResourceExhausted when the budget has no room."""
-        with phases.timed("segment"), self._lock:
-            self._state.release_served(job, rank)
-            segment = self._state.memory.hand_over(nbytes, f"a restore of rank {rank} of "
-                                                           f"job {job!r}")
-            self._state.served.setdefault((job, rank), []).append(segment)
-            return segment
-
-    def give_back(self, job: str, rank: int, segment: Segment) -> None:
-        """Frees what ``assembled`` gave a restore that failed before it answered."""
-        with self._lock:
-            served = self._state.served.get((job, rank), [])
-            if segment in served:
-                served.remove(segment)
-                self._state.memory.drop(segment)
-
-    @contextlib.contextmanager
-    def landing(self):
-        """Bytes land in this daemon's memory inside the block (an assembled restore being
-        cut): the warm pool makes no segment meanwhile, whose page zeroing would take
-        the cores and the memory bandwidth the copy needs."""
-        with self._lock:
-            self._state.memory.arriving += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._state.memory.arriving -= 1
-            self._state.memory.pool_changed.set()
-
-    @contextlib.contextmanager
-    def scratch(self, nbytes: int, what: str):
-        """A segment of ``nbytes`` for the block alone (a peer's copy pulled to be cut),
-        in the budget while used, then freed; bytes land in it (``landing``).
-        ResourceExhausted, no reusable segment destroyed for it, when there is no room."""
-        with self.landing():
-            with self._lock:
-                segment = self._state.memory.acquire(nbytes, what, scratch=True)
-            try:
-                yield segment
-            finally:
-                with self._lock:
-                    self._state.memory.drop(segment)
 
     def resume(self, job: str, world_size: int, step: int) -> None:
         """The job resumes from ``step`` under ``world_size`` ranks: they may register as
@@ -221,13 +176,15 @@ class SnapshotStore:
         if arrival is None:
             return 0
         slots = layout.slots()
+        segment = arrival.rank_step.segment
+        if for_restore:  # the caller maps it while the bytes land
+            answer_segment.announce(segment.path, segment.nbytes)
         try:
-            arrival.rank_step.segment.prefault(self.workers)  # fresh pages: every core
+            segment.prefault(self.workers)  # fresh pages: every core
             with phases.timed("receive"):
-                computed = fill(arrival.rank_step.segment.view,
-                                [(o, n) for _, _, o, n in slots])
+                computed = fill(segment.view, [(o, n) for _, _, o, n in slots])
             with phases.timed("verify"):
-                computed = computed or self._state.hash(arrival.rank_step.segment, slots)
+                computed = computed or self._state.hash(segment, slots)
         except BaseException:
             with self._lock:
                 self._state.memory.arriving -= 1

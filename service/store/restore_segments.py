@@ -1,0 +1,68 @@
+"""The memory a restore works in beside the copies held: the segment an assembled
+restore answers with, scratch segments for a peer's copy pulled to be cut, and the
+mark that bytes are landing (the warm pool waits meanwhile).
+
+Part of ``SnapshotStore`` (its ``restore_segments``): the same lock and state.
+"""
+
+import contextlib
+
+from bubblesnap.service import answer_segment, phases
+from bubblesnap.service.store.segments import Segment
+from bubblesnap.service.store.state import StoreState
+
+
+class RestoreSegments:
+    """Segments a restore fills, in the store's budget, under the store's ``lock``."""
+
+    def __init__(self, lock, state: StoreState):
+        self._lock = lock
+        self._state = state
+
+    def assembled(self, job: str, rank: int, nbytes: int) -> Segment:
+        """A fresh segment for a restore of ``rank`` assembled from several copies,
+        counted in the budget; freed at the rank's next restore or commit, or with the
+        job. ResourceExhausted when the budget has no room."""
+        with phases.timed("segment"), self._lock:
+            self._state.release_served(job, rank)
+            segment = self._state.memory.hand_over(nbytes, f"a restore of rank {rank} of "
+                                                           f"job {job!r}")
+            self._state.served.setdefault((job, rank), []).append(segment)
+        answer_segment.announce(segment.path, segment.nbytes)
+        return segment
+
+    def give_back(self, job: str, rank: int, segment: Segment) -> None:
+        """Frees what ``assembled`` gave a restore that failed before it answered."""
+        with self._lock:
+            served = self._state.served.get((job, rank), [])
+            if segment in served:
+                served.remove(segment)
+                self._state.memory.drop(segment)
+
+    @contextlib.contextmanager
+    def landing(self):
+        """Bytes land in this daemon's memory inside the block (an assembled restore being
+        cut): the warm pool makes no segment meanwhile, whose page zeroing would take
+        the cores and the memory bandwidth the copy needs."""
+        with self._lock:
+            self._state.memory.arriving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._state.memory.arriving -= 1
+            self._state.memory.pool_changed.set()
+
+    @contextlib.contextmanager
+    def scratch(self, nbytes: int, what: str):
+        """A segment of ``nbytes`` for the block alone (a peer's copy pulled to be cut),
+        in the budget while used, then freed; bytes land in it (``landing``).
+        ResourceExhausted, no reusable segment destroyed for it, when there is no room."""
+        with self.landing():
+            with self._lock:
+                segment = self._state.memory.acquire(nbytes, what, scratch=True)
+            try:
+                yield segment
+            finally:
+                with self._lock:
+                    self._state.memory.drop(segment)

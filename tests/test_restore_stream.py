@@ -1,0 +1,164 @@
+"""RestoreStream: the answer's segment named before its bytes are ready, from every tier.
+
+The client maps the segment while the daemon verifies it, pulls it from a
+peer, reads it from disk or cuts a reshard into it. Checked here on real
+daemons: the segment is named first, its file exists when named, the answer
+then names the same one (or, after a corrupt copy was given up, the one that
+replaced it), and the client restores every byte.
+"""
+
+import pathlib
+
+import grpc
+import numpy as np
+import pytest
+
+from bubblesnap.clients import ClientOptions, NumpyClient
+from bubblesnap.clients._restore_call import AnswerMapping
+from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.testing import wait_for
+from tests.test_regions import GLOBAL, code_of, two_rank_job
+
+JOB = "stream"
+
+
+def state(rank: int, step: int) -> dict[str, np.ndarray]:
+    return {"w": np.arange(4096 * (rank + 1), dtype=np.float32) * (rank + 1) + step,
+            "b": np.full((3, 5), rank * 100 + step, dtype=np.int64)}
+
+
+def client(daemon, rank: int, world: int) -> NumpyClient:
+    return NumpyClient(JOB, rank, world, ClientOptions(daemon=daemon.address,
+                                                       restore_timeout_seconds=60))
+
+
+def snapshot_steps(daemons, steps, world: int) -> None:
+    clients = [client(daemons[r], r, world) for r in range(world)]
+    for step in steps:
+        for rank, c in enumerate(clients):
+            result = c.snapshot(step, state(rank, step))
+            assert result.taken, result.reason
+    for c in clients:
+        c.close()
+
+
+def committed(daemon, step: int) -> bool:
+    status = daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10)
+    return any(s.step == step and s.committed for s in status.jobs[0].steps)
+
+
+def streamed(daemon, request) -> tuple[list[str], pb.RestoreResponse]:
+    """The segments named before the answer (each checked to exist when named), and
+    the answer, which must be the last message."""
+    named, answer = [], None
+    for update in daemon.stub.RestoreStream(request, timeout=60):
+        assert answer is None, "a message after the answer"
+        if update.HasField("segment"):
+            assert pathlib.Path(update.segment.path).stat().st_size == update.segment.nbytes
+            named.append(update.segment.path)
+        else:
+            answer = update.restored
+    assert answer is not None, "the stream ended without an answer"
+    return named, answer
+
+
+def assert_restores(daemon, rank: int, step: int, source: str, world: int) -> None:
+    c = client(daemon, rank, world)
+    got_step, arrays = c.restore()
+    assert (got_step, c.last_restore_source) == (step, source)
+    for name, expected in state(rank, step).items():
+        assert arrays[name].tobytes() == expected.tobytes(), f"rank {rank} {name} differs"
+    c.close()
+
+
+def test_each_tier_names_the_answers_segment_first(start_ring, tmp_path):
+    durable = tmp_path / "durable"
+    ring = start_ring(2, "--replicas", "1", "--durable-dir", str(durable),
+                      "--durable-every-steps", "1")
+    snapshot_steps(ring.daemons, range(2), world=2)
+    wait_for(lambda: committed(ring.daemons[0], 1), "step 1 committed")
+
+    named, answer = streamed(ring.daemons[0], pb.RestoreRequest(job=JOB, rank=0, alone=True))
+    assert (named, answer.source, answer.step) == ([answer.segment_path], "memory", 1)
+    assert_restores(ring.daemons[0], 0, 1, "memory", world=2)
+
+    wait_for(lambda: 1 in ring.daemons[0].stub.Status(pb.StatusRequest(job=JOB), timeout=10)
+             .jobs[0].durable_steps, "step 1 written durably")
+    ring.daemons[1].kill()
+    replacement = ring.replace(1)
+    named, answer = streamed(replacement, pb.RestoreRequest(job=JOB, rank=1, alone=True))
+    assert (named, answer.source) == ([answer.segment_path], "peer")
+
+    ring.daemons[0].kill()
+    replacement.kill()
+    fresh = ring.replace(0)
+    named, answer = streamed(fresh, pb.RestoreRequest(job=JOB, rank=0, alone=True))
+    assert (named, answer.source) == ([answer.segment_path], "durable")
+    assert_restores(fresh, 0, 1, "memory", world=2)  # installed by the restore before
+
+
+def rows_2_to_6(world_size: int = 1) -> pb.RestoreRequest:
+    """Rows 2:6 of two_rank_job's 'w': half from rank 0's copy, half from rank 1's."""
+    return pb.RestoreRequest(job=JOB, rank=0, world_size=world_size, tensors=[pb.TensorRequest(
+        name="w", dtype="float32", global_shape=[8, 6],
+        regions=[pb.Region(index=[pb.Slice(start=2, stop=6), pb.Slice(start=0, stop=6)])])])
+
+
+def test_a_resharded_restore_names_the_segment_it_cuts_into(daemon):
+    two_rank_job(daemon, JOB)
+    named, answer = streamed(daemon, rows_2_to_6())
+    assert named == [answer.segment_path]
+    with open(answer.segment_path, "rb") as f:
+        f.seek(answer.slots[0].offset)
+        got = np.frombuffer(f.read(answer.slots[0].nbytes), dtype=np.float32)
+    assert got.tobytes() == GLOBAL[2:6].tobytes()
+
+
+def test_a_corrupt_copy_given_up_names_the_segment_that_replaced_it(start_ring):
+    ring = start_ring(2, "--replicas", "1")
+    snapshot_steps(ring.daemons, range(1), world=2)
+    wait_for(lambda: committed(ring.daemons[0], 0), "step 0 committed with 2 copies")
+    # Corrupt daemon 0's own copy of rank 0; daemon 1 holds an intact replica of it.
+    first, answer = streamed(ring.daemons[0], pb.RestoreRequest(job=JOB, rank=0, alone=True))
+    assert first == [answer.segment_path]
+    with open(answer.segment_path, "r+b") as f:
+        f.seek(answer.slots[0].offset + 7)
+        byte = f.read(1)
+        f.seek(answer.slots[0].offset + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    named, answer = streamed(ring.daemons[0], pb.RestoreRequest(job=JOB, rank=0, alone=True))
+    assert answer.source == "peer"
+    assert named == [*first, answer.segment_path] and first[0] != answer.segment_path
+    assert_restores(ring.daemons[0], 0, 0, "memory", world=2)  # the peer's copy, kept
+
+
+def test_bad_input_over_the_stream_gets_its_code_and_the_daemon_keeps_serving(daemon):
+    two_rank_job(daemon, JOB)
+
+    def call(request):
+        return list(daemon.stub.RestoreStream(request, timeout=10))
+
+    assert code_of(call, pb.RestoreRequest(job="ghost", rank=0))[0] == grpc.StatusCode.NOT_FOUND
+    got, details = code_of(call, pb.RestoreRequest(job=JOB, rank=-1))
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and "rank" in details, details
+    raw = daemon.channel.unary_stream("/bubblesnap.v1.Daemon/RestoreStream")
+    got, details = code_of(lambda payload: list(raw(payload, timeout=10)), b"\xff\xff")
+    assert got == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "malformed bubblesnap.v1.RestoreRequest" in details
+    named, answer = streamed(daemon, rows_2_to_6())
+    assert named == [answer.segment_path]
+
+
+def test_the_client_reads_the_early_mapping_when_the_answer_names_it(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(bytes(range(256)) * 16)
+    b.write_bytes(bytes(4096))
+    mapping = AnswerMapping()
+    mapping.early(str(tmp_path / "gone"))  # not there (yet): left to the answer
+    mapping.early(str(a))
+    early_view = mapping.answer(str(a))
+    assert early_view.base is not None and early_view[255] == 255
+    mapping.early(str(a))
+    assert mapping.answer(str(b))[255] == 0  # another segment answered: mapped anew
+    with pytest.raises(FileNotFoundError):
+        mapping.answer(str(tmp_path / "gone"))
