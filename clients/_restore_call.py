@@ -1,9 +1,10 @@
-"""A Restore call as the client makes it: ``RestoreStream``, the answer's segment mapped
-while the daemon still works on it.
+"""A Restore call as the client makes it: ``RestoreStream``, the answer's segments mapped
+while the daemon still works on them.
 
-The daemon names the segment it will answer with as soon as it knows it (the
+The daemon names each segment it will answer with as soon as it knows it (the
 held copy it is about to verify, the one a peer's or the durable tier's bytes
-land in, the one a reshard is cut into). Mapping 256 MB takes ~12 ms with 4
+land in, the one a reshard is cut into, a copy whose runs a reshard answers as
+they lie). Mapping 256 MB takes ~12 ms with 4
 KiB pages; done meanwhile, the answer finds its pages mapped. Nothing is read
 from the segment before the answer: its bytes are ready only then.
 """
@@ -19,38 +20,36 @@ from bubblesnap.clients.results import RestoreError
 
 
 class AnswerMapping:
-    """The segment a restore will answer with, mapped early; ``seconds`` spent on it."""
+    """The segments a restore will answer with, mapped early; ``seconds`` spent on them."""
 
     def __init__(self):
-        self._path: str | None = None
-        self._view: np.ndarray | None = None
+        self._views: dict[str, np.ndarray] = {}
         self.seconds = 0.0
 
     def early(self, path: str) -> None:
-        """Maps ``path`` (a later one replaces it); one that cannot be mapped now is left
-        to :meth:`answer`."""
-        if path == self._path:
+        """Maps ``path``; one that cannot be mapped now is left to :meth:`answer`."""
+        if path in self._views:
             return
         started = time.perf_counter()
-        self._path, self._view = None, None
         try:
-            self._view, self._path = map_restored(path), path
+            self._views[path] = map_restored(path)
         except OSError:  # gone already (a corrupt copy given up): the answer names another
             pass
         self.seconds += time.perf_counter() - started
 
-    def answer(self, path: str) -> np.ndarray:
-        """The mapping of the answer's segment: the early one when it is that, else a new
-        one (FileNotFoundError when the segment is gone)."""
-        view = self._view if path == self._path else map_restored(path)
-        self._path, self._view = None, None
-        return view
+    def answer(self, paths) -> list[np.ndarray]:
+        """The mappings of the answer's segments, in order: those mapped early, the rest
+        now (FileNotFoundError when one is gone). Early ones not named are dropped."""
+        views = [self._views.get(path) for path in paths]
+        self._views.clear()
+        return [map_restored(path) if view is None else view
+                for path, view in zip(paths, views, strict=True)]
 
 
 def restore_call(stub, request, options):
-    """(the RestoreResponse, a read-only view of its segment, phases: ``call``,
-    ``map_early``, ``map`` and the daemon's as ``daemon.<name>``); raises RestoreError.
-    ``options``: the session's ``ClientOptions``."""
+    """(the RestoreResponse, read-only views of its segments as ``Slot.segment`` counts
+    them, phases: ``call``, ``map_early``, ``map`` and the daemon's as
+    ``daemon.<name>``); raises RestoreError. ``options``: the session's ``ClientOptions``."""
     started = time.perf_counter()
     mapping = AnswerMapping()
     try:
@@ -65,10 +64,10 @@ def restore_call(stub, request, options):
                            f"{err.details()}") from None
     answered = time.perf_counter()
     try:
-        segment = mapping.answer(found.segment_path)
+        segments = mapping.answer([found.segment_path, *found.other_segments])
     except FileNotFoundError:
         raise RestoreError(f"step {found.step} was deleted while it was being restored; "
                            "restore again") from None
-    return found, segment, {"call": answered - started, "map_early": mapping.seconds,
+    return found, segments, {"call": answered - started, "map_early": mapping.seconds,
                             "map": time.perf_counter() - answered,
                             **{f"daemon.{p.name}": p.seconds for p in found.phases}}

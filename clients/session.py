@@ -327,11 +327,11 @@ class Session:
                                     world_size=self.world_size, tensors=tensors)
         if step is not None:
             request.step = step
-        found, segment, phases = restore_call(self._stub, request, self.options)
+        found, segments, phases = restore_call(self._stub, request, self.options)
         verified = time.perf_counter()
         shards = {}
         for slot, expected in zip(found.slots, found.checksums, strict=True):
-            data = segment[slot.offset:slot.offset + slot.nbytes]
+            data = segments[slot.segment][slot.offset:slot.offset + slot.nbytes]
             if self.options.verify_restore and checksum(data) != expected:
                 raise RestoreError(
                     f"step {found.step}: {found.tensors[slot.tensor].name!r} shard {slot.shard} "

@@ -4,6 +4,8 @@ xxh3 hashes at memory speed (~31 GB/s measured on the dev VM, against ~4 GB/s
 for zlib.crc32), so verifying every copy before it is served costs little.
 """
 
+import itertools
+
 import xxhash
 
 ALGORITHM = "xxh3_64"
@@ -40,6 +42,23 @@ def copy_hashing(dst, src, hasher, stop_early=None) -> int:
         dst[start:stop] = src[start:stop]
         hasher.update(dst[start:stop])
     return src.nbytes
+
+
+def checksum_with_runs(data, runs) -> tuple[int, list[int]]:
+    """The checksum of ``data`` (a uint8 numpy view) and of each (offset, nbytes) run in
+    it, reading it once: each block is fed to every hash it belongs to while in cache."""
+    if not runs:
+        return checksum(data), []
+    whole, hashers = new_hasher(), [new_hasher() for _ in runs]
+    cuts = sorted({0, data.nbytes, *(o for o, _ in runs), *(o + n for o, n in runs),
+                   *range(0, data.nbytes, FUSED_BLOCK_BYTES)})
+    for start, stop in itertools.pairwise(cuts):
+        block = data[start:stop]
+        whole.update(block)
+        for (offset, nbytes), hasher in zip(runs, hashers, strict=True):
+            if offset <= start and stop <= offset + nbytes:
+                hasher.update(block)
+    return whole.intdigest(), [h.intdigest() for h in hashers]
 
 
 class SlotHasher:

@@ -165,16 +165,18 @@ class FetchPlan(_message.Message):
     def __init__(self, interval: _Optional[int] = ..., plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., first_step: _Optional[int] = ...) -> None: ...
 
 class Slot(_message.Message):
-    __slots__ = ("tensor", "shard", "offset", "nbytes")
+    __slots__ = ("tensor", "shard", "offset", "nbytes", "segment")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     tensor: int
     shard: int
     offset: int
     nbytes: int
-    def __init__(self, tensor: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    segment: int
+    def __init__(self, tensor: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., segment: _Optional[int] = ...) -> None: ...
 
 class BeginStepRequest(_message.Message):
     __slots__ = ("job", "rank", "step")
@@ -549,7 +551,7 @@ class Region(_message.Message):
     def __init__(self, index: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail", "world_size", "phases")
+    __slots__ = ("step", "segment_path", "slots", "checksums", "tensors", "source", "source_detail", "world_size", "phases", "other_segments")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -559,6 +561,7 @@ class RestoreResponse(_message.Message):
     SOURCE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    OTHER_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     segment_path: str
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -568,7 +571,8 @@ class RestoreResponse(_message.Message):
     source_detail: str
     world_size: int
     phases: _containers.RepeatedCompositeFieldContainer[Phase]
-    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ..., world_size: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ...) -> None: ...
+    other_segments: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., segment_path: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., source: _Optional[str] = ..., source_detail: _Optional[str] = ..., world_size: _Optional[int] = ..., phases: _Optional[_Iterable[_Union[Phase, _Mapping]]] = ..., other_segments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RestoreUpdate(_message.Message):
     __slots__ = ("segment", "restored")

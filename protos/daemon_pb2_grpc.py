@@ -166,12 +166,12 @@ class DaemonServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RestoreStream(self, request, context):
-        """Restore in two messages: first the segment the answer will be in, as soon
-        as the daemon knows it (before its bytes are verified, pulled from a peer,
-        read from disk or cut), so the client maps it meanwhile; then the same
-        answer as Restore's. A segment's bytes are ready only with the answer, and
-        a later message may name another segment (a corrupt copy given up, the
-        next tier tried): only the answer's segment_path counts.
+        """Restore in steps: first each segment the answer will be in, as soon as
+        the daemon knows it (before its bytes are verified, pulled from a peer,
+        read from disk or cut), so the client maps it meanwhile; then, last, the
+        same answer as Restore's. A segment's bytes are ready only with the
+        answer, and a segment named may not be in it (a corrupt copy given up, the
+        next tier tried): only the segments the answer names count.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -23,11 +23,11 @@ def listening(hear):
     """Inside the block, ``hear(path, nbytes)`` is called with every segment (and its
     size) a restore in this context chose to answer with (the last one counts), once
     (a copy landing from a peer is named as it lands and again as it is served)."""
-    told = []
+    told = set()
 
     def once(path: str, nbytes: int) -> None:
-        if told[-1:] != [path]:
-            told.append(path)
+        if path not in told:
+            told.add(path)
             hear(path, nbytes)
 
     token = _current.set(once)

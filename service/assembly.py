@@ -15,8 +15,8 @@ import dataclasses
 import grpc
 import numpy as np
 
-from bubblesnap.protos.checksum import checksum
-from bubblesnap.service import phases, region_cut
+from bubblesnap.protos.checksum import checksum_with_runs
+from bubblesnap.service import answer_segment, phases, region_cut
 from bubblesnap.service.errors import (
     DaemonError,
     DataLoss,
@@ -75,25 +75,48 @@ class Assembler:
 
     def assemble(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
                  asked: list[Asked], sources: dict[int, Source]) -> tuple[Restorable, str]:
-        """The segment holding every region asked, and where its bytes came from."""
+        """The regions asked, and where their bytes came from. A region that lies as one
+        aligned run in a copy this daemon holds is answered as a view of that copy's
+        segment (no byte moves); the others are cut into one new segment."""
         needed: dict[int, list[int]] = {}
         for rank, slot in plan.sources():
             needed.setdefault(rank, []).append(slot)
         layout = asked_layout(asked)
-        slots = layout.slots()
-        shards, used = {}, set()
-        # The answer's room first: a source pulled into a scratch segment only where the
-        # budget has room beside it (else its slots alone, outside the budget). Sources
-        # are read in place (a copy here, a peer's pulled into a scratch segment): each
-        # stays pinned or held until the regions are cut out of it.
-        with self._answer(job, caller, layout.segment_bytes) as segment, \
-                contextlib.ExitStack() as held:
-            for rank, rank_slots in sorted(needed.items()):
-                got, place = self._read(job, step, rank, rank_slots, sources[rank], held)
+        here = sorted(r for r in needed if sources[r].places[0][0] == "memory")
+        runs = _runs(plan, asked, set(here))
+        shards, used, views, failed = {}, set(), {}, {}
+        with contextlib.ExitStack() as held:
+            # This daemon's copies first: they take no room, and their runs are answered
+            # in place. Sources are read in place (a copy here, a peer's pulled into a
+            # scratch segment): each stays pinned or held until the regions are cut out.
+            for rank in here:
+                try:
+                    got, found = self._read_memory(job, step, rank, needed[rank], held,
+                                                   runs.get(rank, {}))
+                except DataLoss as err:
+                    self._record(job, rank, step, "memory", str(err))
+                    failed[rank] = f"memory: {err}"
+                    continue
                 shards.update({(rank, slot): data for slot, data in got.items()})
-                used.add(place)
-            checksums = self._cut_into(segment.view, slots, plan, asked, shards)
-        return Restorable(step, segment.path, tuple(slots), checksums, layout, world_size), \
+                views.update(found)
+                used.add("memory")
+            cut_layout, cut_slots = _cut_layout(layout, views)
+            # The answer's room before any peer's copy is pulled into a scratch segment:
+            # one only where the budget has room beside it.
+            with self._answer(job, caller, cut_layout.segment_bytes) if cut_slots or not views \
+                    else contextlib.nullcontext() as segment:
+                for rank, rank_slots in sorted(needed.items()):
+                    if rank in here and rank not in failed:
+                        continue
+                    got, place = self._read(job, step, rank, rank_slots, sources[rank], held,
+                                            failed.get(rank))
+                    shards.update({(rank, slot): data for slot, data in got.items()})
+                    used.add(place)
+                cut = self._cut_into(segment.view, cut_slots, plan, asked, shards) \
+                    if cut_slots else {}
+            for copy in {id(v[0]): v[0] for v in views.values()}.values():
+                self._store.restore_segments.hand_out(copy)  # never recycled: the client maps it
+        return _answered(step, world_size, layout, segment, views, cut, cut_slots), \
             ", ".join(sorted(used))
 
     def read_durable(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
@@ -132,26 +155,26 @@ class Assembler:
                 raise
 
     def _cut_into(self, view, slots, plan: RegionPlan, asked: list[Asked], shards: dict
-                  ) -> tuple[int, ...]:
-        """Fills ``slots`` of ``view`` with the regions of ``plan``; their checksums."""
-        where = {(t, r): (offset, nbytes) for t, r, offset, nbytes in slots}
+                  ) -> dict[tuple[int, int], int]:
+        """Fills ``slots`` (tensor, region, offset, nbytes) of ``view`` with those regions
+        of ``plan``; their checksums by (tensor, region)."""
         filled = {}
-        for t, (request, tensor_pieces) in enumerate(zip(asked, plan.pieces, strict=True)):
-            for r, (box, pieces) in enumerate(zip(request.boxes, tensor_pieces, strict=True)):
-                offset, nbytes = where[(t, r)]
-                filled[(t, r)] = region_cut.Region(view[offset:offset + nbytes], box,
-                                                   layout_lib.ITEMSIZE[request.dtype], pieces)
+        for t, r, offset, nbytes in slots:
+            filled[(t, r)] = region_cut.Region(
+                view[offset:offset + nbytes], asked[t].boxes[r],
+                layout_lib.ITEMSIZE[asked[t].dtype], plan.pieces[t][r])
         with phases.timed("cut"):
-            checksums = dict(zip(filled, region_cut.cut(list(filled.values()), shards,
-                                                        self._store.workers), strict=True))
-        return tuple(checksums[(t, r)] for t, r, _, _ in slots)
+            return dict(zip(filled, region_cut.cut(list(filled.values()), shards,
+                                                   self._store.workers), strict=True))
 
     def _read(self, job: str, step: int, rank: int, slots: list[int], source: Source,
-              held: contextlib.ExitStack) -> tuple[dict[int, np.ndarray], str]:
+              held: contextlib.ExitStack, failed: str | None = None
+              ) -> tuple[dict[int, np.ndarray], str]:
         """The verified bytes of ``slots`` of ``rank``'s copy, from its first intact place
-        (views of memory ``held`` keeps pinned or reserved)."""
-        tried, corrupt = [], False
-        for kind, index in source.places:
+        (views of memory ``held`` keeps pinned or reserved). ``failed``: why the first
+        place (this daemon's copy) failed its checksums already; it is not read again."""
+        tried, corrupt = [failed] if failed else [], failed is not None
+        for kind, index in source.places[1:] if failed else source.places:
             try:
                 return self._read_at(kind, index, job, step, rank, slots, source, held), kind
             except DataLoss as err:
@@ -170,7 +193,7 @@ class Assembler:
     def _read_at(self, kind: str, index, job: str, step: int, rank: int, slots: list[int],
                  source: Source, held: contextlib.ExitStack) -> dict[int, np.ndarray]:
         if kind == "memory":
-            return self._read_memory(job, step, rank, slots, held)
+            return self._read_memory(job, step, rank, slots, held)[0]
         if kind == "peer":
             described = self._transfers.describe(index, job, rank, step)
             if described.layout != source.layout:
@@ -206,23 +229,83 @@ class Assembler:
                 for slot in slots}
 
     def _read_memory(self, job: str, step: int, rank: int, slots: list[int],
-                     held: contextlib.ExitStack) -> dict[int, np.ndarray]:
+                     held: contextlib.ExitStack, runs=None) -> tuple[dict[int, np.ndarray], dict]:
         """Views of the slots of this daemon's copy, hashed first (on the store's workers);
-        the copy stays pinned while ``held`` is open, so it is not recycled under them."""
+        the copy stays pinned while ``held`` is open, so it is not recycled under them.
+        ``runs`` (slot -> region -> (offset, nbytes) in it): regions answered in place,
+        hashed in the same pass; returned as region -> (the copy, offset in its segment,
+        nbytes, checksum)."""
+        runs = runs or {}
         copy = self._store.pin(job, rank, step)
         held.callback(self._store.unpin, copy)
+        if runs:  # the client maps it while it is verified
+            answer_segment.announce(copy.segment.path, copy.segment.nbytes)
         got = {}
         for slot in slots:
             _, _, offset, nbytes = copy.slots[slot]
             got[slot] = copy.segment.view[offset:offset + nbytes]
         with phases.timed("verify"):
-            computed = list(self._store.workers.map(checksum, got.values()))
-        bad = [slot for slot, value in zip(got, computed, strict=True)
+            computed = list(self._store.workers.map(
+                lambda slot: checksum_with_runs(got[slot], list(runs.get(slot, {}).values())),
+                got))
+        bad = [slot for slot, (value, _) in zip(got, computed, strict=True)
                if value != copy.checksums[slot]]
         if bad:
             raise DataLoss(f"step {step} of rank {rank}: slot {bad[0]} failed its checksum in "
                            "memory")
-        return got
+        views = {}
+        for slot, (_, sums) in zip(got, computed, strict=True):
+            for (region, (offset, nbytes)), value in zip(runs.get(slot, {}).items(), sums,
+                                                         strict=True):
+                views[region] = (copy, copy.slots[slot][2] + offset, nbytes, value)
+        return got, views
+
+
+def _runs(plan: RegionPlan, asked: list[Asked], here: set[int]) -> dict:
+    """rank -> slot -> region (tensor, index) -> (offset, nbytes): the regions one piece of
+    a copy in ``here`` fills as one run that starts 64-byte aligned (an array may alias
+    it, as it may a slot), where in that piece's shard."""
+    runs: dict = {}
+    for t, tensor_pieces in enumerate(plan.pieces):
+        for r, pieces in enumerate(tensor_pieces):
+            run = pieces[0].run(layout_lib.ITEMSIZE[asked[t].dtype]) \
+                if len(pieces) == 1 and pieces[0].rank in here else None
+            if run is not None and run[0] % 64 == 0:
+                runs.setdefault(pieces[0].rank, {}).setdefault(pieces[0].slot, {})[(t, r)] = run
+    return runs
+
+
+def _cut_layout(layout: layout_lib.Layout, views: dict) -> tuple[layout_lib.Layout, list]:
+    """The regions of ``layout`` not answered as ``views``, packed into one segment: their
+    layout and their (tensor, region, offset, nbytes)."""
+    tensors, kept = [], []
+    for t, tensor in enumerate(layout.tensors):
+        regions_cut = [r for r in range(len(tensor.shards)) if (t, r) not in views]
+        tensors.append(dataclasses.replace(tensor, shards=tuple(tensor.shards[r]
+                                                                for r in regions_cut)))
+        kept.extend((t, r) for r in regions_cut)
+    cut = layout_lib.Layout(tuple(tensors))
+    return cut, [(t, r, offset, nbytes)
+                 for (t, r), (_, _, offset, nbytes) in zip(kept, cut.slots(), strict=True)]
+
+
+def _answered(step: int, world_size: int, layout: layout_lib.Layout, segment, views: dict,
+              cut: dict, cut_slots: list) -> Restorable:
+    """The answer: each region where it was cut (``segment``) or lies (``views``)."""
+    paths = [segment.path] if segment is not None else []
+    where = {(t, r): (0, offset, cut[(t, r)]) for t, r, offset, _ in cut_slots}
+    for region, (copy, offset, _, value) in views.items():
+        if copy.segment.path not in paths:
+            paths.append(copy.segment.path)
+        where[region] = (paths.index(copy.segment.path), offset, value)
+    slots, checksums, segments = [], [], []
+    for t, r, _, nbytes in layout.slots():
+        index, offset, value = where[(t, r)]
+        slots.append((t, r, offset, nbytes))
+        checksums.append(value)
+        segments.append(index)
+    return Restorable(step, paths[0], tuple(slots), tuple(checksums), layout, world_size,
+                      tuple(paths[1:]), tuple(segments))
 
 
 def _most_of(layout: layout_lib.Layout, slots: list[int]) -> bool:

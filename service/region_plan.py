@@ -37,6 +37,22 @@ class Piece:
     box: Box
     source_box: Box
 
+    def run(self, itemsize: int) -> tuple[int, int] | None:
+        """(byte offset, nbytes) of ``box`` inside its source shard when its bytes there are
+        one run in C order (single indices on the leading axes, then one range, then whole
+        axes): a restore may hand that run over as it lies. None when they are not, or
+        the box is empty."""
+        whole_from = len(self.box)
+        while whole_from and self.box[whole_from - 1] == self.source_box[whole_from - 1]:
+            whole_from -= 1
+        if any(b - a != 1 for a, b in self.box[:max(0, whole_from - 1)]) or \
+                regions.volume(self.box) == 0:
+            return None
+        offset = 0
+        for (a, _), (s, t) in zip(self.box, self.source_box, strict=True):
+            offset = offset * (t - s) + (a - s)
+        return offset * itemsize, regions.volume(self.box) * itemsize
+
 
 @dataclasses.dataclass(frozen=True)
 class RegionPlan:

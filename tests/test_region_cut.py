@@ -75,3 +75,25 @@ def test_three_dimensions_a_scalar_and_an_empty_region(monkeypatch):
     assert filled[2].target.view(np.float64)[0] == 7.5 and checksums[2] == checksum(
         scalar.reshape(-1).view(np.uint8))
 
+
+
+def test_a_piece_is_one_run_exactly_when_its_elements_are_consecutive_in_its_shard():
+    source = ((2, 6), (0, 3), (1, 5))
+    shape = tuple(b - a for a, b in source)
+    flat = np.arange(regions.volume(source)).reshape(shape)
+    rng = np.random.default_rng(0)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        box = []
+        for a, b in source:
+            lo = int(rng.integers(a, b + 1))
+            box.append((lo, int(rng.integers(lo, b + 1))))
+        box = tuple(box)
+        run = Piece(0, 0, box, source).run(itemsize=4)
+        inside = flat[regions.relative(box, source)].reshape(-1)
+        consecutive = inside.size > 0 and bool((np.diff(inside) == 1).all())
+        assert (run is not None) == consecutive, box
+        if run is not None:
+            assert run == (int(inside[0]) * 4, inside.size * 4)
+        seen[consecutive] += 1
+    assert min(seen.values()) > 20  # both kinds were drawn

@@ -46,16 +46,21 @@ def restore(stub, job, rank, world, asked, step=None):
     if step is not None:
         request.step = step
     answer = stub.Restore(request, timeout=30)
-    with open(answer.segment_path, "rb") as f, mmap.mmap(f.fileno(), 0,
-                                                         prot=mmap.PROT_READ) as m:
-        got = {}
-        for slot in answer.slots:
-            t = answer.tensors[slot.tensor]
-            box = [(s.start, s.stop) for s in t.shards[slot.shard].index]
-            got[(t.name, slot.shard)] = np.frombuffer(
-                m[slot.offset:slot.offset + slot.nbytes], dtype=t.dtype).reshape(
-                [b - a for a, b in box]).copy()
-    return answer, got
+    return answer, read_answer(answer)
+
+
+def read_answer(answer) -> dict:
+    """(tensor name, region) -> the region's array, each slot read from its segment."""
+    paths = [answer.segment_path, *answer.other_segments]
+    got = {}
+    for slot in answer.slots:
+        t = answer.tensors[slot.tensor]
+        box = [(s.start, s.stop) for s in t.shards[slot.shard].index]
+        with open(paths[slot.segment], "rb") as f:
+            f.seek(slot.offset)
+            got[(t.name, slot.shard)] = np.frombuffer(f.read(slot.nbytes), dtype=t.dtype
+                                                      ).reshape([b - a for a, b in box])
+    return got
 
 
 def code_of(call, *args):

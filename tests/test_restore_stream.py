@@ -7,6 +7,7 @@ then names the same one (or, after a corrupt copy was given up, the one that
 replaced it), and the client restores every byte.
 """
 
+import mmap
 import pathlib
 
 import grpc
@@ -16,8 +17,9 @@ import pytest
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.clients._restore_call import AnswerMapping
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos.checksum import checksum
 from bubblesnap.testing import wait_for
-from tests.test_regions import GLOBAL, code_of, two_rank_job
+from tests.test_regions import GLOBAL, code_of, read_answer, two_rank_job
 
 JOB = "stream"
 
@@ -114,6 +116,34 @@ def test_a_resharded_restore_names_the_segment_it_cuts_into(daemon):
     assert got.tobytes() == GLOBAL[2:6].tobytes()
 
 
+def test_regions_that_lie_as_one_run_in_a_held_copy_are_answered_where_they_lie(daemon):
+    """Rows 0:2 and 4:8 of 'w' lie as one aligned run in rank 0's and rank 1's copies:
+    answered as views of those copies' segments. Rows 2:4 start 48 bytes into rank 0's
+    shard (an array could not alias it): cut into the answer's own segment."""
+    two_rank_job(daemon, JOB)
+    request = pb.RestoreRequest(job=JOB, rank=0, world_size=1, tensors=[pb.TensorRequest(
+        name="w", dtype="float32", global_shape=[8, 6], regions=[
+            pb.Region(index=[pb.Slice(start=a, stop=b), pb.Slice(start=0, stop=6)])
+            for a, b in ((0, 2), (2, 4), (4, 8))])])
+    named, answer = streamed(daemon, request)
+    paths = [answer.segment_path, *answer.other_segments]
+    assert sorted(named) == sorted(paths) and len(set(paths)) == 3
+    assert [s.segment for s in answer.slots] == [1, 0, 2]  # rank 0's copy, the cut, rank 1's
+    got = read_answer(answer)
+    for region, (a, b) in enumerate(((0, 2), (2, 4), (4, 8))):
+        assert got[("w", region)].tobytes() == GLOBAL[a:b].tobytes()
+        assert answer.checksums[region] == checksum(GLOBAL[a:b].tobytes())
+    # A copy answered in place is never recycled: deleted, its file is unlinked (not kept
+    # for a later step to be staged into), and the client's mapping keeps its bytes.
+    with open(paths[1], "rb") as f:
+        kept = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    daemon.stub.DeleteSnapshots(pb.DeleteSnapshotsRequest(job=JOB, steps=[0]), timeout=10)
+    assert not pathlib.Path(paths[1]).exists() and not pathlib.Path(paths[2]).exists()
+    region = answer.slots[0]
+    assert kept[region.offset:region.offset + region.nbytes] == GLOBAL[0:2].tobytes()
+    kept.close()
+
+
 def test_a_corrupt_copy_given_up_names_the_segment_that_replaced_it(start_ring):
     ring = start_ring(2, "--replicas", "1")
     snapshot_steps(ring.daemons, range(1), world=2)
@@ -149,16 +179,16 @@ def test_bad_input_over_the_stream_gets_its_code_and_the_daemon_keeps_serving(da
     assert named == [answer.segment_path]
 
 
-def test_the_client_reads_the_early_mapping_when_the_answer_names_it(tmp_path):
+def test_the_client_reads_the_early_mappings_the_answer_names(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(bytes(range(256)) * 16)
     b.write_bytes(bytes(4096))
     mapping = AnswerMapping()
     mapping.early(str(tmp_path / "gone"))  # not there (yet): left to the answer
     mapping.early(str(a))
-    early_view = mapping.answer(str(a))
-    assert early_view.base is not None and early_view[255] == 255
-    mapping.early(str(a))
-    assert mapping.answer(str(b))[255] == 0  # another segment answered: mapped anew
+    early = mapping._views[str(a)]
+    views = mapping.answer([str(b), str(a)])
+    assert views[1] is early and views[1][255] == 255 and views[0][255] == 0
+    assert mapping._views == {}  # nothing kept for the next restore
     with pytest.raises(FileNotFoundError):
-        mapping.answer(str(tmp_path / "gone"))
+        mapping.answer([str(tmp_path / "gone")])

@@ -260,8 +260,13 @@ def staging(found) -> pb.BeginStepResponse:
 
 def restored(answer) -> pb.RestoreResponse:
     found = answer.found
+    answered = slots(found.slots)
+    if found.slot_segments:  # else every slot is in segment_path (Slot.segment 0)
+        for slot, segment in zip(answered, found.slot_segments, strict=True):
+            slot.segment = segment
     return pb.RestoreResponse(step=found.step, segment_path=found.segment_path,
-                              slots=slots(found.slots), checksums=found.checksums,
+                              other_segments=found.other_segments,
+                              slots=answered, checksums=found.checksums,
                               tensors=tensor_specs(found.layout), source=answer.source,
                               source_detail=answer.detail, world_size=found.world_size,
                               phases=[pb.Phase(name=n, seconds=t) for n, t in answer.phases])

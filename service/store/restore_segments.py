@@ -10,6 +10,7 @@ import contextlib
 from bubblesnap.service import answer_segment, phases
 from bubblesnap.service.store.segments import Segment
 from bubblesnap.service.store.state import StoreState
+from bubblesnap.service.store.views import PinnedCopy
 
 
 class RestoreSegments:
@@ -30,6 +31,12 @@ class RestoreSegments:
             self._state.served.setdefault((job, rank), []).append(segment)
         answer_segment.announce(segment.path, segment.nbytes)
         return segment
+
+    def hand_out(self, copy: PinnedCopy) -> None:
+        """A held copy part of whose segment a restore answers as it lies: never recycled
+        (freed, it is unlinked; its memory lives as long as the client maps it)."""
+        with self._lock:
+            copy.segment.handed_out = True
 
     def give_back(self, job: str, rank: int, segment: Segment) -> None:
         """Frees what ``assembled`` gave a restore that failed before it answered."""

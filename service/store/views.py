@@ -34,7 +34,9 @@ class Commit:
 
 @dataclasses.dataclass(frozen=True)
 class Restorable:
-    """A verified copy handed over to a trainer."""
+    """A verified copy handed over to a trainer: ``slots`` (tensor, shard, offset, nbytes)
+    in ``segment_path``, or, where ``slot_segments`` says so, in one of
+    ``other_segments`` (slot_segments[i] = k: slot i is in other_segments[k - 1])."""
 
     step: int
     segment_path: str
@@ -42,6 +44,8 @@ class Restorable:
     checksums: tuple[int, ...]
     layout: Layout
     world_size: int = 0  # of the epoch the step was taken in
+    other_segments: tuple[str, ...] = ()
+    slot_segments: tuple[int, ...] = ()  # empty: every slot in segment_path
 
 
 @dataclasses.dataclass(frozen=True)
