@@ -15,7 +15,7 @@ import dataclasses
 import grpc
 import numpy as np
 
-from bubblesnap.protos.checksum import checksum_with_runs
+from bubblesnap.protos.checksum import checksum, checksum_with_runs
 from bubblesnap.service import answer_segment, phases, region_cut
 from bubblesnap.service.errors import (
     DaemonError,
@@ -76,46 +76,40 @@ class Assembler:
     def assemble(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
                  asked: list[Asked], sources: dict[int, Source]) -> tuple[Restorable, str]:
         """The regions asked, and where their bytes came from. A region that lies as one
-        aligned run in a copy this daemon holds is answered as a view of that copy's
-        segment (no byte moves); the others are cut into one new segment."""
+        aligned run in a copy this daemon holds, or in a peer's copy pulled whole, is
+        answered as a view of that copy's segment; the others are cut into one new
+        segment."""
+        self._store.restore_segments.release(job, caller)  # the rank's earlier answer
         needed: dict[int, list[int]] = {}
         for rank, slot in plan.sources():
             needed.setdefault(rank, []).append(slot)
         layout = asked_layout(asked)
-        here = sorted(r for r in needed if sources[r].places[0][0] == "memory")
-        runs = _runs(plan, asked, set(here))
-        shards, used, views, failed = {}, set(), {}, {}
+        runs = _runs(plan, asked, {r for r in needed if sources[r].places[0][0] != "durable"})
+        shards, used, views = {}, set(), {}
+
+        def read(rank: int, keep_for=None) -> None:
+            got, place, found = self._read(job, step, rank, needed[rank], sources[rank], held,
+                                           runs.get(rank, {}), keep_for)
+            shards.update({(rank, slot): data for slot, data in got.items()})
+            views.update(found)
+            used.add(place)
+
         with contextlib.ExitStack() as held:
-            # This daemon's copies first: they take no room, and their runs are answered
-            # in place. Sources are read in place (a copy here, a peer's pulled into a
-            # scratch segment): each stays pinned or held until the regions are cut out.
-            for rank in here:
-                try:
-                    got, found = self._read_memory(job, step, rank, needed[rank], held,
-                                                   runs.get(rank, {}))
-                except DataLoss as err:
-                    self._record(job, rank, step, "memory", str(err))
-                    failed[rank] = f"memory: {err}"
-                    continue
-                shards.update({(rank, slot): data for slot, data in got.items()})
-                views.update(found)
-                used.add("memory")
+            # First the copies whose runs may be answered where they lie: this daemon's
+            # (they take no room), a peer's pulled whole into a segment kept for the
+            # answer. Each source stays pinned or held until the regions are cut out.
+            first = [r for r in sorted(needed) if r in runs]
+            for rank in first:
+                read(rank, keep_for=caller)
             cut_layout, cut_slots = _cut_layout(layout, views)
-            # The answer's room before any peer's copy is pulled into a scratch segment:
-            # one only where the budget has room beside it.
+            # The answer's room before any other peer's copy is pulled into a scratch
+            # segment: one only where the budget has room beside it.
             with self._answer(job, caller, cut_layout.segment_bytes) if cut_slots or not views \
                     else contextlib.nullcontext() as segment:
-                for rank, rank_slots in sorted(needed.items()):
-                    if rank in here and rank not in failed:
-                        continue
-                    got, place = self._read(job, step, rank, rank_slots, sources[rank], held,
-                                            failed.get(rank))
-                    shards.update({(rank, slot): data for slot, data in got.items()})
-                    used.add(place)
+                for rank in sorted(set(needed) - set(first)):
+                    read(rank)
                 cut = self._cut_into(segment.view, cut_slots, plan, asked, shards) \
                     if cut_slots else {}
-            for copy in {id(v[0]): v[0] for v in views.values()}.values():
-                self._store.restore_segments.hand_out(copy)  # never recycled: the client maps it
         return _answered(step, world_size, layout, segment, views, cut, cut_slots), \
             ", ".join(sorted(used))
 
@@ -127,6 +121,7 @@ class Assembler:
         layout = asked_layout(asked)
         slots = layout.slots()
         written = source.layout.slots()
+        self._store.restore_segments.release(job, caller)  # the rank's earlier answer
         try:
             with self._answer(job, caller, layout.segment_bytes) as segment:
                 targets = [(*written[pieces[0].slot][:2], segment.view[offset:offset + nbytes])
@@ -144,15 +139,9 @@ class Assembler:
     def _answer(self, job: str, caller: int, nbytes: int):
         """The segment a restore answers with, bytes landing in it inside the block; given
         back if the block fails."""
-        segments = self._store.restore_segments
-        with segments.landing():
-            segment = segments.assembled(job, caller, nbytes)
-            try:
-                segment.prefault(self._store.workers)  # fresh pages: faulted in on every core
-                yield segment
-            except BaseException:
-                segments.give_back(job, caller, segment)
-                raise
+        with self._store.restore_segments.served(job, caller, nbytes) as segment:
+            segment.prefault(self._store.workers)  # fresh pages: faulted in on every core
+            yield segment
 
     def _cut_into(self, view, slots, plan: RegionPlan, asked: list[Asked], shards: dict
                   ) -> dict[tuple[int, int], int]:
@@ -168,15 +157,20 @@ class Assembler:
                                                    self._store.workers), strict=True))
 
     def _read(self, job: str, step: int, rank: int, slots: list[int], source: Source,
-              held: contextlib.ExitStack, failed: str | None = None
-              ) -> tuple[dict[int, np.ndarray], str]:
+              held: contextlib.ExitStack, runs, keep_for: int | None = None
+              ) -> tuple[dict[int, np.ndarray], str, dict]:
         """The verified bytes of ``slots`` of ``rank``'s copy, from its first intact place
-        (views of memory ``held`` keeps pinned or reserved). ``failed``: why the first
-        place (this daemon's copy) failed its checksums already; it is not read again."""
-        tried, corrupt = [failed] if failed else [], failed is not None
-        for kind, index in source.places[1:] if failed else source.places:
+        (views of memory ``held`` keeps pinned or reserved), the place, and the ``runs``
+        (slot -> region -> (offset, nbytes) in it) answered where they lie: region ->
+        (segment path, offset, nbytes, checksum). Runs lie where the answer may point:
+        in this daemon's copy, or in a peer's pulled whole into a segment served with
+        the answer of rank ``keep_for`` (None: pulled into a scratch segment)."""
+        tried, corrupt = [], False
+        for kind, index in source.places:
             try:
-                return self._read_at(kind, index, job, step, rank, slots, source, held), kind
+                got, found = self._read_at(kind, index, job, step, rank, slots, source, held,
+                                           runs, keep_for)
+                return got, kind, found
             except DataLoss as err:
                 self._record(job, rank, step, kind if index is None else f"peer {index}",
                              str(err))
@@ -191,9 +185,10 @@ class Assembler:
                           f"{'; '.join(tried) or 'nothing holds it'}. Try again")
 
     def _read_at(self, kind: str, index, job: str, step: int, rank: int, slots: list[int],
-                 source: Source, held: contextlib.ExitStack) -> dict[int, np.ndarray]:
+                 source: Source, held: contextlib.ExitStack, runs, keep_for
+                 ) -> tuple[dict[int, np.ndarray], dict]:
         if kind == "memory":
-            return self._read_memory(job, step, rank, slots, held)[0]
+            return self._read_memory(job, step, rank, slots, held, runs)
         if kind == "peer":
             described = self._transfers.describe(index, job, rank, step)
             if described.layout != source.layout:
@@ -201,41 +196,56 @@ class Assembler:
                                f"{rank}")
             if _most_of(source.layout, slots):
                 try:
-                    return self._pull_whole(index, job, step, rank, slots, described, held)
+                    return self._pull_whole(index, job, step, rank, slots, described, held,
+                                            runs if keep_for is not None else {}, keep_for)
                 except ResourceExhausted:
                     pass  # the budget has no room for the whole copy: the slots asked alone
             got = self._transfers.read_slots(index, job, rank, step, slots, described)
-            return {slot: np.frombuffer(data, np.uint8) for slot, data in got.items()}
+            return {slot: np.frombuffer(data, np.uint8) for slot, data in got.items()}, {}
         layout_slots = source.layout.slots()
         read = self._durable.read_shards(job, step, rank, [layout_slots[s][:2] for s in slots])
-        return dict(zip(slots, read, strict=True))
+        return dict(zip(slots, read, strict=True)), {}
 
     def _pull_whole(self, index: int, job: str, step: int, rank: int, slots: list[int],
-                    described, held: contextlib.ExitStack) -> dict[int, np.ndarray]:
-        """Pulls peer ``index``'s whole copy into a scratch segment (freed once the regions
-        are cut) and answers views of ``slots`` of it. Slot by slot into
-        buffers of their own, bytes land at a fraction of the rate a whole copy's do
-        (parallel streams into pre-faulted pages, hashed as they land)."""
+                    described, held: contextlib.ExitStack, runs, keep_for: int | None
+                    ) -> tuple[dict[int, np.ndarray], dict]:
+        """Pulls peer ``index``'s whole copy into a segment and answers views of ``slots``
+        of it, and ``runs`` answered where they lie (hashed after it landed). Slot by slot
+        into buffers of their own, bytes land at a fraction of the rate a whole copy's
+        do (parallel streams into pre-faulted pages, hashed as they land). The segment
+        is a scratch one freed once the regions are cut, or, with ``keep_for``, served
+        with that rank's answer."""
         layout = described.layout
+        segments = self._store.restore_segments
         with contextlib.ExitStack() as pulling:  # a pull that fails frees it at once
-            segment = pulling.enter_context(self._store.restore_segments.scratch(
-                layout.segment_bytes, f"step {step} of rank {rank} of job {job!r} pulled to "
-                "be cut for a restore"))
+            if keep_for is None:
+                segment = pulling.enter_context(segments.scratch(
+                    layout.segment_bytes, f"step {step} of rank {rank} of job {job!r} pulled "
+                    "to be cut for a restore"))
+            else:
+                segment = pulling.enter_context(segments.served(job, keep_for,
+                                                                layout.segment_bytes))
             segment.prefault(self._store.workers)
             self._transfers.pull_into(index, job, rank, step, described, segment.view)
             held.enter_context(pulling.pop_all())
         every = layout.slots()
-        return {slot: segment.view[every[slot][2]:every[slot][2] + every[slot][3]]
-                for slot in slots}
+        got = {slot: segment.view[every[slot][2]:every[slot][2] + every[slot][3]]
+               for slot in slots}
+        found = [(region, every[slot][2] + offset, nbytes)
+                 for slot, regions_in in runs.items() for region, (offset, nbytes)
+                 in regions_in.items()]
+        with phases.timed("verify"):
+            sums = list(self._store.workers.map(
+                lambda run: checksum(segment.view[run[1]:run[1] + run[2]]), found))
+        return got, {region: (segment.path, offset, nbytes, value)
+                     for (region, offset, nbytes), value in zip(found, sums, strict=True)}
 
     def _read_memory(self, job: str, step: int, rank: int, slots: list[int],
-                     held: contextlib.ExitStack, runs=None) -> tuple[dict[int, np.ndarray], dict]:
+                     held: contextlib.ExitStack, runs) -> tuple[dict[int, np.ndarray], dict]:
         """Views of the slots of this daemon's copy, hashed first (on the store's workers);
         the copy stays pinned while ``held`` is open, so it is not recycled under them.
-        ``runs`` (slot -> region -> (offset, nbytes) in it): regions answered in place,
-        hashed in the same pass; returned as region -> (the copy, offset in its segment,
-        nbytes, checksum)."""
-        runs = runs or {}
+        ``runs`` are hashed in the same pass, and the copy is handed out (never
+        recycled: the client maps it) when there are any."""
         copy = self._store.pin(job, rank, step)
         held.callback(self._store.unpin, copy)
         if runs:  # the client maps it while it is verified
@@ -257,7 +267,9 @@ class Assembler:
         for slot, (_, sums) in zip(got, computed, strict=True):
             for (region, (offset, nbytes)), value in zip(runs.get(slot, {}).items(), sums,
                                                          strict=True):
-                views[region] = (copy, copy.slots[slot][2] + offset, nbytes, value)
+                views[region] = (copy.segment.path, copy.slots[slot][2] + offset, nbytes, value)
+        if views:
+            self._store.restore_segments.hand_out(copy)
         return got, views
 
 
@@ -294,10 +306,10 @@ def _answered(step: int, world_size: int, layout: layout_lib.Layout, segment, vi
     """The answer: each region where it was cut (``segment``) or lies (``views``)."""
     paths = [segment.path] if segment is not None else []
     where = {(t, r): (0, offset, cut[(t, r)]) for t, r, offset, _ in cut_slots}
-    for region, (copy, offset, _, value) in views.items():
-        if copy.segment.path not in paths:
-            paths.append(copy.segment.path)
-        where[region] = (paths.index(copy.segment.path), offset, value)
+    for region, (path, offset, _, value) in views.items():
+        if path not in paths:
+            paths.append(path)
+        where[region] = (paths.index(path), offset, value)
     slots, checksums, segments = [], [], []
     for t, r, _, nbytes in layout.slots():
         index, offset, value = where[(t, r)]

@@ -19,7 +19,7 @@ from bubblesnap.clients._restore_call import AnswerMapping
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.testing import wait_for
-from tests.test_regions import GLOBAL, code_of, read_answer, two_rank_job
+from tests.test_regions import GLOBAL, code_of, read_answer, snapshot, two_rank_job
 
 JOB = "stream"
 
@@ -106,6 +106,14 @@ def rows_2_to_6(world_size: int = 1) -> pb.RestoreRequest:
         regions=[pb.Region(index=[pb.Slice(start=2, stop=6), pb.Slice(start=0, stop=6)])])])
 
 
+def three_row_blocks() -> pb.RestoreRequest:
+    """Rows 0:2, 2:4 and 4:8 of two_rank_job's 'w'."""
+    return pb.RestoreRequest(job=JOB, rank=0, world_size=1, tensors=[pb.TensorRequest(
+        name="w", dtype="float32", global_shape=[8, 6], regions=[
+            pb.Region(index=[pb.Slice(start=a, stop=b), pb.Slice(start=0, stop=6)])
+            for a, b in ((0, 2), (2, 4), (4, 8))])])
+
+
 def test_a_resharded_restore_names_the_segment_it_cuts_into(daemon):
     two_rank_job(daemon, JOB)
     named, answer = streamed(daemon, rows_2_to_6())
@@ -121,11 +129,7 @@ def test_regions_that_lie_as_one_run_in_a_held_copy_are_answered_where_they_lie(
     answered as views of those copies' segments. Rows 2:4 start 48 bytes into rank 0's
     shard (an array could not alias it): cut into the answer's own segment."""
     two_rank_job(daemon, JOB)
-    request = pb.RestoreRequest(job=JOB, rank=0, world_size=1, tensors=[pb.TensorRequest(
-        name="w", dtype="float32", global_shape=[8, 6], regions=[
-            pb.Region(index=[pb.Slice(start=a, stop=b), pb.Slice(start=0, stop=6)])
-            for a, b in ((0, 2), (2, 4), (4, 8))])])
-    named, answer = streamed(daemon, request)
+    named, answer = streamed(daemon, three_row_blocks())
     paths = [answer.segment_path, *answer.other_segments]
     assert sorted(named) == sorted(paths) and len(set(paths)) == 3
     assert [s.segment for s in answer.slots] == [1, 0, 2]  # rank 0's copy, the cut, rank 1's
@@ -142,6 +146,28 @@ def test_regions_that_lie_as_one_run_in_a_held_copy_are_answered_where_they_lie(
     region = answer.slots[0]
     assert kept[region.offset:region.offset + region.nbytes] == GLOBAL[0:2].tobytes()
     kept.close()
+
+
+def test_runs_of_a_peers_copy_pulled_whole_are_answered_in_the_pulled_segment(start_ring):
+    ring = start_ring(2, "--replicas", "1")
+    held = ring.daemons[0]
+    two_rank_job(held, JOB, steps=())  # registered; committed once replicated:
+    snapshot(held.stub, JOB, 0, 0, [GLOBAL[0:4], np.int32(0)])
+    snapshot(held.stub, JOB, 1, 0, [GLOBAL[4:8]])
+    wait_for(lambda: committed(held, 0), "step 0 committed with both ranks' copies twice")
+    ring.daemons[1].kill()
+    replacement = ring.replace(1)
+    named, answer = streamed(replacement, three_row_blocks())
+    paths = [answer.segment_path, *answer.other_segments]
+    assert answer.source == "peer" and sorted(named) == sorted(paths) and len(set(paths)) == 3
+    assert [s.segment for s in answer.slots] == [1, 0, 2]  # rank 0's pull, the cut, rank 1's
+    got = read_answer(answer)
+    for region, (a, b) in enumerate(((0, 2), (2, 4), (4, 8))):
+        assert got[("w", region)].tobytes() == GLOBAL[a:b].tobytes()
+        assert answer.checksums[region] == checksum(GLOBAL[a:b].tobytes())
+    # The pulled copies go with the answer, at the rank's next restore.
+    streamed(replacement, rows_2_to_6())
+    assert not any(pathlib.Path(p).exists() for p in paths)
 
 
 def test_a_corrupt_copy_given_up_names_the_segment_that_replaced_it(start_ring):

@@ -20,12 +20,28 @@ class RestoreSegments:
         self._lock = lock
         self._state = state
 
-    def assembled(self, job: str, rank: int, nbytes: int) -> Segment:
-        """A fresh segment for a restore of ``rank`` assembled from several copies,
-        counted in the budget; freed at the rank's next restore or commit, or with the
-        job. ResourceExhausted when the budget has no room."""
-        with phases.timed("segment"), self._lock:
+    def release(self, job: str, rank: int) -> None:
+        """Frees the segments of ``rank``'s last restore (a new one begins)."""
+        with self._lock:
             self._state.release_served(job, rank)
+
+    @contextlib.contextmanager
+    def served(self, job: str, rank: int, nbytes: int):
+        """A fresh segment of ``nbytes`` served with a restore of ``rank`` (an assembled
+        answer, a peer's copy part of it points into), counted in the budget, bytes
+        landing in it inside the block (``landing``); given back if the block fails,
+        else freed at the rank's next restore (``release``) or commit, or with the job.
+        ResourceExhausted when the budget has no room."""
+        with self.landing():
+            segment = self._assembled(job, rank, nbytes)
+            try:
+                yield segment
+            except BaseException:
+                self.give_back(job, rank, segment)
+                raise
+
+    def _assembled(self, job: str, rank: int, nbytes: int) -> Segment:
+        with phases.timed("segment"), self._lock:
             segment = self._state.memory.hand_over(nbytes, f"a restore of rank {rank} of "
                                                            f"job {job!r}")
             self._state.served.setdefault((job, rank), []).append(segment)
@@ -39,7 +55,7 @@ class RestoreSegments:
             copy.segment.handed_out = True
 
     def give_back(self, job: str, rank: int, segment: Segment) -> None:
-        """Frees what ``assembled`` gave a restore that failed before it answered."""
+        """Frees what ``served`` gave a restore that failed before it answered."""
         with self._lock:
             served = self._state.served.get((job, rank), [])
             if segment in served:
