@@ -51,17 +51,20 @@ def restore_call(stub, request, options):
     them, phases: ``call``, ``map_early``, ``map`` and the daemon's as
     ``daemon.<name>``); raises RestoreError. ``options``: the session's ``ClientOptions``."""
     started = time.perf_counter()
-    mapping = AnswerMapping()
+    mapping, found = AnswerMapping(), None
     try:
         with restore_progress(stub, request.job, request.rank, options.show_progress):
-            for update in stub.RestoreStream(request, timeout=options.restore_timeout_seconds):
-                if update.HasField("segment"):
-                    mapping.early(update.segment.path)
-                else:
-                    found = update.restored
+            found = _answer(stub, request, options.restore_timeout_seconds, mapping)
     except grpc.RpcError as err:
         raise RestoreError(f"daemon {options.daemon}: {err.code().name}: "
                            f"{err.details()}") from None
+    if found is None:
+        raise RestoreError(f"daemon {options.daemon} ended the restore without an answer; "
+                           "restore again")
+    segment_count = 1 + len(found.other_segments)
+    if any(not 0 <= slot.segment < segment_count for slot in found.slots):
+        raise RestoreError(f"daemon {options.daemon} answered a slot in a segment it did not "
+                           "name; restore again")
     answered = time.perf_counter()
     try:
         segments = mapping.answer([found.segment_path, *found.other_segments])
@@ -71,3 +74,20 @@ def restore_call(stub, request, options):
     return found, segments, {"call": answered - started, "map_early": mapping.seconds,
                             "map": time.perf_counter() - answered,
                             **{f"daemon.{p.name}": p.seconds for p in found.phases}}
+
+
+def _answer(stub, request, timeout: float, mapping: AnswerMapping):
+    """The RestoreResponse (None if the stream ended without one), the segments named
+    before it mapped meanwhile; a daemon without RestoreStream (an older one) is asked
+    with Restore, whose answer is one segment."""
+    try:
+        for update in stub.RestoreStream(request, timeout=timeout):
+            if update.HasField("segment"):
+                mapping.early(update.segment.path)
+            else:
+                return update.restored
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        return stub.Restore(request, timeout=timeout)
+    return None

@@ -74,22 +74,41 @@ class Assembler:
         self._record = record or (lambda *args: None)
 
     def assemble(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
-                 asked: list[Asked], sources: dict[int, Source]) -> tuple[Restorable, str]:
-        """The regions asked, and where their bytes came from. A region that lies as one
-        aligned run in a copy this daemon holds, or in a peer's copy pulled whole, is
-        answered as a view of that copy's segment; the others are cut into one new
-        segment."""
+                 asked: list[Asked], sources: dict[int, Source], several_segments: bool = False
+                 ) -> tuple[Restorable, str]:
+        """The regions asked, and where their bytes came from. ``several_segments`` (the
+        caller reads slots from several): a region that lies as one aligned run in a copy
+        this daemon holds, or in a peer's copy pulled whole, is answered as a view of
+        that copy's segment; the others are cut into one new segment."""
         self._store.restore_segments.release(job, caller)  # the rank's earlier answer
+        if not several_segments:
+            return self._assemble(job, step, world_size, caller, plan, asked, sources, {}, None)
+        here = {r for r, _ in plan.sources() if sources[r].places[0][0] != "durable"}
+        runs = _runs(plan, asked, here)
+        try:
+            return self._assemble(job, step, world_size, caller, plan, asked, sources, runs,
+                                  caller)
+        except ResourceExhausted:
+            # Peers' copies kept whole for their runs took the room the answer needs: as
+            # without them, the answer's room first and those copies cut.
+            return self._assemble(job, step, world_size, caller, plan, asked, sources, runs,
+                                  None)
+
+    def _assemble(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
+                  asked: list[Asked], sources: dict[int, Source], runs: dict,
+                  keep_for: int | None) -> tuple[Restorable, str]:
+        """``runs`` (rank -> slot -> region -> (offset, nbytes)) answered where they lie: in
+        this daemon's copies, and with ``keep_for`` in peers' copies pulled whole into
+        segments served with that rank's answer."""
         needed: dict[int, list[int]] = {}
         for rank, slot in plan.sources():
             needed.setdefault(rank, []).append(slot)
         layout = asked_layout(asked)
-        runs = _runs(plan, asked, {r for r in needed if sources[r].places[0][0] != "durable"})
         shards, used, views = {}, set(), {}
 
-        def read(rank: int, keep_for=None) -> None:
+        def read(rank: int, keep: int | None = None) -> None:
             got, place, found = self._read(job, step, rank, needed[rank], sources[rank], held,
-                                           runs.get(rank, {}), keep_for)
+                                           runs.get(rank, {}), keep)
             shards.update({(rank, slot): data for slot, data in got.items()})
             views.update(found)
             used.add(place)
@@ -98,9 +117,10 @@ class Assembler:
             # First the copies whose runs may be answered where they lie: this daemon's
             # (they take no room), a peer's pulled whole into a segment kept for the
             # answer. Each source stays pinned or held until the regions are cut out.
-            first = [r for r in sorted(needed) if r in runs]
+            first = [r for r in sorted(needed) if r in runs and (
+                keep_for is not None or sources[r].places[0][0] == "memory")]
             for rank in first:
-                read(rank, keep_for=caller)
+                read(rank, keep_for)
             cut_layout, cut_slots = _cut_layout(layout, views)
             # The answer's room before any other peer's copy is pulled into a scratch
             # segment: one only where the budget has room beside it.
@@ -195,9 +215,10 @@ class Assembler:
                 raise NotFound(f"peer {index} holds another layout of step {step} of rank "
                                f"{rank}")
             if _most_of(source.layout, slots):
+                keep = keep_for is not None and _most_of_bytes(source.layout, runs)
                 try:
                     return self._pull_whole(index, job, step, rank, slots, described, held,
-                                            runs if keep_for is not None else {}, keep_for)
+                                            runs if keep else {}, keep_for if keep else None)
                 except ResourceExhausted:
                     pass  # the budget has no room for the whole copy: the slots asked alone
             got = self._transfers.read_slots(index, job, rank, step, slots, described)
@@ -222,9 +243,9 @@ class Assembler:
                 segment = pulling.enter_context(segments.scratch(
                     layout.segment_bytes, f"step {step} of rank {rank} of job {job!r} pulled "
                     "to be cut for a restore"))
-            else:
-                segment = pulling.enter_context(segments.served(job, keep_for,
-                                                                layout.segment_bytes))
+            else:  # for a moment unless the restore succeeds: a scratch segment's room
+                segment = pulling.enter_context(segments.served(
+                    job, keep_for, layout.segment_bytes, scratch=True))
             segment.prefault(self._store.workers)
             self._transfers.pull_into(index, job, rank, step, described, segment.view)
             held.enter_context(pulling.pop_all())
@@ -324,3 +345,11 @@ def _most_of(layout: layout_lib.Layout, slots: list[int]) -> bool:
     """Whether ``slots`` hold at least half of a copy's bytes."""
     every = layout.slots()
     return 2 * sum(every[s][3] for s in slots) >= layout.segment_bytes
+
+
+def _most_of_bytes(layout: layout_lib.Layout, runs: dict) -> bool:
+    """Whether ``runs`` (slot -> region -> (offset, nbytes)) hold at least half of a copy's
+    bytes: a copy pulled whole is kept for them only then (it is held until the rank's
+    next restore or commit; kept for a small part, k ranks would each hold all of it)."""
+    return 2 * sum(n for regions_in in runs.values() for _, n in regions_in.values()) \
+        >= layout.segment_bytes

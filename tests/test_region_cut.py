@@ -76,7 +76,6 @@ def test_three_dimensions_a_scalar_and_an_empty_region(monkeypatch):
         scalar.reshape(-1).view(np.uint8))
 
 
-
 def test_a_piece_is_one_run_exactly_when_its_elements_are_consecutive_in_its_shard():
     source = ((2, 6), (0, 3), (1, 5))
     shape = tuple(b - a for a, b in source)

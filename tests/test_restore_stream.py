@@ -7,6 +7,7 @@ then names the same one (or, after a corrupt copy was given up, the one that
 replaced it), and the client restores every byte.
 """
 
+import concurrent.futures
 import mmap
 import pathlib
 
@@ -15,8 +16,9 @@ import numpy as np
 import pytest
 
 from bubblesnap.clients import ClientOptions, NumpyClient
-from bubblesnap.clients._restore_call import AnswerMapping
+from bubblesnap.clients._restore_call import AnswerMapping, restore_call
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos import daemon_pb2_grpc
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.testing import wait_for
 from tests.test_regions import GLOBAL, code_of, read_answer, snapshot, two_rank_job
@@ -137,6 +139,11 @@ def test_regions_that_lie_as_one_run_in_a_held_copy_are_answered_where_they_lie(
     for region, (a, b) in enumerate(((0, 2), (2, 4), (4, 8))):
         assert got[("w", region)].tobytes() == GLOBAL[a:b].tobytes()
         assert answer.checksums[region] == checksum(GLOBAL[a:b].tobytes())
+    # Restore (not the stream) answers one segment, as its callers read it.
+    plain = daemon.stub.Restore(three_row_blocks(), timeout=30)
+    assert not plain.other_segments and {s.segment for s in plain.slots} == {0}
+    assert [got.tobytes() for got in read_answer(plain).values()] == \
+        [GLOBAL[a:b].tobytes() for a, b in ((0, 2), (2, 4), (4, 8))]
     # A copy answered in place is never recycled: deleted, its file is unlinked (not kept
     # for a later step to be staged into), and the client's mapping keeps its bytes.
     with open(paths[1], "rb") as f:
@@ -159,8 +166,11 @@ def test_runs_of_a_peers_copy_pulled_whole_are_answered_in_the_pulled_segment(st
     replacement = ring.replace(1)
     named, answer = streamed(replacement, three_row_blocks())
     paths = [answer.segment_path, *answer.other_segments]
-    assert answer.source == "peer" and sorted(named) == sorted(paths) and len(set(paths)) == 3
-    assert [s.segment for s in answer.slots] == [1, 0, 2]  # rank 0's pull, the cut, rank 1's
+    assert answer.source == "peer" and sorted(named) == sorted(paths) and len(set(paths)) == 2
+    # Rank 1's copy is all one run (rows 4:8): pulled whole and answered in place. Rows
+    # 0:2 are a quarter of rank 0's copy: kept for so little, k ranks restoring a
+    # quarter each would hold it k times; pulled into a scratch segment and cut.
+    assert [s.segment for s in answer.slots] == [0, 0, 1]
     got = read_answer(answer)
     for region, (a, b) in enumerate(((0, 2), (2, 4), (4, 8))):
         assert got[("w", region)].tobytes() == GLOBAL[a:b].tobytes()
@@ -218,3 +228,24 @@ def test_the_client_reads_the_early_mappings_the_answer_names(tmp_path):
     assert mapping._views == {}  # nothing kept for the next restore
     with pytest.raises(FileNotFoundError):
         mapping.answer([str(tmp_path / "gone")])
+
+
+def test_a_daemon_without_restore_stream_is_asked_with_restore(daemon):
+    """An older daemon answers RestoreStream UNIMPLEMENTED: the client asks Restore."""
+    two_rank_job(daemon, JOB)
+    upstream = daemon.channel.unary_unary("/bubblesnap.v1.Daemon/Restore")
+    older = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    older.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bubblesnap.v1.Daemon", {"Restore": grpc.unary_unary_rpc_method_handler(
+            lambda raw, context: upstream(raw, timeout=30))}),))
+    port = older.add_insecure_port("127.0.0.1:0")
+    older.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            found, segments, _ = restore_call(daemon_pb2_grpc.DaemonStub(channel),
+                                              three_row_blocks(), ClientOptions())
+    finally:
+        older.stop(None)
+    assert len(segments) == 1 and not found.other_segments
+    assert segments[0][found.slots[2].offset:][:found.slots[2].nbytes].tobytes() == \
+        GLOBAL[4:8].tobytes()

@@ -157,24 +157,36 @@ def _answers(impl, request_cls, pool):
     async def handle(raw, context):
         loop = asyncio.get_running_loop()
         sent: asyncio.Queue = asyncio.Queue()
-        call = CallContext(context, lambda answer: loop.call_soon_threadsafe(sent.put_nowait,
-                                                                             answer))
+
+        def send(answer) -> None:
+            try:
+                loop.call_soon_threadsafe(sent.put_nowait, answer)
+            except RuntimeError:  # the server's loop is closed: the daemon is stopping
+                pass
+
+        call = CallContext(context, send)
         running = loop.run_in_executor(pool, _call, impl, request_cls, raw, call)
-        while not running.done():
-            next_sent = asyncio.ensure_future(sent.get())
-            await asyncio.wait((next_sent, running), return_when=asyncio.FIRST_COMPLETED)
-            if not next_sent.done():
-                next_sent.cancel()
-                break
-            yield next_sent.result()
-        # what was sent before the method returned is queued before its end is seen
-        while not sent.empty():
-            yield sent.get_nowait()
+        next_sent = None
         try:
-            last = await running
-        except _Abort as stop:
-            await context.abort(stop.code, stop.details)
-        yield last
+            while not running.done():
+                next_sent = asyncio.ensure_future(sent.get())
+                await asyncio.wait((next_sent, running), return_when=asyncio.FIRST_COMPLETED)
+                if not next_sent.done():
+                    break
+                yield next_sent.result()
+            # what was sent before the method returned is queued before its end is seen
+            while not sent.empty():
+                yield sent.get_nowait()
+            try:
+                last = await running
+            except _Abort as stop:
+                await context.abort(stop.code, stop.details)
+            yield last
+        finally:  # also when the caller went away: a method not started yet never runs
+            if next_sent is not None:
+                next_sent.cancel()
+            if not running.cancel() and not running.cancelled():
+                running.exception()  # retrieved: it went to the caller, or nobody waits for it
     return handle
 
 

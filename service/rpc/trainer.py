@@ -81,7 +81,7 @@ class DaemonServicer:
 
     @unary
     def Restore(self, request, context):
-        return self._restore(request, context)
+        return self._restore(request, context, several_segments=False)
 
     @unary
     def RestoreStream(self, request, context):
@@ -89,14 +89,16 @@ class DaemonServicer:
             context.send(pb.RestoreUpdate(segment=pb.AnswerSegment(path=path, nbytes=nbytes)))
 
         with answer_segment.listening(early):
-            return pb.RestoreUpdate(restored=self._restore(request, context))
+            return pb.RestoreUpdate(restored=self._restore(request, context,
+                                                           several_segments=True))
 
-    def _restore(self, request, context) -> pb.RestoreResponse:
+    def _restore(self, request, context, several_segments: bool) -> pb.RestoreResponse:
         if not request.alone:
             self._token.check(context, "Restore (not alone: it drops every later step of the "
                               "job, on every daemon of the ring)")
         with self.metrics.timed("restore"):
-            restored = self._restorer.restore(*messages.restore(request))
+            restored = self._restorer.restore(*messages.restore(request),
+                                              several_segments=several_segments)
         self.metrics.restores.labels(restored.source).inc()
         return messages.restored(restored)
 

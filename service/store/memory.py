@@ -68,9 +68,10 @@ class Memory:
         self._in_use += segment.nbytes
         return segment
 
-    def hand_over(self, nbytes: int, what: str) -> Segment:
-        """A segment for a trainer to map and keep (an assembled restore): never pooled."""
-        segment = self.acquire(nbytes, what)
+    def hand_over(self, nbytes: int, what: str, scratch: bool = False) -> Segment:
+        """A segment for a trainer to map and keep (an assembled restore): never pooled.
+        ``scratch``: room made as for a scratch one (``acquire``)."""
+        segment = self.acquire(nbytes, what, scratch)
         segment.handed_out = True
         return segment
 

@@ -1,6 +1,8 @@
-"""The memory a restore works in beside the copies held: the segment an assembled
-restore answers with, scratch segments for a peer's copy pulled to be cut, and the
-mark that bytes are landing (the warm pool waits meanwhile).
+"""The memory a restore works in beside the copies held: the segments served with an
+assembled restore's answer (the one regions are cut into, a peer's copy pulled whole
+that regions lie in), held copies handed out (regions answered where they lie),
+scratch segments for a peer's copy pulled to be cut, and the mark that bytes are
+landing (the warm pool waits meanwhile).
 
 Part of ``SnapshotStore`` (its ``restore_segments``): the same lock and state.
 """
@@ -26,24 +28,25 @@ class RestoreSegments:
             self._state.release_served(job, rank)
 
     @contextlib.contextmanager
-    def served(self, job: str, rank: int, nbytes: int):
+    def served(self, job: str, rank: int, nbytes: int, scratch: bool = False):
         """A fresh segment of ``nbytes`` served with a restore of ``rank`` (an assembled
         answer, a peer's copy part of it points into), counted in the budget, bytes
         landing in it inside the block (``landing``); given back if the block fails,
         else freed at the rank's next restore (``release``) or commit, or with the job.
-        ResourceExhausted when the budget has no room."""
+        ResourceExhausted when the budget has no room; ``scratch``: room is made as for
+        a scratch segment (``Memory.acquire``)."""
         with self.landing():
-            segment = self._assembled(job, rank, nbytes)
+            segment = self._assembled(job, rank, nbytes, scratch)
             try:
                 yield segment
             except BaseException:
                 self.give_back(job, rank, segment)
                 raise
 
-    def _assembled(self, job: str, rank: int, nbytes: int) -> Segment:
+    def _assembled(self, job: str, rank: int, nbytes: int, scratch: bool) -> Segment:
         with phases.timed("segment"), self._lock:
             segment = self._state.memory.hand_over(nbytes, f"a restore of rank {rank} of "
-                                                           f"job {job!r}")
+                                                           f"job {job!r}", scratch)
             self._state.served.setdefault((job, rank), []).append(segment)
         answer_segment.announce(segment.path, segment.nbytes)
         return segment

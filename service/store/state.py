@@ -28,8 +28,9 @@ class StoreState:
     hashers: ThreadPoolExecutor
     jobs: dict[str, Job] = dataclasses.field(default_factory=dict)
     on_retained: list = dataclasses.field(default_factory=list)
-    #: (job, rank) -> segments assembled for its restores, freed at its next
-    #: restore or commit (its trainer mapped them by then) or with the job.
+    #: (job, rank) -> segments served with its restores' answers (assembled, or a
+    #: peer's copy pulled whole), freed at its next restore or commit (its trainer
+    #: mapped them by then) or with the job.
     served: dict = dataclasses.field(default_factory=dict)
 
     def release_served(self, job: str, rank: int | None = None) -> None:

@@ -177,9 +177,9 @@ class SnapshotStore:
             return 0
         slots = layout.slots()
         segment = arrival.rank_step.segment
-        if for_restore:  # the caller maps it while the bytes land
-            answer_segment.announce(segment.path, segment.nbytes)
         try:
+            if for_restore:  # the caller maps it while the bytes land
+                answer_segment.announce(segment.path, segment.nbytes)
             segment.prefault(self.workers)  # fresh pages: every core
             with phases.timed("receive"):
                 computed = fill(segment.view, [(o, n) for _, _, o, n in slots])
