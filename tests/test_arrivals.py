@@ -2,6 +2,7 @@
 same step, seen on a Cluster under load): the second waits for the first to land and
 takes it, instead of replacing it and breaking the first off ("deleted while it arrived")."""
 
+import os
 import threading
 
 import numpy as np
@@ -62,3 +63,15 @@ def test_a_second_transfer_of_an_arriving_copy_waits_for_it_and_takes_it(store, 
     second.join(10)
     # the first landed it (bytes stored); the second found it held (0 more bytes)
     assert outcomes == {"first": data.nbytes, "second": 0}
+
+
+def test_a_restores_segment_being_filled_outlives_another_restore_of_the_rank(store):
+    """Two restores of one rank at once (a retry while the first still runs): the second
+    one's release leaves the segment the first is filling; the next release frees it."""
+    segments = store.restore_segments
+    with segments.served("job", 0, 1 << 20) as first:
+        segments.release("job", 0)  # the second restore begins
+        first.view[:] = 7  # still mapped, still in the budget
+        assert os.path.exists(first.path) and store.memory().used_bytes >= 1 << 20
+    segments.release("job", 0)
+    assert not os.path.exists(first.path) and store.memory().used_bytes == 0

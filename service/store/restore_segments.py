@@ -38,17 +38,21 @@ class RestoreSegments:
         with self.landing():
             segment = self._assembled(job, rank, nbytes, scratch)
             try:
+                answer_segment.announce(segment.path, segment.nbytes)
                 yield segment
             except BaseException:
                 self.give_back(job, rank, segment)
                 raise
+            finally:
+                with self._lock:
+                    self._state.filling.discard(segment)
 
     def _assembled(self, job: str, rank: int, nbytes: int, scratch: bool) -> Segment:
         with phases.timed("segment"), self._lock:
             segment = self._state.memory.hand_over(nbytes, f"a restore of rank {rank} of "
                                                            f"job {job!r}", scratch)
             self._state.served.setdefault((job, rank), []).append(segment)
-        answer_segment.announce(segment.path, segment.nbytes)
+            self._state.filling.add(segment)
         return segment
 
     def hand_out(self, copy: PinnedCopy) -> None:

@@ -32,12 +32,21 @@ class StoreState:
     #: peer's copy pulled whole), freed at its next restore or commit (its trainer
     #: mapped them by then) or with the job.
     served: dict = dataclasses.field(default_factory=dict)
+    #: Served segments a restore is still filling (RestoreSegments.served).
+    filling: set = dataclasses.field(default_factory=set)
 
     def release_served(self, job: str, rank: int | None = None) -> None:
-        """Frees what was assembled for ``rank``'s restores (every rank's: None)."""
+        """Frees what was assembled for ``rank``'s restores (every rank's: None). A
+        rank's segments still being filled stay (another restore of the same rank, in
+        flight: freeing them would pull its memory from under it); its next release
+        frees them."""
         for key in [k for k in self.served if k[0] == job and rank in (None, k[1])]:
+            kept = [s for s in self.served[key] if rank is not None and s in self.filling]
             for segment in self.served.pop(key):
-                self.memory.drop(segment)
+                if segment not in kept:
+                    self.memory.drop(segment)
+            if kept:
+                self.served[key] = kept
 
     def new_job(self, name: str, world_size: int) -> Job:
         entry = self.jobs[name] = Job(world_size,
