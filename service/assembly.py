@@ -7,6 +7,9 @@ against its checksum before any byte of it is used; a copy that fails is
 recorded and the next place is tried. The pieces are then copied box by
 box (a box of one element size, so no dtype is interpreted) into a fresh
 segment the trainer maps (region_cut.py: hashed as they land, regions in parallel).
+For a caller that reads several segments (``RestoreStream``), a region that
+lies as one aligned run in a source's segment is answered there instead: a
+restore onto fewer processes with the same per-device sharding moves no byte.
 """
 
 import contextlib
