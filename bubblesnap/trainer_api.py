@@ -48,8 +48,10 @@ class _CallDetails(collections.namedtuple(
     pass
 
 
-class _WithToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the token to every call of a channel (unary and bidi: what the Daemon has)."""
+class _WithToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamStreamClientInterceptor):
+    """Adds the token to every call of a channel (unary, a stream of answers and bidi:
+    what the Daemon has)."""
 
     def __init__(self, token: str):
         self._metadata = ((TOKEN_METADATA, f"Bearer {token}"),)
@@ -60,6 +62,9 @@ class _WithToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterc
                             details.wait_for_ready, details.compression)
 
     def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
         return continuation(self._details(details), request)
 
     def intercept_stream_stream(self, continuation, details, request_iterator):
