@@ -2,7 +2,7 @@
 
 The client maps the segment while the daemon verifies it, pulls it from a
 peer, reads it from disk or cuts a reshard into it. Checked here on real
-daemons: the segment is named first, its file exists when named, the answer
+daemons: the segment is named first, with its size, the answer
 then names the same one (or, after a corrupt copy was given up, the one that
 replaced it), and the client restores every byte.
 """
@@ -52,17 +52,20 @@ def committed(daemon, step: int) -> bool:
 
 
 def streamed(daemon, request) -> tuple[list[str], pb.RestoreResponse]:
-    """The segments named before the answer (each checked to exist when named), and
-    the answer, which must be the last message."""
-    named, answer = [], None
+    """The segments named before the answer, and the answer, which must be the last
+    message; each segment the answer uses was named with its size. (One named and then
+    given up, a corrupt copy, may be gone by the time the test looks.)"""
+    named, sizes, answer = [], {}, None
     for update in daemon.stub.RestoreStream(request, timeout=60):
         assert answer is None, "a message after the answer"
         if update.HasField("segment"):
-            assert pathlib.Path(update.segment.path).stat().st_size == update.segment.nbytes
             named.append(update.segment.path)
+            sizes[update.segment.path] = update.segment.nbytes
         else:
             answer = update.restored
     assert answer is not None, "the stream ended without an answer"
+    for path in (answer.segment_path, *answer.other_segments):
+        assert pathlib.Path(path).stat().st_size == sizes[path]
     return named, answer
 
 
