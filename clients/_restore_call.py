@@ -4,9 +4,9 @@ while the daemon still works on them.
 The daemon names each segment it will answer with as soon as it knows it (the
 held copy it is about to verify, the one a peer's or the durable tier's bytes
 land in, the one a reshard is cut into, a copy whose runs a reshard answers as
-they lie). Mapping 256 MB takes ~12 ms with 4
-KiB pages; done meanwhile, the answer finds its pages mapped. Nothing is read
-from the segment before the answer: its bytes are ready only then.
+they lie). Mapping 256 MB takes ~12 ms with 4 KiB pages; done meanwhile, the
+answer finds its pages mapped. Nothing is read from a segment before the
+answer: its bytes are ready only then.
 """
 
 import time
