@@ -1,5 +1,6 @@
 """region_cut: regions of a restore cut out of source shards, and hashed as they land."""
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -96,3 +97,56 @@ def test_a_piece_is_one_run_exactly_when_its_elements_are_consecutive_in_its_sha
             assert run == (int(inside[0]) * 4, inside.size * 4)
         seen[consecutive] += 1
     assert min(seen.values()) > 20  # both kinds were drawn
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_sources_to_verify_are_checked_in_the_pass_that_cuts_them(monkeypatch, threads):
+    # Rows -> columns of two tensors: each source is hashed over the same blocks of rows
+    # its pieces are copied from; a source whose checksum differs is named, and one no
+    # region reads is checked too.
+    monkeypatch.setattr(region_cut, "FUSED_BLOCK_BYTES", 96)
+    rng = np.random.default_rng(2)
+    first = rng.integers(0, 1 << 31, (29, 12), dtype=np.int32)
+    second = rng.integers(0, 1 << 16, (8, 5, 3), dtype=np.uint16)
+    rows = [((0, 10), (0, 12)), ((10, 29), (0, 12))]
+    shards, _ = _sources(first, rows)
+    filled = _regions(first, rows, [((0, 29), (0, 5)), ((0, 29), (5, 12)), ((4, 6), (0, 12))])
+    blocks = [((0, 3), (0, 5), (0, 3)), ((3, 8), (0, 5), (0, 3))]
+    more, _ = _sources(second, blocks)
+    shards.update({(rank + 5, 0): data for (rank, _), data in more.items()})
+    cube_regions = _regions(second, blocks, [((1, 7), (2, 4), (0, 3))])
+    filled += [dataclasses.replace(r, pieces=tuple(dataclasses.replace(p, rank=p.rank + 5)
+                                                   for p in r.pieces)) for r in cube_regions]
+    shards[(9, 3)] = np.arange(40, dtype=np.uint8)  # read by no region
+    truth = {key: checksum(data) for key, data in shards.items()}
+    workers = ThreadPoolExecutor(threads) if threads else None
+    try:
+        checksums = region_cut.cut(filled, shards, workers, unverified=dict(truth))
+        expected = [_expected(first, r.box) for r in filled[:3]] + \
+            [_expected(second, filled[3].box)]
+        for region, want, got in zip(filled, expected, checksums, strict=True):
+            assert region.target.tobytes() == want.tobytes()
+            assert got == checksum(want.reshape(-1).view(np.uint8))
+        for wrong in [(1, 0), (6, 0), (9, 3)]:
+            with pytest.raises(region_cut.SourceCorrupt) as raised:
+                region_cut.cut(filled, shards, workers,
+                               unverified={**truth, wrong: truth[wrong] ^ 1})
+            assert raised.value.sources == [wrong]
+    finally:
+        if workers:
+            workers.shutdown()
+
+
+def test_a_flipped_byte_in_a_source_is_caught_even_where_no_region_reads_it():
+    # The region asks for the first rows only; the flipped byte lies in the last row of
+    # the same source, so it is found only because the whole source is hashed.
+    array = np.arange(6 * 4, dtype=np.uint32).reshape(6, 4)
+    source = [((0, 6), (0, 4))]
+    shards, _ = _sources(array, source)
+    truth = checksum(shards[(0, 0)])
+    shards[(0, 0)] = shards[(0, 0)].copy()
+    shards[(0, 0)][-1] ^= 0x10
+    filled = _regions(array, source, [((0, 2), (1, 3))])
+    with pytest.raises(region_cut.SourceCorrupt):
+        region_cut.cut(filled, shards, unverified={(0, 0): truth})
+    assert filled[0].target.tobytes() == _expected(array, ((0, 2), (1, 3))).tobytes()

@@ -134,6 +134,27 @@ def test_a_copy_that_fails_its_checksum_is_never_cut_into_a_restore(daemon):
     assert (rows[("w", 0)] == GLOBAL[0:4]).all()
 
 
+def test_a_held_copy_that_fails_while_it_is_cut_gives_way_to_a_peers_replica(start_ring):
+    # Held copies are verified in the pass that cuts them: a flipped bit found there
+    # throws that answer away, and the restore reads again, each copy checked first, so
+    # the copy is recorded as corrupt and the peer's intact replica serves its rows.
+    a = start_ring(2, "--replicas", "1").daemons[0]
+    two_rank_job(a, steps=())
+    snapshot(a.stub, "wide", 0, 0, [GLOBAL[0:4], np.int32(0)])
+    staging = a.stub.BeginStep(pb.BeginStepRequest(job="wide", rank=1, step=0), timeout=10)
+    slot = staging.slots[0]
+    with open(staging.segment_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[slot.offset:slot.offset + slot.nbytes] = GLOBAL[4:8].tobytes()
+        a.stub.CommitStep(pb.CommitStepRequest(job="wide", rank=1, step=0), timeout=10)
+        wait_for(lambda: a.stub.Status(pb.StatusRequest(job="wide"), timeout=10)
+                 .jobs[0].latest_committed_step == 0, "step 0 committed, replicated")
+        m[slot.offset + 5] ^= 0x10  # a bit flips in host memory
+    answer, got = restore(a.stub, "wide", 0, 1, [("w", "float32", (8, 6), [((0, 8), (0, 3))])])
+    assert (got[("w", 0)] == GLOBAL[:, 0:3]).all() and answer.source == "memory, peer"
+    status = a.stub.Status(pb.StatusRequest(job="wide"), timeout=10).jobs[0]
+    assert [(c.rank, c.step, c.source) for c in status.corrupt_copies] == [(1, 0, "memory")]
+
+
 def test_a_rank_asking_for_its_own_shards_gets_its_copy_as_it_is(daemon):
     two_rank_job(daemon)
     used = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.used_bytes
