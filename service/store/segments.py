@@ -196,14 +196,12 @@ class SegmentPool:
             return any(seg.nbytes == nbytes for seg in self._free) or \
                 any(seg.nbytes >= nbytes for seg in self._warm)
 
-    def acquire(self, nbytes: int, remember: bool = True) -> Segment:
+    def acquire(self, nbytes: int) -> Segment:
         """A segment of exactly ``nbytes``: a recycled one of that size, else the smallest
-        warm one that holds it (cut to size), else a new one. ``remember``: a size the
-        warm pool makes (asked lately)."""
+        warm one that holds it (cut to size), else a new one. Its size is remembered as
+        one asked lately (the warm pool makes those)."""
         with self._lock:
-            if remember:
-                self._sizes = [nbytes, *[n for n in self._sizes if n != nbytes]
-                               [:_SIZES_KEPT - 1]]
+            self._sizes = [nbytes, *[n for n in self._sizes if n != nbytes][:_SIZES_KEPT - 1]]
             for i, seg in enumerate(self._free):
                 if seg.nbytes == nbytes:
                     return self._free.pop(i)
