@@ -78,21 +78,23 @@ the group needs it). Each daemon's --memory-budget holds what it must hold
 at once, counted in state-sized segments: its copies, one segment per
 assembled-restore mode that runs on it (a daemon keeps what it assembled
 for a rank until that rank's next restore), and one for its warm pool
-(which the whole copy a peer restore pulls takes); --warm-pool-bytes (one
-state's segment by default, --warm-pool-mb) goes to the daemons a restore
-lands in (A for its assembled restores, C, D, E), so what a restore lands in
-is faulted in already, as on a host sized for it.
+(which the whole copy a peer restore pulls takes; two on C where a peer
+reshard lands a pulled copy and its answer at once); --warm-pool-bytes (one state's segment per
+segment a restore lands in at once by default, --warm-pool-mb) goes to the
+daemons a restore lands in (A for its assembled restores, C, D, E), so what
+a restore lands in is faulted in already, as on a host sized for it.
 
 --layout together runs every mode in one group: all the daemons alive at
 once (about 19 states of memory). --layout split runs the groups of
-SPLIT_GROUPS, each at most 4 states (this process's state, the segments
+SPLIT_GROUPS, each at most 5 states (this process's state, the segments
 its daemons hold, the buffer of the wire modes, the durable tier or Orbax's
 checkpoint). --layout auto (the default) starts from the split groups and
 merges consecutive ones while the merged group fits 70% of the room this
 machine has (the state made, and its available memory beyond 2 GiB:
-/proc/meminfo MemAvailable; the machine is shared), so a small state runs as
-one group: on the 2-core, 24 GiB dev VM, 256 MB runs together, 1024 MB in
-two groups, 4096 MB as split. A group that does not fit the room is
+/proc/meminfo MemAvailable; the machine is shared), so a small state runs in
+few groups: on the 2-core, 24 GiB dev VM, 256 MB in three (the 2 ranks -> 1
+peer restore, whose half-state copies would make C cut whole warm segments
+to size, runs alone), 1024 MB in four, 4096 MB as split. A group that does not fit the room is
 refused before anything starts.
 Rounds are interleaved within a group (bench_common.measure: the first mode
 rotates each round, after one untimed warm-up round); modes of different
@@ -158,11 +160,12 @@ folder.
 
 Huge pages: --huge-dir DIR (a tmpfs mounted with huge=within_size, say
 `mount -t tmpfs -o huge=within_size,size=16g tmpfs DIR` as root) adds a
-last group: restore_local and restore_peer on daemons whose segments are in
-/dev/shm and on daemons whose segments are in DIR (restore_local_huge,
-restore_peer_huge), all four interleaved; reported under "huge_pages" with
-the pages each daemon reported, the ratios of each huge mode to its plain
-one, the phases (a restore's "map" is where 4 KiB pages cost most) and how
+last group: restore_local, restore_local_resharded and restore_peer on
+daemons whose segments are in /dev/shm and on daemons whose segments are in
+DIR (the same names ending in _huge), all six interleaved; reported under
+"huge_pages" with the pages each daemon reported, the ratios of each huge
+mode to its plain one and of the resharded restore to the same-topology one
+on each, the phases (a restore's "map" is where 4 KiB pages cost most) and how
 much of this process's memory was mapped with 2 MiB page-table entries after
 each restore (ShmemPmdMapped). --huge-only runs that group alone.
 
@@ -213,14 +216,19 @@ EXPECTED_SOURCE = {"restore_local": "memory", "restore_local_resharded": "memory
                    "restore_peer_2holders": "peer", "restore_peer_resharded": "peer",
                    "restore_peer_2to1": "peer",
                    "restore_durable": "durable"}
-#: The groups of --layout split, each at most 4 states of memory, in the order they run
+#: The groups of --layout split, each at most 5 states of memory, in the order they run
 #: (--layout auto merges consecutive ones while they fit). Each keeps together the modes
-#: whose ratio matters most where 4 states allow: the wire's limit and the peer restore,
+#: whose ratio matters most where 5 states allow: the wire's limit and the peer restore,
 #: a local restore and its resharded one.
 SPLIT_GROUPS = (("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_peer"),
                 ("restore_peer_resharded",), ("restore_peer_2to1",), ("restore_peer_2holders",),
                 ("restore_local", "restore_local_resharded"), ("restore_local_2to1",),
                 ("restore_durable",), ("orbax_restore", "orbax_restore_resharded"))
+#: Groups --layout auto never merges: the 2 ranks -> 1 peer restore lands half-state
+#: copies on C, where other peer modes land whole states; mixed, each of its restores
+#: would cut a whole warm segment to half (25-50 ms of pages freed on the dev VM), a
+#: cost of the benchmark's mix, not of a host restoring one job again and again.
+_NEVER_MERGED = frozenset({("restore_peer_2to1",)})
 LAYOUTS = ("auto", "together", "split")
 DEVICES = 4
 JOB = "bench-restore"
@@ -249,6 +257,10 @@ _ORBAX_MODES = frozenset({"orbax_restore", "orbax_restore_resharded"})
 _PULLS = {"C": {"restore_peer"}, "E": {"restore_peer_2holders"}}
 _ASSEMBLES = {"A": {"restore_local_resharded", "restore_local_2to1"},
               "C": {"restore_peer_resharded", "restore_peer_2to1"}, "D": {"restore_durable"}}
+#: Per daemon, the modes whose restore lands two states at once: a peer's copy pulled
+#: whole to be cut, and the answer cut from it. (The 2 ranks -> 1 peer restore lands
+#: two half-state copies: one state's warm segments, made in the size asked.)
+_LANDS_TWICE = {"C": {"restore_peer_resharded"}}
 
 
 class GroupPlan:
@@ -274,13 +286,15 @@ class GroupPlan:
         if self.jobs:
             for name in holders:
                 self.slots[name] = len(self.jobs)
-        self.warm: set[str] = set()
+        #: per daemon a restore lands in, the warm segments it keeps: as many as one
+        #: restore lands in at once
+        self.warm: dict[str, int] = {}
         for name in ("A", "C", "D", "E"):
             lands = wanted & (_PULLS.get(name, set()) | _ASSEMBLES.get(name, set()))
             if lands:  # one per assembled mode, and the warm pool's (a pulled copy takes it)
+                self.warm[name] = 2 if wanted & _LANDS_TWICE.get(name, set()) else 1
                 self.slots[name] = self.slots.get(name, 0) + \
-                    len(wanted & _ASSEMBLES.get(name, set())) + 1
-                self.warm.add(name)
+                    len(wanted & _ASSEMBLES.get(name, set())) + self.warm[name]
 
     def footprint(self) -> int:
         """The most memory alive at once, in states: this process's state, the wire modes'
@@ -301,7 +315,8 @@ def make_groups(layout: str, cap_states: float) -> list[GroupPlan]:
         merged = [groups[0]]
         for group in groups[1:]:
             both = GroupPlan(merged[-1].modes + group.modes)
-            if both.footprint() <= cap_states:
+            alone = {group.modes, merged[-1].modes} & _NEVER_MERGED
+            if both.footprint() <= cap_states and not alone:
                 merged[-1] = both
             else:
                 merged.append(group)
@@ -677,7 +692,7 @@ class Bench:
         # A state-sized segment with room for its alignment (at most 63 bytes a shard)
         unit = self.state_bytes + (4 << 20)
         budget = self.plan.slots[name] * unit + (64 << 20)
-        warm = warm_bytes if name in self.plan.warm else 0
+        warm = warm_bytes * self.plan.warm.get(name, 0)
         return self.daemons.start(name, budget, warm, *flags)
 
     def _setup(self, work_dir: str, warm_bytes: int) -> None:
@@ -877,13 +892,14 @@ class Bench:
         modes keep their neighbours as the order rotates)."""
         gc.collect()  # a restore's arrays in a cycle would keep the segment it mapped
         deadline = time.monotonic() + 10 + 3 * self.state_bytes / 1e9
-        for name in self.plan.warm:
+        for name, segments in self.plan.warm.items():
             daemon = getattr(self, name.lower())
             while daemon is not None and time.monotonic() < deadline:
                 memory = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory
-                # full: a segment that holds a restore (the pool makes them in the sizes
-                # asked lately, each at least the state's bytes, up to its target)
-                if memory.warm_bytes >= min(memory.warm_pool_bytes, self.state_bytes):
+                # full: the segments one restore lands in (the pool makes them in the
+                # sizes asked lately, each at least the state's bytes, up to its target)
+                if memory.warm_bytes >= min(memory.warm_pool_bytes,
+                                            segments * self.state_bytes):
                     break
                 time.sleep(0.02)
             else:
@@ -1229,30 +1245,32 @@ def run_group(index: int, plan: GroupPlan, state, results: Results, rounds: int,
         entry["client_peak_rss_bytes"] = max(results.group_peak, proc_bytes("self", "VmHWM"))
 
 
-#: The huge-page comparison's modes: the same two restores on daemons in /dev/shm and on
-#: --huge-dir, interleaved.
-HUGE_MODES = ("restore_local", "restore_peer", "restore_local_huge", "restore_peer_huge")
+#: The restores the huge-page comparison runs on daemons in /dev/shm and on --huge-dir.
+HUGE_BASE = ("restore_local", "restore_local_resharded", "restore_peer")
+#: Its modes, interleaved: each of HUGE_BASE, then each on huge pages (``*_huge``).
+HUGE_MODES = (*HUGE_BASE, *(f"{mode}_huge" for mode in HUGE_BASE))
 
 
 class HugePair:
-    """restore_local and restore_peer on two sets of daemons: in /dev/shm and in a tmpfs
-    mounted with huge pages (--huge-dir); ``*_huge`` the latter."""
+    """The HUGE_BASE restores on two sets of daemons: in /dev/shm and in a tmpfs mounted
+    with huge pages (--huge-dir); ``*_huge`` the latter."""
 
     def __init__(self, plain: "Bench", huge: "Bench"):
-        self.restore_local, self.restore_peer = plain.restore_local, plain.restore_peer
-        self.restore_local_huge, self.restore_peer_huge = huge.restore_local, huge.restore_peer
+        for mode in HUGE_BASE:
+            setattr(self, mode, getattr(plain, mode))
+            setattr(self, f"{mode}_huge", getattr(huge, mode))
 
 
 def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
              warm_bytes: int, daemon_problems: dict) -> dict:
-    """restore_local and restore_peer with plain and huge-page segments, interleaved: the
-    report's "huge_pages"."""
+    """The HUGE_BASE restores with plain and huge-page segments, interleaved: the report's
+    "huge_pages"."""
     from bubblesnap.service.store import pages
     found = pages.detect(huge_dir)
     if not found.huge_pages:
         raise RuntimeError(f"--huge-dir {huge_dir} gives segments {found.describe()}: mount a "
                            "tmpfs with huge=within_size there (see the README)")
-    plan = GroupPlan(("restore_local", "restore_peer"))
+    plan = GroupPlan(HUGE_BASE)
     sides = {"plain": (Results(), Daemons(log_dir, "plain-")),
              "huge": (Results(), Daemons(log_dir, "huge-", shm_parent=huge_dir))}
     benches, watchdogs = {}, [Watchdog(d) for _, d in sides.values()]
@@ -1277,11 +1295,14 @@ def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
             daemon_problems.update(daemons.problems())
     modes, med = common.bandwidths(seconds, lambda mode: benches["plain"].state_bytes)
     (plain, _), (huge, _) = sides["plain"], sides["huge"]
-    rename = {"restore_local": "restore_local_huge", "restore_peer": "restore_peer_huge"}
+    rename = {mode: f"{mode}_huge" for mode in HUGE_BASE}
     return {
         "dir": huge_dir, "pages": shown, "modes": modes,
-        "ratios": {f"{mode}_huge_vs_plain": round(med[f"{mode}_huge"] / med[mode], 3)
-                   for mode in ("restore_local", "restore_peer")},
+        "ratios": {**{f"{mode}_huge_vs_plain": round(med[f"{mode}_huge"] / med[mode], 3)
+                      for mode in HUGE_BASE},
+                   **{f"resharded_vs_same_local{tail}": round(
+                       med[f"restore_local_resharded{tail}"] / med[f"restore_local{tail}"], 3)
+                      for tail in ("", "_huge")}},
         "phases": {**common.phase_medians({m: r[1:] or r for m, r in plain.phases.items()
                                            if r}),
                    **{rename[m]: v for m, v in common.phase_medians(
@@ -1299,8 +1320,9 @@ def main() -> int:
     parser.add_argument("--mb", type=float, default=256, help="state size in MB (default 256)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--warm-pool-mb", type=float, default=None,
-                        help="--warm-pool-bytes in MB of the daemons a restore lands in "
-                             "(default: one state's segment; 0: none)")
+                        help="--warm-pool-bytes in MB of the daemons a restore lands in, per "
+                             "segment one restore lands in at once (default: one state's "
+                             "segment; 0: none)")
     parser.add_argument("--layout", choices=LAYOUTS, default="auto",
                         help="which modes run together: every mode at once, the groups of "
                              "SPLIT_GROUPS one after the other, or (auto, the default) those "
