@@ -2,18 +2,15 @@
 into one segment laid out as the caller asked.
 
 Each source shard comes whole from the fastest place that holds its rank's
-copy intact (this daemon's memory, a peer, the durable tier) and is checked
-against its checksum before any answer uses a byte of it; a copy that fails
-is recorded and the next place is tried. The pieces are then copied box by
-box (a box of one element size, so no dtype is interpreted) into a fresh
-segment the trainer maps (region_cut.py: hashed as they land, regions in
-parallel). A held copy's slots are checked in that same pass (one read of
-them, not two); one that fails there throws the answer away, and the restore
-reads again with every copy checked first, which records it and tries the
-next place.
-For a caller that reads several segments (``RestoreStream``), a region that
-lies as one aligned run in a source's segment is answered there instead: a
-restore onto fewer processes with the same per-device sharding moves no byte.
+copy intact (this daemon's memory, a peer, the durable tier), checked against
+its checksum before any answer uses a byte of it; a copy that fails is
+recorded and the next place tried. The pieces are copied box by box (no dtype
+interpreted) into a fresh segment the trainer maps (region_cut.py: hashed as
+they land, in parallel); held copies are checked in that same pass, and one
+that fails there throws the answer away: read again, checked first. For a
+caller that reads several segments (``RestoreStream``), a region that lies as
+one aligned run in a source's segment is answered there instead: a restore
+onto fewer processes with the same per-device sharding moves no byte.
 """
 
 import contextlib
@@ -88,46 +85,55 @@ class Assembler:
         this daemon holds, or in a peer's copy pulled whole, is answered as a view of
         that copy's segment; the others are cut into one new segment."""
         self._store.restore_segments.release(job, caller)  # the rank's earlier answer
-        args = (job, step, world_size, caller, plan, asked, sources)
-        try:
-            return self._assemble_runs(*args, several_segments, verify_first=False)
-        except region_cut.SourceCorrupt:
-            # A held copy failed its checksum while it was cut: read again, each copy
-            # checked before use, so the failure is recorded and the next place tried.
-            return self._assemble_runs(*args, several_segments, verify_first=True)
+        args = (job, step, world_size, caller, plan, asked, sources, several_segments)
+        # Places found corrupt, kept across the attempts below: each recorded once.
+        failed: dict = {}
+        verify_first: frozenset[int] = frozenset()
+        while True:
+            try:
+                return self._assemble_runs(*args, verify_first, failed)
+            except region_cut.SourceCorrupt as err:
+                # Held copies failed their checksums while they were cut: read again, those
+                # ranks' copies checked first, so each failure is recorded and the next
+                # place tried. Ends: only a rank not yet checked first can fail in a cut.
+                verify_first |= {rank for rank, _ in err.sources}
 
     def _assemble_runs(self, job, step, world_size, caller, plan, asked, sources,
-                       several_segments: bool, verify_first: bool):
-        """As ``assemble``, held copies' slots verified before they are cut or not."""
+                       several_segments: bool, verify_first: frozenset[int], failed: dict):
+        """As ``assemble``: ``verify_first``'s held copies checked first, ``failed`` skipped."""
         args = (job, step, world_size, caller, plan, asked, sources)
+        checks = (verify_first, failed)
         if not several_segments:
-            return self._assemble(*args, {}, None, verify_first)
+            return self._assemble(*args, {}, None, *checks)
         here = {r for r, _ in plan.sources() if sources[r].places[0][0] != "durable"}
         runs = _runs(plan, asked, here)
         try:
-            return self._assemble(*args, runs, caller, verify_first)
+            return self._assemble(*args, runs, caller, *checks)
         except ResourceExhausted:
             # Peers' copies kept whole for their runs took the room the answer needs: as
             # without them, the answer's room first and those copies cut.
-            return self._assemble(*args, runs, None, verify_first)
+            return self._assemble(*args, runs, None, *checks)
 
     def _assemble(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
                   asked: list[Asked], sources: dict[int, Source], runs: dict,
-                  keep_for: int | None, verify_first: bool) -> tuple[Restorable, str]:
+                  keep_for: int | None, verify_first: frozenset[int], failed: dict
+                  ) -> tuple[Restorable, str]:
         """``runs`` (rank -> slot -> region -> (offset, nbytes)) answered where they lie: in
         this daemon's copies, and with ``keep_for`` in peers' copies pulled whole into
         segments served with that rank's answer. Slots of held copies that are only cut
-        are verified in the cut's pass over them, unless ``verify_first``."""
+        are verified in the cut's pass over them, but those of ``verify_first``'s ranks;
+        ``failed``: places found corrupt ((rank, kind, index) -> why), skipped."""
         needed: dict[int, list[int]] = {}
         for rank, slot in plan.sources():
             needed.setdefault(rank, []).append(slot)
         layout = asked_layout(asked)
         shards, used, views = {}, set(), {}
-        unverified = None if verify_first else {}  # (rank, slot) -> checksum, checked in the cut
+        unverified: dict = {}  # (rank, slot) -> checksum, checked in the cut
 
         def read(rank: int, keep: int | None = None) -> None:
             got, place, found = self._read(job, step, rank, needed[rank], sources[rank], held,
-                                           runs.get(rank, {}), keep, unverified)
+                                           runs.get(rank, {}), keep,
+                                           None if rank in verify_first else unverified, failed)
             shards.update({(rank, slot): data for slot, data in got.items()})
             views.update(found)
             used.add(place)
@@ -147,8 +153,9 @@ class Assembler:
                     else contextlib.nullcontext() as segment:
                 for rank in sorted(set(needed) - set(first)):
                     read(rank)
-                cut = self._cut_into(segment.view, cut_slots, plan, asked, shards,
-                                     unverified) if cut_slots else {}
+                # (were no region cut, the sources deferred would still be checked)
+                cut = self._cut_into(segment, cut_slots, plan, asked, shards, unverified) \
+                    if cut_slots or unverified else {}
         return _answered(step, world_size, layout, segment, views, cut, cut_slots), \
             ", ".join(sorted(used))
 
@@ -182,38 +189,44 @@ class Assembler:
             segment.prefault(self._store.workers)  # fresh pages: faulted in on every core
             yield segment
 
-    def _cut_into(self, view, slots, plan: RegionPlan, asked: list[Asked], shards: dict,
-                  unverified: dict | None) -> dict[tuple[int, int], int]:
-        """Fills ``slots`` (tensor, region, offset, nbytes) of ``view`` with those regions
+    def _cut_into(self, segment, slots, plan: RegionPlan, asked: list[Asked], shards: dict,
+                  unverified: dict) -> dict[tuple[int, int], int]:
+        """Fills ``slots`` (tensor, region, offset, nbytes) of ``segment`` with those regions
         of ``plan``, the ``unverified`` sources checked in the same pass (SourceCorrupt);
         their checksums by (tensor, region)."""
         filled = {}
         for t, r, offset, nbytes in slots:
             filled[(t, r)] = region_cut.Region(
-                view[offset:offset + nbytes], asked[t].boxes[r],
+                segment.view[offset:offset + nbytes], asked[t].boxes[r],
                 layout_lib.ITEMSIZE[asked[t].dtype], plan.pieces[t][r])
         with phases.timed("cut"):
-            return dict(zip(filled, region_cut.cut(list(filled.values()), shards,
-                                                   self._store.workers, unverified),
-                            strict=True))
+            return dict(zip(filled, region_cut.cut(
+                list(filled.values()), shards, self._store.workers, unverified,
+                self._store.options.checksum_threads), strict=True))
 
     def _read(self, job: str, step: int, rank: int, slots: list[int], source: Source,
-              held: contextlib.ExitStack, runs, keep_for: int | None = None,
-              unverified: dict | None = None) -> tuple[dict[int, np.ndarray], str, dict]:
-        """The verified bytes of ``slots`` of ``rank``'s copy, from its first intact place
+              held: contextlib.ExitStack, runs, keep_for: int | None, unverified: dict | None,
+              failed: dict) -> tuple[dict[int, np.ndarray], str, dict]:
+        """The bytes of ``slots`` of ``rank``'s copy, verified, from its first intact place
         (views of memory ``held`` keeps pinned or reserved), the place, and the ``runs``
         (slot -> region -> (offset, nbytes) in it) answered where they lie: region ->
         (segment path, offset, nbytes, checksum). Runs lie where the answer may point:
         in this daemon's copy, or in a peer's pulled whole into a segment served with
         the answer of rank ``keep_for`` (None: pulled into a scratch segment). Slots of a
-        held copy with no runs are left to verify, into ``unverified``, where it is given."""
+        held copy with no runs are left to verify, into ``unverified``, where it is given.
+        A place in ``failed`` is skipped; one found corrupt is recorded and added."""
         tried, corrupt = [], False
         for kind, index in source.places:
+            if (rank, kind, index) in failed:  # by an earlier attempt of this restore
+                tried.append(f"{kind}: {failed[(rank, kind, index)]}")
+                corrupt = True
+                continue
             try:
                 got, found = self._read_at(kind, index, job, step, rank, slots, source, held,
                                            runs, keep_for, unverified)
                 return got, kind, found
             except DataLoss as err:
+                failed[(rank, kind, index)] = str(err)
                 self._record(job, rank, step, kind if index is None else f"peer {index}",
                              str(err))
                 tried.append(f"{kind}: {err}")
@@ -290,7 +303,9 @@ class Assembler:
         but for those with no runs when ``unverified`` is given: their checksums go there,
         checked as they are cut. The copy stays pinned while ``held`` is open, so it is
         not recycled under them. ``runs`` are hashed in the same pass, and the copy is
-        handed out (never recycled: the client maps it) when there are any."""
+        handed out (never recycled: the client maps it) when there are any, even if a
+        slot left to the cut then fails (the answer names another; this one is unlinked
+        once freed)."""
         copy = self._store.pin(job, rank, step)
         held.callback(self._store.unpin, copy)
         if runs:  # the client maps it while it is verified
@@ -299,19 +314,21 @@ class Assembler:
         for slot in slots:
             _, _, offset, nbytes = copy.slots[slot]
             got[slot] = copy.segment.view[offset:offset + nbytes]
-        later = {} if unverified is None else {s: got[s] for s in slots if s not in runs}
-        for slot in later:
-            unverified[(rank, slot)] = copy.checksums[slot]
+        later = set() if unverified is None else {s for s in slots if s not in runs}
         now = {slot: data for slot, data in got.items() if slot not in later}
-        with phases.timed("verify"):
-            computed = list(self._store.workers.map(
-                lambda slot: checksum_with_runs(now[slot], list(runs.get(slot, {}).values())),
-                now))
+        computed = []
+        if now:
+            with phases.timed("verify"):
+                computed = list(self._store.workers.map(
+                    lambda slot: checksum_with_runs(now[slot],
+                                                    list(runs.get(slot, {}).values())), now))
         bad = [slot for slot, (value, _) in zip(now, computed, strict=True)
                if value != copy.checksums[slot]]
         if bad:
             raise DataLoss(f"step {step} of rank {rank}: slot {bad[0]} failed its checksum in "
                            "memory")
+        for slot in later:
+            unverified[(rank, slot)] = copy.checksums[slot]
         views = {}
         for slot, (_, sums) in zip(now, computed, strict=True):
             for (region, (offset, nbytes)), value in zip(runs.get(slot, {}).items(), sums,

@@ -14,9 +14,9 @@ order, so every hash sees its bytes in order. Regions that share a source to
 verify are cut on one worker, in that order (xxh3 streams, it cannot be split);
 other groups run in parallel (numpy's copies and xxhash release the GIL).
 On the dev VM's 2 cores, 256 MB resharded rows -> columns over 12 tensors:
-verified then cut 62 ms, in one pass 28 ms, and 51 ms on one worker (what a
-state that is one tensor gets: still faster here; on a host with many
-checksum threads such a state would be cut faster verified first).
+verified then cut 62 ms, in one pass 28 ms. A tensor more than one worker's
+share of the state (one pass on one worker: 51 ms for all 256 MB) has its
+sources checked first, on every worker, and its regions cut apart.
 """
 
 import concurrent.futures
@@ -25,7 +25,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from bubblesnap.protos.checksum import FUSED_BLOCK_BYTES, new_hasher
+from bubblesnap.protos.checksum import FUSED_BLOCK_BYTES, checksum, new_hasher
 from bubblesnap.service.region_plan import Piece
 from bubblesnap.service.store import regions
 
@@ -60,14 +60,33 @@ class _Group:
 
 
 def cut(regions_to_fill: list[Region], shards: dict, workers: Executor | None = None,
-        unverified: dict | None = None) -> tuple[int, ...]:
+        unverified: dict | None = None, threads: int = 1) -> tuple[int, ...]:
     """Fills every region from ``shards`` ((rank, slot) -> the source shard's bytes) and
     returns each region's checksum, in order. ``unverified``: (rank, slot) -> the
     checksum that source must have, hashed as it is cut; SourceCorrupt (after every
-    region is done) names those that differ. ``workers``: groups run on them, the
-    largest first; None: here, one after the other."""
+    region is done) names those that differ. ``workers`` (``threads`` of them): groups
+    run on them, the largest first; None: here, one after the other. A group more than
+    one worker's share of the bytes has its sources checked first, on every worker,
+    and its regions cut apart (one worker would be the whole cut's bottleneck)."""
     unverified = unverified or {}
+
+    def size(group: _Group) -> int:
+        return sum(regions_to_fill[i].target.nbytes for i in group.regions) + \
+            sum(np.asarray(shards[key]).nbytes for key in group.sources)
+
     groups = _groups(regions_to_fill, unverified)
+    total = sum(size(g) for g in groups)
+    large = [g for g in groups if g.sources and workers is not None and threads > 1
+             and size(g) * threads > total]
+    if large:
+        keys = [key for g in large for key in g.sources]
+        sums = list(workers.map(lambda key: checksum(shards[key]), keys))
+        bad = sorted(key for key, value in zip(keys, sums, strict=True)
+                     if value != unverified[key])
+        if bad:
+            raise SourceCorrupt(bad)
+        groups = [g for g in groups if g not in large] + \
+            [_Group((i,), {}) for g in large for i in g.regions]
 
     def fill(group: _Group) -> tuple[list[int], list[int]]:
         return _fill([regions_to_fill[i] for i in group.regions], group.sources, shards)
@@ -75,13 +94,14 @@ def cut(regions_to_fill: list[Region], shards: dict, workers: Executor | None = 
     if workers is None:
         results = [fill(group) for group in groups]
     else:
-        def size(group: _Group) -> int:
-            return sum(regions_to_fill[i].target.nbytes for i in group.regions) + \
-                sum(np.asarray(shards[key]).nbytes for key in group.sources)
-        futures = {id(g): workers.submit(fill, g) for g in sorted(groups, key=lambda g: -size(g))}
-        # every group done (or failed) before any error is raised: the caller frees the
-        # sources right after, and no worker may still be reading them
-        concurrent.futures.wait(futures.values())
+        futures: dict = {}
+        try:
+            for group in sorted(groups, key=lambda g: -size(g)):
+                futures[id(group)] = workers.submit(fill, group)
+        finally:
+            # every group done (or failed) before any error is raised: the caller frees
+            # the sources right after, and no worker may still be reading them
+            concurrent.futures.wait(futures.values())
         results = [futures[id(group)].result() for group in groups]
     checksums: list = [None] * len(regions_to_fill)
     bad = []

@@ -150,3 +150,30 @@ def test_a_flipped_byte_in_a_source_is_caught_even_where_no_region_reads_it():
     with pytest.raises(region_cut.SourceCorrupt):
         region_cut.cut(filled, shards, unverified={(0, 0): truth})
     assert filled[0].target.tobytes() == _expected(array, ((0, 2), (1, 3))).tobytes()
+
+
+def test_a_tensor_larger_than_one_workers_share_has_its_sources_checked_first(monkeypatch):
+    # One tensor is the whole state: cut in one pass it would run on one worker, so its
+    # sources are checked first on every worker and its regions cut apart.
+    monkeypatch.setattr(region_cut, "FUSED_BLOCK_BYTES", 128)
+    array = np.arange(24 * 10, dtype=np.float32).reshape(24, 10)
+    rows = [((0, 12), (0, 10)), ((12, 24), (0, 10))]
+    shards, _ = _sources(array, rows)
+    truth = {key: checksum(data) for key, data in shards.items()}
+    filled = _regions(array, rows, [((0, 24), (0, 5)), ((0, 24), (5, 10))])
+    hashed_in_the_cut = []
+    fill = region_cut._fill
+    monkeypatch.setattr(region_cut, "_fill", lambda regions_to_fill, sources, got: (
+        hashed_in_the_cut.extend(sources), fill(regions_to_fill, sources, got))[1])
+    with ThreadPoolExecutor(2) as workers:
+        checksums = region_cut.cut(filled, shards, workers, dict(truth), threads=2)
+        assert hashed_in_the_cut == []
+        for region, got in zip(filled, checksums, strict=True):
+            expected = _expected(array, region.box)
+            assert region.target.tobytes() == expected.tobytes()
+            assert got == checksum(expected.reshape(-1).view(np.uint8))
+        with pytest.raises(region_cut.SourceCorrupt) as raised:
+            region_cut.cut(filled, shards, workers, {**truth, (1, 0): 7}, threads=2)
+        assert raised.value.sources == [(1, 0)]
+        region_cut.cut(filled, shards, workers, dict(truth), threads=1)  # one pass
+        assert sorted(hashed_in_the_cut) == [(0, 0), (1, 0)]

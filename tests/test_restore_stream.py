@@ -201,6 +201,38 @@ def test_a_corrupt_copy_given_up_names_the_segment_that_replaced_it(start_ring):
     assert_restores(ring.daemons[0], 0, 0, "memory", world=2)  # the peer's copy, kept
 
 
+def test_copies_corrupt_in_a_run_and_in_a_cut_are_each_recorded_once(start_ring):
+    """Rows 4:8 lie as a run in rank 1's held copy: checked up front, it fails and its
+    replica on the peer serves. Rows 1:3 are cut from rank 0's: checked in the cut, it
+    fails there and the restore reads again, rank 0's copy checked first; rank 1's,
+    found corrupt already, is neither read nor recorded again."""
+    a = start_ring(2, "--replicas", "1").daemons[0]
+    two_rank_job(a, JOB, steps=())
+    held = {}
+    for rank, arrays in ((0, [GLOBAL[0:4], np.int32(0)]), (1, [GLOBAL[4:8]])):
+        staging = a.stub.BeginStep(pb.BeginStepRequest(job=JOB, rank=rank, step=0), timeout=10)
+        with open(staging.segment_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+            for slot, array in zip(staging.slots, arrays, strict=True):
+                m[slot.offset:slot.offset + slot.nbytes] = np.asarray(array).tobytes()
+        a.stub.CommitStep(pb.CommitStepRequest(job=JOB, rank=rank, step=0), timeout=10)
+        held[rank] = (staging.segment_path, staging.slots[0].offset)
+    wait_for(lambda: committed(a, 0), "step 0 committed with both ranks' copies twice")
+    for path, offset in held.values():
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+            m[offset + 5] ^= 0x10  # a bit flips in host memory
+    request = pb.RestoreRequest(job=JOB, rank=0, world_size=1, tensors=[pb.TensorRequest(
+        name="w", dtype="float32", global_shape=[8, 6], regions=[
+            pb.Region(index=[pb.Slice(start=a, stop=b), pb.Slice(start=0, stop=6)])
+            for a, b in ((1, 3), (4, 8))])])
+    _, answer = streamed(a, request)
+    got = read_answer(answer)
+    assert got[("w", 0)].tobytes() == GLOBAL[1:3].tobytes()
+    assert got[("w", 1)].tobytes() == GLOBAL[4:8].tobytes() and answer.source == "peer"
+    status = a.stub.Status(pb.StatusRequest(job=JOB), timeout=10).jobs[0]
+    assert sorted((c.rank, c.step, c.source) for c in status.corrupt_copies) == \
+        [(0, 0, "memory"), (1, 0, "memory")]
+
+
 def test_bad_input_over_the_stream_gets_its_code_and_the_daemon_keeps_serving(daemon):
     two_rank_job(daemon, JOB)
 
