@@ -894,17 +894,26 @@ class Bench:
         deadline = time.monotonic() + 10 + 3 * self.state_bytes / 1e9
         for name, segments in self.plan.warm.items():
             daemon = getattr(self, name.lower())
-            while daemon is not None and time.monotonic() < deadline:
-                memory = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory
-                # full: the segments one restore lands in (the pool makes them in the
-                # sizes asked lately, each at least the state's bytes, up to its target)
-                if memory.warm_bytes >= min(memory.warm_pool_bytes,
-                                            segments * self.state_bytes):
-                    break
-                time.sleep(0.02)
-            else:
-                if daemon is not None:
-                    self.results.settle_timeouts += 1
+            if daemon is not None and not self._refilled(daemon, segments, deadline):
+                self.results.settle_timeouts += 1
+
+    def _refilled(self, daemon, segments: int, deadline: float) -> bool:
+        """Whether ``daemon``'s warm pool holds the ``segments`` states one restore lands
+        in before ``deadline`` (the pool makes them in the sizes asked lately, each at
+        least the state's bytes, up to its target). A Status answered only after the
+        deadline counts as not: a starved daemon (a loaded host, the whole test suite
+        beside it) once took over 10 s to answer one."""
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                memory = daemon.stub.Status(pb.StatusRequest(), timeout=left).memory
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return False
+                raise
+            if memory.warm_bytes >= min(memory.warm_pool_bytes, segments * self.state_bytes):
+                return True
+            time.sleep(0.02)
+        return False
 
     def _peak_reset(self) -> int:
         """This process's RSS now, its peak reset to it (before a restore's clock); the
