@@ -80,9 +80,8 @@ def cut(regions_to_fill: list[Region], shards: dict, workers: Executor | None = 
              and size(g) * threads > total]
     if large:
         keys = [key for g in large for key in g.sources]
-        sums = list(workers.map(lambda key: checksum(shards[key]), keys))
-        bad = sorted(key for key, value in zip(keys, sums, strict=True)
-                     if value != unverified[key])
+        bad = _differing(keys, workers.map(lambda key: checksum(shards[key]), keys),
+                         unverified)
         if bad:
             raise SourceCorrupt(bad)
         groups = [g for g in groups if g not in large] + \
@@ -108,11 +107,15 @@ def cut(regions_to_fill: list[Region], shards: dict, workers: Executor | None = 
     for group, (region_sums, source_sums) in zip(groups, results, strict=True):
         for i, value in zip(group.regions, region_sums, strict=True):
             checksums[i] = value
-        bad.extend(key for key, value in zip(group.sources, source_sums, strict=True)
-                   if value != unverified[key])
+        bad.extend(_differing(list(group.sources), source_sums, unverified))
     if bad:
         raise SourceCorrupt(sorted(bad))
     return tuple(checksums)
+
+
+def _differing(keys: list, sums, unverified: dict) -> list:
+    """The ``keys`` whose hashes ``sums`` (in order) differ from ``unverified``'s, sorted."""
+    return sorted(key for key, value in zip(keys, sums, strict=True) if value != unverified[key])
 
 
 def _groups(regions_to_fill: list[Region], unverified: dict) -> list[_Group]:
