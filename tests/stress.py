@@ -41,7 +41,7 @@ FAULT_PRONE = (
     "tests/test_trainer_api.py::test_a_begin_step_that_waited_past_its_deadline_reserves_nothing",
     "tests/test_benchmarks.py::test_benchmark_runs_quick_and_reports_what_the_docs_document"
     "[gpu]",
-    "tests/test_pacing.py::test_steps_the_coalescing_skipped_are_not_pushed_by_the_refresh",
+    "tests/test_pacing.py::test_the_coalescing_pushes_the_roundest_then_the_newest_and_no_other",
 )
 
 

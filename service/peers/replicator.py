@@ -8,7 +8,9 @@ crosses the network once per group (each copy names the ranks it holds). When
 replication falls behind training (slow network, busy cores), the waiting
 steps of a rank collapse into one: the "roundest" (most trailing zero bits,
 then newest), so daemons that fall behind by different amounts still pick
-common steps, and a step gets committed for the whole job. Every
+common steps, and a step gets committed for the whole job; a newer step
+waits for the next round (a run that stops must not leave its newest step
+with one copy), the others are skipped. Every
 ``refresh_seconds`` the group's holdings are gathered: they say which steps
 are committed (each rank 1 + k times, which drives retention) and which
 copies lost a holder (a dead peer), which this daemon then pushes again; a
@@ -50,9 +52,9 @@ class Replicator:
         self._seen: dict[str, dict] = {}  # job -> holders() of its last gathering
         self._rolled_back: dict[str, int] = {}  # job -> step, until etcd judges anew
         self._probed: dict[int, float] = {}  # when a peer believed dead was last asked
-        # (job, rank) -> when its oldest commit still waiting here was made: a step that
-        # replaced older ones waits no longer than they may.
-        self._since: dict[tuple[str, int], float] = {}
+        # (job, rank) -> step -> when it was committed here, for the commits waiting for
+        # their push: a step that replaced older ones waits no longer than they may.
+        self._waiting: dict[tuple[str, int], dict[int, float]] = {}
         # (job, rank) -> the step its last new-copy push left short of k peers (none live
         # then, or they failed; or adopted unpushed at start): the refresh pushes it
         # once nothing newer of the rank waits.
@@ -81,7 +83,7 @@ class Replicator:
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here: replicate it soon."""
         with self._lock:
-            self._since.setdefault((job, rank), time.monotonic())
+            self._waiting.setdefault((job, rank), {}).setdefault(step, time.monotonic())
         self._worker.submit((job, rank), step)
 
     def summary_changed(self, job: str) -> None:
@@ -114,7 +116,8 @@ class Replicator:
         with self._lock:
             self._views.pop(job, None)
             self._seen.pop(job, None)
-            self._since = {key: t for key, t in self._since.items() if key[0] != job}
+            self._waiting = {key: kept for key, times in self._waiting.items() if (kept := {
+                s: t for s, t in times.items() if key[0] != job or s <= step})}
             self._short = {key: s for key, s in self._short.items()
                            if key[0] != job or s <= step}
             self._rolled_back[job] = step
@@ -143,24 +146,38 @@ class Replicator:
     # -- the thread -----------------------------------------------------------
 
     def _replicate_batch(self, batch: dict) -> None:
-        """One step per (job, rank) is replicated now, the roundest; the others are
-        dropped. Then what these commits changed is gathered."""
+        """One step per (job, rank) is replicated now, the roundest; a newer one waits
+        for the next round, the others are dropped. Then what these commits changed is
+        gathered."""
         # (job, None) keys only ask for the refresh below (summary_changed); (None, None)
         # for a refresh of every job (seated)
-        for (job, rank), steps in sorted((key, steps) for key, steps in batch.items()
-                                         if key[1] is not None):
-            self._replicate_new(job, rank, group_view.roundest(steps))
+        for key, steps in sorted((key, steps) for key, steps in batch.items()
+                                 if key[1] is not None):
+            now = time.monotonic()
+            with self._lock:
+                times = self._waiting.get(key, {})
+                committed_at = {step: times.pop(step, now) for step in steps}
+                if not times:
+                    self._waiting.pop(key, None)
+            step, newest = group_view.roundest(steps), max(steps)
+            self._replicate_new(*key, step, since=min(committed_at.values()))
+            if newest > step:
+                # The newest waits for the next round, where newer commits may replace it:
+                # skipped, it would stay one copy for good in a run that stops here.
+                with self._lock:
+                    self._waiting.setdefault(key, {}).setdefault(newest, committed_at[newest])
+                self._worker.submit(key, newest)
         if (None, None) in batch:
             self._refresh(None)
         for job in sorted({job for job, _ in batch if job is not None}):
             self._refresh(job)
 
-    def _replicate_new(self, job: str, rank: int, step: int) -> None:
+    def _replicate_new(self, job: str, rank: int, step: int, since: float) -> None:
+        """Pushes a new copy to the next k daemons; ``since``: when the oldest commit it
+        replaced was made (the pacing's wait bound counts from then)."""
         # The next k daemons that answer, in ring order. One believed dead is
         # asked first with a short call: daemons start one after another, and a
         # peer missed at startup must not lose its place in the ring.
-        with self._lock:
-            since = self._since.pop((job, rank), time.monotonic())
         waited = self.idle.wait(since, self._worker.stopping)
         gate = self.idle.gate(since, self._worker.stopping)
         started, acked, nbytes = time.monotonic(), 0, 0
@@ -236,7 +253,7 @@ class Replicator:
         unpushed = self._store.unpushed(job)
         with self._lock:
             short = {(rank, step) for (name, rank), step in self._short.items()
-                     if name == job and (name, rank) not in self._since}
+                     if name == job and (name, rank) not in self._waiting}
         return unpushed - short
 
     def _changed(self, job: str, holdings) -> set[int]:
