@@ -51,6 +51,7 @@ class Replicator:
         self._views: dict[str, list[group_view.Holding]] = {}
         self._seen: dict[str, dict] = {}  # job -> holders() of its last gathering
         self._rolled_back: dict[str, int] = {}  # job -> step, until etcd judges anew
+        self._rollbacks: dict[str, int] = {}  # job -> how many times it was rolled back
         self._probed: dict[int, float] = {}  # when a peer believed dead was last asked
         # (job, rank) -> step -> when it was committed here, for the commits waiting for
         # their push: a step that replaced older ones waits no longer than they may.
@@ -121,6 +122,7 @@ class Replicator:
             self._short = {key: s for key, s in self._short.items()
                            if key[0] != job or s <= step}
             self._rolled_back[job] = step
+            self._rollbacks[job] = self._rollbacks.get(job, 0) + 1
         # (job, None) items ask for a refresh after a summary changed: they stay
         self._worker.drop(lambda key, waiting: key[0] != job or waiting is None
                           or waiting <= step)
@@ -151,26 +153,37 @@ class Replicator:
         gathered."""
         # (job, None) keys only ask for the refresh below (summary_changed); (None, None)
         # for a refresh of every job (seated)
-        for key, steps in sorted((key, steps) for key, steps in batch.items()
-                                 if key[1] is not None):
-            now = time.monotonic()
-            with self._lock:
+        now, taken = time.monotonic(), []
+        with self._lock:
+            rollbacks = dict(self._rollbacks)
+            for key, steps in sorted(item for item in batch.items() if item[0][1] is not None):
                 times = self._waiting.get(key, {})
-                committed_at = {step: times.pop(step, now) for step in steps}
+                taken.append((key, steps, {step: times.pop(step, now) for step in steps}))
                 if not times:
                     self._waiting.pop(key, None)
+        for key, steps, committed_at in taken:
             step, newest = group_view.roundest(steps), max(steps)
-            self._replicate_new(*key, step, since=min(committed_at.values()))
-            if newest > step:
-                # The newest waits for the next round, where newer commits may replace it:
-                # skipped, it would stay one copy for good in a run that stops here.
-                with self._lock:
-                    self._waiting.setdefault(key, {}).setdefault(newest, committed_at[newest])
-                self._worker.submit(key, newest)
+            try:
+                self._replicate_new(*key, step, since=min(committed_at.values()))
+            finally:
+                if newest > step:
+                    self._carry(key, newest, committed_at[newest], rollbacks.get(key[0], 0))
         if (None, None) in batch:
             self._refresh(None)
         for job in sorted({job for job, _ in batch if job is not None}):
             self._refresh(job)
+
+    def _carry(self, key: tuple[str, int], step: int, committed_at: float,
+               rollbacks: int) -> None:
+        """Puts a waiting step the round passed over (newer than the one it pushed) into
+        the next round, where newer commits may replace it: skipped, it would stay one
+        copy for good in a run that stops here. Not when the job was rolled back since
+        the round began (the step may be gone, or re-committed with other bytes)."""
+        with self._lock:  # a rollback's drop() comes after its count: it sees this item
+            if self._rollbacks.get(key[0], 0) != rollbacks:
+                return
+            self._waiting.setdefault(key, {}).setdefault(step, committed_at)
+            self._worker.submit(key, step)
 
     def _replicate_new(self, job: str, rank: int, step: int, since: float) -> None:
         """Pushes a new copy to the next k daemons; ``since``: when the oldest commit it
