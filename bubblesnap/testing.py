@@ -32,6 +32,7 @@ shared-memory and socket folders (and the folders made with
 
 import json
 import os
+import random
 import re
 import select
 import shutil
@@ -68,15 +69,35 @@ class DaemonError(RuntimeError):
     """The daemon exited, or printed no ready line in time."""
 
 
+#: Where :func:`free_port` looks when the kernel's ephemeral range leaves room below it.
+_LOWEST_PORT = 10000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now.
+    """A TCP port free on ``host`` right now, below the kernel's ephemeral range.
 
     For addresses that must be known before the daemon that binds them starts
-    (a ring's ``--peers`` list); another process may take the port meanwhile.
+    (a ring's ``--peers`` list). A port of that range could be taken meanwhile
+    as the source port of any outgoing connection (a benchmark's daemon once
+    failed to bind one that way); below it only a process binding that very
+    port can, so one is drawn at random. Where the range leaves no room below
+    it, the kernel picks.
     """
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = _LOWEST_PORT
+    candidates = random.sample(range(_LOWEST_PORT, max(_LOWEST_PORT, ephemeral_low)),
+                               k=min(64, max(0, ephemeral_low - _LOWEST_PORT)))
+    for port in [*candidates, 0]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no TCP port free on {host}")
 
 
 def freeze(pid: int, timeout: float = 30.0) -> None:

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,19 @@ def test_kill_is_sigkill_and_leaves_nothing_in_its_own_shm_dir():
     daemon = DaemonProcess(own_shm_dir=True)
     assert daemon.kill() == -signal.SIGKILL
     assert not daemon.alive() and not os.path.exists(daemon.own_shm_dir)
+
+
+def test_a_free_port_is_one_no_outgoing_connection_can_take():
+    """Below the kernel's ephemeral range (where it leaves room), and free."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    if ephemeral_low <= 10000:
+        pytest.skip(f"the ephemeral range starts at {ephemeral_low}: no room below it")
+    ports = {free_port() for _ in range(8)}
+    assert all(port < ephemeral_low for port in ports), ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_a_daemon_that_cannot_start_raises_with_its_log(tmp_path):
