@@ -31,7 +31,8 @@ class ClientOptions:
         snapshots are skipped without asking it again, >= 0. Default 10 s.
       verify_restore: recompute checksums of restored bytes in the client too
         (the daemon checks them right before it hands a step over, and never
-        writes that memory again). Default False.
+        writes that memory again; without it, regions the daemon cuts for
+        another mesh are not hashed for the answer). Default False.
       show_progress: a progress bar on stderr (bytes, rate, time left) for a
         restore that takes more than half a second, as the daemon reads the
         copy from a peer or the durable tier. Default False (many processes of

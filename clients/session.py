@@ -324,7 +324,8 @@ class Session:
             self._lane.drop_reservation()  # the job may go back to an earlier step
         request = pb.RestoreRequest(job=self.job, rank=self.rank,
                                     replica_group=self._replica_group, alone=alone,
-                                    world_size=self.world_size, tensors=tensors)
+                                    world_size=self.world_size, tensors=tensors,
+                                    skip_answer_checksums=not self.options.verify_restore)
         if step is not None:
             request.step = step
         found, segments, phases = restore_call(self._stub, request, self.options)

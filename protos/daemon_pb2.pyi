@@ -515,7 +515,7 @@ class LeftFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., reason: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "replica_group", "alone", "world_size", "tensors")
+    __slots__ = ("job", "rank", "step", "replica_group", "alone", "world_size", "tensors", "skip_answer_checksums")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +523,7 @@ class RestoreRequest(_message.Message):
     ALONE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_ANSWER_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
@@ -530,7 +531,8 @@ class RestoreRequest(_message.Message):
     alone: bool
     world_size: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorRequest]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ..., alone: _Optional[bool] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRequest, _Mapping]]] = ...) -> None: ...
+    skip_answer_checksums: bool
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ..., alone: _Optional[bool] = ..., world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorRequest, _Mapping]]] = ..., skip_answer_checksums: _Optional[bool] = ...) -> None: ...
 
 class TensorRequest(_message.Message):
     __slots__ = ("name", "dtype", "global_shape", "regions")

@@ -29,7 +29,7 @@ from bubblesnap.service.errors import (
     Unavailable,
     reason,
 )
-from bubblesnap.service.region_plan import Asked, RegionPlan
+from bubblesnap.service.region_plan import AnswerForm, Asked, RegionPlan
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store import regions
 from bubblesnap.service.store.views import Restorable
@@ -78,14 +78,14 @@ class Assembler:
         self._record = record or (lambda *args: None)
 
     def assemble(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
-                 asked: list[Asked], sources: dict[int, Source], several_segments: bool = False
+                 asked: list[Asked], sources: dict[int, Source], answer: AnswerForm = AnswerForm()
                  ) -> tuple[Restorable, str]:
-        """The regions asked, and where their bytes came from. ``several_segments`` (the
-        caller reads slots from several): a region that lies as one aligned run in a copy
-        this daemon holds, or in a peer's copy pulled whole, is answered as a view of
-        that copy's segment; the others are cut into one new segment."""
+        """The regions asked, and where their bytes came from. ``answer.several_segments``:
+        a region that lies as one aligned run in a copy this daemon holds, or in a peer's
+        copy pulled whole, is answered as a view of that copy's segment; the others are
+        cut into one new segment (hashed only for ``answer.checksums``)."""
         self._store.restore_segments.release(job, caller)  # the rank's earlier answer
-        args = (job, step, world_size, caller, plan, asked, sources, several_segments)
+        args = (job, step, world_size, caller, plan, asked, sources, answer)
         # Places found corrupt, kept across the attempts below: each recorded once.
         failed: dict = {}
         verify_first: frozenset[int] = frozenset()
@@ -99,11 +99,11 @@ class Assembler:
                 verify_first |= {rank for rank, _ in err.sources}
 
     def _assemble_runs(self, job, step, world_size, caller, plan, asked, sources,
-                       several_segments: bool, verify_first: frozenset[int], failed: dict):
+                       answer: AnswerForm, verify_first: frozenset[int], failed: dict):
         """As ``assemble``: ``verify_first``'s held copies checked first, ``failed`` skipped."""
-        args = (job, step, world_size, caller, plan, asked, sources)
+        args = (job, step, world_size, caller, plan, asked, sources, answer)
         checks = (verify_first, failed)
-        if not several_segments:
+        if not answer.several_segments:
             return self._assemble(*args, {}, None, *checks)
         here = {r for r, _ in plan.sources() if sources[r].places[0][0] != "durable"}
         runs = _runs(plan, asked, here)
@@ -115,8 +115,8 @@ class Assembler:
             return self._assemble(*args, runs, None, *checks)
 
     def _assemble(self, job: str, step: int, world_size: int, caller: int, plan: RegionPlan,
-                  asked: list[Asked], sources: dict[int, Source], runs: dict,
-                  keep_for: int | None, verify_first: frozenset[int], failed: dict
+                  asked: list[Asked], sources: dict[int, Source], answer: AnswerForm,
+                  runs: dict, keep_for: int | None, verify_first: frozenset[int], failed: dict
                   ) -> tuple[Restorable, str]:
         """``runs`` (rank -> slot -> region -> (offset, nbytes)) answered where they lie: in
         this daemon's copies, and with ``keep_for`` in peers' copies pulled whole into
@@ -154,8 +154,8 @@ class Assembler:
                 for rank in sorted(set(needed) - set(first)):
                     read(rank)
                 # (were no region cut, the sources deferred would still be checked)
-                cut = self._cut_into(segment, cut_slots, plan, asked, shards, unverified) \
-                    if cut_slots or unverified else {}
+                cut = self._cut_into(segment, cut_slots, plan, asked, shards, unverified,
+                                     answer.checksums) if cut_slots or unverified else {}
         return _answered(step, world_size, layout, segment, views, cut, cut_slots), \
             ", ".join(sorted(used))
 
@@ -190,10 +190,10 @@ class Assembler:
             yield segment
 
     def _cut_into(self, segment, slots, plan: RegionPlan, asked: list[Asked], shards: dict,
-                  unverified: dict) -> dict[tuple[int, int], int]:
+                  unverified: dict, hashed: bool) -> dict[tuple[int, int], int]:
         """Fills ``slots`` (tensor, region, offset, nbytes) of ``segment`` with those regions
         of ``plan``, the ``unverified`` sources checked in the same pass (SourceCorrupt);
-        their checksums by (tensor, region)."""
+        their checksums by (tensor, region) (0 unless ``hashed``)."""
         filled = {}
         for t, r, offset, nbytes in slots:
             filled[(t, r)] = region_cut.Region(
@@ -202,7 +202,7 @@ class Assembler:
         with phases.timed("cut"):
             return dict(zip(filled, region_cut.cut(
                 list(filled.values()), shards, self._store.workers, unverified,
-                self._store.options.checksum_threads), strict=True))
+                self._store.options.checksum_threads, hashed), strict=True))
 
     def _read(self, job: str, step: int, rank: int, slots: list[int], source: Source,
               held: contextlib.ExitStack, runs, keep_for: int | None, unverified: dict | None,

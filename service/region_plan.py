@@ -27,6 +27,21 @@ class Asked:
     boxes: tuple[Box, ...]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AnswerForm:
+    """How the caller reads a restore's answer.
+
+    several_segments: slots may point into several segments (RestoreStream), so a
+      region that lies as one run in a copy is answered where it lies. Default False.
+    checksums: the caller checks the answer's checksums; without, the regions cut
+      anew are not hashed (checksum 0). Their sources are verified either way.
+      Default True.
+    """
+
+    several_segments: bool = False
+    checksums: bool = True
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """Part ``box`` (global coordinates) of a requested region comes from slot ``slot`` of

@@ -85,7 +85,7 @@ class Restorer:
 
     def restore(self, job: str, rank: int, step: int | None = None, replica_group=(),
                 alone: bool = False, world_size: int = 0, asked=(),
-                several_segments: bool = False) -> Restored:
+                answer: region_plan.AnswerForm = region_plan.AnswerForm()) -> Restored:
         """The rank's state at ``step`` (default: the latest the whole job can restore).
 
         ``asked`` (region_plan.Asked per tensor): the regions the caller's
@@ -96,17 +96,16 @@ class Restorer:
         size gets. A member of a replica group gets its copier's copy. With
         peers or a durable tier the rank need not be registered here: a
         replacement host's trainer restores first, naming its
-        ``replica_group``, and registers after. ``several_segments``: the caller reads an
-        answer's slots from several segments (``Restorable.other_segments``), so the
-        regions that lie as one run in a copy are answered where they lie.
+        ``replica_group``, and registers after. ``answer``: how the caller reads the
+        answer of a restore by regions (several segments; its checksums or not).
         """
         with phases.record() as spent:
             restored = self._restore(job, rank, step, replica_group, alone, world_size, asked,
-                                     several_segments)
+                                     answer)
         return dataclasses.replace(restored, phases=tuple(spent.items()))
 
     def _restore(self, job: str, rank: int, step: int | None, replica_group, alone: bool,
-                 world_size: int, asked, several_segments: bool) -> Restored:
+                 world_size: int, asked, answer: region_plan.AnswerForm) -> Restored:
         with phases.timed("holdings"):
             holdings = self.holdings(job, answered=True)
             durable = self.durable_steps(job)
@@ -141,10 +140,10 @@ class Restorer:
             if not asked:
                 return self._fetch(job, world, rank, copier, step, group, holdings, durable)
             return self._fetch_regions(job, step, step_world, copier, list(asked), plan,
-                                       sources, several_segments)
+                                       sources, answer)
 
     def _fetch_regions(self, job: str, step: int, world: int, copier: int, asked, plan,
-                       sources, several_segments: bool) -> Restored:
+                       sources, answer: region_plan.AnswerForm) -> Restored:
         exact = plan.exact_copy()
         places = dict(sources[exact].places) if exact is not None else {}
         if "memory" in places or "peer" in places:  # one copy holds it all: no bytes move
@@ -161,7 +160,7 @@ class Restorer:
                                                  sources[exact])
             return Restored(found, "durable", "")
         found, used = self._assembler.assemble(job, step, world, copier, plan, asked, sources,
-                                               several_segments)
+                                               answer)
         return Restored(found, used, "")
 
     def _sources(self, job: str, step: int, holdings, durable) -> dict[int, assembly.Source]:

@@ -127,10 +127,16 @@ def test_sources_to_verify_are_checked_in_the_pass_that_cuts_them(monkeypatch, t
         for region, want, got in zip(filled, expected, checksums, strict=True):
             assert region.target.tobytes() == want.tobytes()
             assert got == checksum(want.reshape(-1).view(np.uint8))
-        for wrong in [(1, 0), (6, 0), (9, 3)]:
+        # for a caller that checks no checksum: the same bytes, the regions not hashed
+        for region in filled:
+            region.target[...] = 0
+        assert region_cut.cut(filled, shards, workers, dict(truth), hashed=False) == (0,) * 4
+        for region, want in zip(filled, expected, strict=True):
+            assert region.target.tobytes() == want.tobytes()
+        for wrong, hashed in [((1, 0), True), ((6, 0), True), ((9, 3), True), ((1, 0), False)]:
             with pytest.raises(region_cut.SourceCorrupt) as raised:
                 region_cut.cut(filled, shards, workers,
-                               unverified={**truth, wrong: truth[wrong] ^ 1})
+                               unverified={**truth, wrong: truth[wrong] ^ 1}, hashed=hashed)
             assert raised.value.sources == [wrong]
     finally:
         if workers:
@@ -163,8 +169,8 @@ def test_a_tensor_larger_than_one_workers_share_has_its_sources_checked_first(mo
     filled = _regions(array, rows, [((0, 24), (0, 5)), ((0, 24), (5, 10))])
     hashed_in_the_cut = []
     fill = region_cut._fill
-    monkeypatch.setattr(region_cut, "_fill", lambda regions_to_fill, sources, got: (
-        hashed_in_the_cut.extend(sources), fill(regions_to_fill, sources, got))[1])
+    monkeypatch.setattr(region_cut, "_fill", lambda regions_to_fill, sources, *rest: (
+        hashed_in_the_cut.extend(sources), fill(regions_to_fill, sources, *rest))[1])
     with ThreadPoolExecutor(2) as workers:
         checksums = region_cut.cut(filled, shards, workers, dict(truth), threads=2)
         assert hashed_in_the_cut == []

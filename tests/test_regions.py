@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.region_plan import Asked, plan
 from bubblesnap.service.store.layout import build_layout
 from bubblesnap.testing import wait_for
@@ -38,8 +39,8 @@ def snapshot(stub, job, rank, step, arrays):
     return stub.CommitStep(pb.CommitStepRequest(job=job, rank=rank, step=step), timeout=10)
 
 
-def restore(stub, job, rank, world, asked, step=None):
-    request = pb.RestoreRequest(job=job, rank=rank, world_size=world, tensors=[
+def restore(stub, job, rank, world, asked, step=None, **fields):
+    request = pb.RestoreRequest(job=job, rank=rank, world_size=world, **fields, tensors=[
         pb.TensorRequest(name=name, dtype=dtype, global_shape=shape, regions=[
             pb.Region(index=[pb.Slice(start=a, stop=b) for a, b in box]) for box in boxes])
         for name, dtype, shape, boxes in asked])
@@ -100,14 +101,20 @@ def test_registrations_that_can_never_cover_are_refused(daemon):
 def test_regions_are_gathered_from_every_ranks_copy(daemon):
     two_rank_job(daemon, steps=(0, 1))
     # Another mesh: columns split in two, and the whole array once.
-    answer, got = restore(daemon.stub, "wide", 0, 1, [
-        ("w", "float32", (8, 6), [((0, 8), (0, 3)), ((0, 8), (3, 6)), ((0, 8), (0, 6))]),
-        ("s", "int32", (), [()])])
+    asked = [("w", "float32", (8, 6), [((0, 8), (0, 3)), ((0, 8), (3, 6)), ((0, 8), (0, 6))]),
+             ("s", "int32", (), [()])]
+    answer, got = restore(daemon.stub, "wide", 0, 1, asked)
     assert answer.step == 1 and answer.world_size == 2
     assert (got[("w", 0)] == GLOBAL[:, 0:3] + 1).all()
     assert (got[("w", 1)] == GLOBAL[:, 3:6] + 1).all()
     assert (got[("w", 2)] == GLOBAL + 1).all()
     assert got[("s", 0)] == 1
+    assert list(answer.checksums) == [checksum(a.reshape(-1).view(np.uint8))
+                                      for a in got.values()]
+    # A caller that checks no checksum gets the same bytes, the cut regions not hashed.
+    unhashed, same = restore(daemon.stub, "wide", 0, 1, asked, skip_answer_checksums=True)
+    assert {k: a.tobytes() for k, a in same.items()} == {k: a.tobytes() for k, a in got.items()}
+    assert list(unhashed.checksums) == [0] * len(got)
     # A region inside one rank's shard, and one across both.
     _, got = restore(daemon.stub, "wide", 1, 2, [("w", "float32", (8, 6),
                                                   [((5, 7), (1, 2)), ((3, 5), (2, 6))])],

@@ -14,7 +14,7 @@ from bubblesnap.service.bubbles.plans import BubbleEvent, check_seconds
 from bubblesnap.service.errors import InvalidArgument
 from bubblesnap.service.peers import data_channel
 from bubblesnap.service.peers.addresses import check_address
-from bubblesnap.service.region_plan import Asked
+from bubblesnap.service.region_plan import AnswerForm, Asked
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.layout import (
     MAX_BYTES,
@@ -95,6 +95,13 @@ def restore(request) -> tuple:
     check_count("ranks in replica_group", len(request.replica_group), MAX_RANKS)
     return (*job_rank(request), optional_step(request), tuple(request.replica_group),
             request.alone, world(request.world_size), asked_regions(request))
+
+
+def answer_form(request, several_segments: bool) -> AnswerForm:
+    """How the caller of a RestoreRequest reads the answer (``several_segments``: it
+    called RestoreStream)."""
+    return AnswerForm(several_segments=several_segments,
+                      checksums=not request.skip_answer_checksums)
 
 
 def asked_regions(request) -> list[Asked]:

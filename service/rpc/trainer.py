@@ -97,8 +97,9 @@ class DaemonServicer:
             self._token.check(context, "Restore (not alone: it drops every later step of the "
                               "job, on every daemon of the ring)")
         with self.metrics.timed("restore"):
-            restored = self._restorer.restore(*messages.restore(request),
-                                              several_segments=several_segments)
+            restored = self._restorer.restore(
+                *messages.restore(request),
+                answer=messages.answer_form(request, several_segments))
         self.metrics.restores.labels(restored.source).inc()
         return messages.restored(restored)
 
