@@ -71,6 +71,9 @@ class DaemonError(RuntimeError):
 
 #: Where :func:`free_port` looks when the kernel's ephemeral range leaves room below it.
 _LOWEST_PORT = 10000
+#: The ports :func:`free_port` gave in this process: never given twice (a ring's ports
+#: are drawn before any daemon binds one).
+_GIVEN: set[int] = set()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,8 +83,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     (a ring's ``--peers`` list). A port of that range could be taken meanwhile
     as the source port of any outgoing connection (a benchmark's daemon once
     failed to bind one that way); below it only a process binding that very
-    port can, so one is drawn at random. Where the range leaves no room below
-    it, the kernel picks.
+    port can, so one is drawn at random, never one given before in this
+    process. Where the range leaves no room below it, the kernel picks.
     """
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
@@ -90,12 +93,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         ephemeral_low = _LOWEST_PORT
     candidates = random.sample(range(_LOWEST_PORT, max(_LOWEST_PORT, ephemeral_low)),
                                k=min(64, max(0, ephemeral_low - _LOWEST_PORT)))
-    for port in [*candidates, 0]:
+    for port in [*(p for p in candidates if p not in _GIVEN), 0]:
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _GIVEN.add(s.getsockname()[1])
             return s.getsockname()[1]
     raise OSError(f"no TCP port free on {host}")
 

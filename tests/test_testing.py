@@ -44,12 +44,14 @@ def test_kill_is_sigkill_and_leaves_nothing_in_its_own_shm_dir():
 
 
 def test_a_free_port_is_one_no_outgoing_connection_can_take():
-    """Below the kernel's ephemeral range (where it leaves room), and free."""
+    """Below the kernel's ephemeral range (where it leaves room), free, and never one
+    given before (a ring draws all its ports before a daemon binds one)."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
     if ephemeral_low <= 10000:
         pytest.skip(f"the ephemeral range starts at {ephemeral_low}: no room below it")
-    ports = {free_port() for _ in range(8)}
+    ports = {free_port() for _ in range(200)}
+    assert len(ports) == 200
     assert all(port < ephemeral_low for port in ports), ports
     for port in ports:
         with socket.socket() as s:
