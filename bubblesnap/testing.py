@@ -91,8 +91,8 @@ def free_port(host: str = "127.0.0.1") -> int:
             ephemeral_low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         ephemeral_low = _LOWEST_PORT
-    candidates = random.sample(range(_LOWEST_PORT, max(_LOWEST_PORT, ephemeral_low)),
-                               k=min(64, max(0, ephemeral_low - _LOWEST_PORT)))
+    room = range(_LOWEST_PORT, ephemeral_low)  # empty where the range starts lower
+    candidates = random.sample(room, k=min(64, len(room)))
     for port in [*(p for p in candidates if p not in _GIVEN), 0]:
         with socket.socket() as s:
             try:
