@@ -1239,6 +1239,8 @@ def run_group(index: int, plan: GroupPlan, state, results: Results, rounds: int,
     except Exception as err:
         if watchdog.reason:
             raise RuntimeError(f"watchdog: {watchdog.reason} (then {err})") from err
+        for daemon in daemons.started.values():  # what one that stopped answering waits on
+            common.log(daemon.dump_stacks())
         raise
     finally:
         watchdog.close()

@@ -134,6 +134,31 @@ def _stopped(pid: int) -> bool:
     return True
 
 
+def _thread_states(pid: int) -> str:
+    """Each thread's state and, where waiting, the kernel function it waits in, counted:
+    ``R 2, S 9 (futex_wait_queue 8, ep_poll 1)``."""
+    counts: dict[str, dict[str, int]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return "gone"
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                wchan = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        waits = counts.setdefault(state, {})
+        waits[wchan] = waits.get(wchan, 0) + 1
+    return ", ".join(
+        f"{state} {sum(waits.values())}" + (
+            " (" + ", ".join(f"{w} {n}" for w, n in sorted(waits.items()) if w != "0") + ")"
+            if set(waits) - {"0"} else "")
+        for state, waits in sorted(counts.items()))
+
+
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -348,6 +373,25 @@ class DaemonProcess:
                 return f.read()
         except OSError:
             return ""
+
+    def dump_stacks(self, timeout: float = 5.0) -> str:
+        """What the daemon is doing now, for a report on one that stopped answering: every
+        thread's Python stack (SIGUSR1: the daemon writes them to its log, and runs on) and
+        each thread's state in the kernel (``R`` running, ``S`` waiting, ``D`` in the kernel
+        uninterruptibly, with the kernel function it waits in). "" once it ended; the
+        stacks only when its log goes to a file."""
+        if self.proc.poll() is not None:
+            return ""
+        before = len(self.stderr_text())
+        self.proc.send_signal(signal.SIGUSR1)
+        if self.stderr_path is not None:
+            try:  # done at the main thread's outermost frame, written last (python -m)
+                wait_for(lambda: "in _run_module_as_main" in self.stderr_text()[before:],
+                         f"{self.name}'s stacks", timeout=timeout, interval=0.05)
+            except TimeoutError:
+                pass  # what was written so far says something too
+        return f"{self.name}: threads {_thread_states(self.proc.pid)}\n" + \
+            self.stderr_text()[before:]
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (it finishes in-flight calls and frees its memory), SIGKILL after

@@ -87,8 +87,9 @@ def start_daemon(request, tmp_path):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test's report gets the last log lines of every daemon it started: the
-    daemons' side of a failure seen once under load is otherwise lost."""
+    """A failed test's report gets the last log lines of every daemon it started and, of
+    those still running, what each thread is doing: the daemons' side of a failure seen
+    once under load is otherwise lost."""
     report = yield
     if report.failed:
         for daemon in item.stash.get(DAEMONS_STARTED, []):
@@ -96,6 +97,10 @@ def pytest_runtest_makereport(item, call):
             if tail:
                 report.sections.append((f"log of {daemon.name} (pid {daemon.proc.pid})",
                                         tail))
+            stacks = daemon.dump_stacks()
+            if stacks:
+                report.sections.append((f"stacks of {daemon.name} when the test failed",
+                                        stacks))
     return report
 
 

@@ -100,6 +100,15 @@ def test_client_never_hangs_when_daemon_is_gone_or_stuck(daemon):
     assert [f.step for f in backoff.session.take_late_failures()] == [2]
 
 
+def test_sigusr1_logs_every_threads_stack_and_the_daemon_serves_on(daemon):
+    dump = daemon.dump_stacks()
+    assert dump.startswith("daemon: threads ") and " S " in dump.splitlines()[0]
+    assert dump.count("(most recent call first)") >= 3  # gRPC's threads, the main one
+    assert 'service/daemon.py", line' in dump and "in run" in dump
+    assert daemon.healthy()
+    assert daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.budget_bytes > 0
+
+
 def test_metrics_endpoint(daemon):
     client = NumpyClient("metrics", options=ClientOptions(daemon=daemon.address))
     assert client.snapshot(9, {"x": np.ones(10)}).committed

@@ -44,6 +44,25 @@ def test_the_pool_fills_to_its_size_in_the_budget_and_a_snapshot_takes_from_it(s
     client.close()
 
 
+def thread_niceness(pid: int) -> list[int]:
+    """The niceness of every thread of process ``pid`` (field 19 of its tasks' stat)."""
+    found = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            found.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return found
+
+
+def test_every_thread_of_the_daemon_runs_at_its_niceness_the_pools_too(start_daemon):
+    # A thread niced below the rest of the daemon holds the GIL and the store's lock
+    # while a loaded host keeps it off the cores: every other thread waits on it. One
+    # started before the daemon lowered its priority (by an import) would keep the old.
+    daemon = start_daemon("--memory-budget", "64MiB", "--warm-pool-bytes", "4MiB",
+                          "--nice", "5")
+    wait_for(filled(daemon, 4 * MIB), "the warm pool filled")
+    assert set(thread_niceness(daemon.proc.pid)) == {os.nice(0) + 5}
+
+
 def test_a_pool_larger_than_the_budget_leaves_room_for_snapshots(start_daemon):
     daemon = start_daemon("--memory-budget", "3MiB", "--warm-pool-bytes", "16MiB",
                           "--keep", "1")

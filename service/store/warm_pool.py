@@ -27,12 +27,17 @@ tens of ms, which no request should wait for, and their bytes count in the
 budget until then (an acquire short of room destroys them at once).
 
 When: after a segment is taken, and only while no copy is landing (the
-refill's page zeroing would take the cores the arriving bytes need), at the
-lowest priority.
+refill's page zeroing would take the cores the arriving bytes need). The
+thread runs at the daemon's priority, not below it: a thread niced below the
+others takes the GIL (and the store's lock) to run, a loaded host leaves it
+off the cores for long stretches while it holds them or while the GIL's
+holder waits to hand it over, and every other thread of the daemon waits
+with it (a priority inversion: under 4-10 CPU hogs on the
+2-core dev VM, an 8 MB peer reshard's median took 1.2-1.5x as long with the
+thread at niceness 19, the slowest Status answer 1.6-3x as long).
 """
 
 import logging
-import os
 import threading
 import time
 
@@ -46,8 +51,6 @@ _POLL_SECONDS = 0.5
 #: How long the pool waits after a segment could not be made (a full shm dir) before it
 #: tries again: not a warning every poll.
 _RETRY_SECONDS = 30.0
-#: The filling thread's niceness (the lowest priority).
-_NICE = 19
 #: How often the pool looks whether the copies landing (which it never competes with:
 #: a refill under a peer's transfer slowed it by half on the 2-core dev VM) are done.
 _ARRIVING_POLL_SECONDS = 0.02
@@ -77,11 +80,6 @@ class WarmPool:
             self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        # Work here may still overlap a trainer's copy into a segment or a restore's
-        # cut: on a busy host those, not this, must get the core. Linux nices threads
-        # one by one; the lowest priority still runs, so the GIL and the store's lock,
-        # held briefly here, are never kept from the others for long.
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
         while not self._closed:
             if self._memory.arriving:  # a copy is landing: its bytes need the cores first
                 time.sleep(_ARRIVING_POLL_SECONDS)
