@@ -184,6 +184,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import struct
 import sys
 import threading
@@ -344,6 +345,19 @@ def pmd_mapped_bytes() -> int:
             if line.startswith("ShmemPmdMapped:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_seconds(pid: int | str) -> float:
+    """CPU time every thread of a process now has run (schedstat: ns on a CPU; a thread
+    that ended is not counted)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            continue
+    return total / 1e9
 
 
 def reset_peak_rss() -> None:
@@ -664,6 +678,9 @@ class Results:
     #: per restoring mode, the most of this process's shared memory mapped with huge
     #: page-table entries right after a restore (ShmemPmdMapped, smaps_rollup)
     pmd_mapped: dict = dataclasses.field(default_factory=dict)
+    #: per restoring mode (Orbax's too), each timed round's (CPU seconds of this process
+    #: and the group's daemons, wall seconds)
+    cpu: dict = dataclasses.field(default_factory=dict)
 
 
 class Bench:
@@ -922,6 +939,14 @@ class Bench:
         reset_peak_rss()
         return proc_bytes("self", "VmRSS")
 
+    def _cpu_now(self) -> float:
+        """CPU seconds this process and the group's running daemons have run so far."""
+        return cpu_seconds("self") + sum(cpu_seconds(d.proc.pid)
+                                         for d in self.daemons.started.values() if d.alive())
+
+    def _cpu_note(self, mode: str, cpu_before: float, elapsed: float) -> None:
+        self.results.cpu.setdefault(mode, []).append((self._cpu_now() - cpu_before, elapsed))
+
     def _peak_note(self, mode: str, before: int) -> None:
         """Notes what the restore just done added to this process's peak RSS, in states:
         what restoring costs a trainer's memory (a restore mapped from a daemon's segment
@@ -1041,11 +1066,13 @@ class Bench:
         import jax
         target = self.resharded_target if resharded else self.target
         before = self._peak_reset()
+        cpu_before = self._cpu_now()
         started = time.perf_counter()
         restored = client.restore(target)
         returned = time.perf_counter()
         jax.block_until_ready(restored.state)
         elapsed = time.perf_counter() - started
+        self._cpu_note(mode, cpu_before, elapsed)
         self._peak_note(mode, before)
         self.results.phases[mode].append({**restored.phases,
                                           "ready": elapsed - (returned - started)})
@@ -1064,10 +1091,12 @@ class Bench:
     def _orbax(self, mode: str, target) -> float:
         import jax
         before = self._peak_reset()
+        cpu_before = self._cpu_now()
         started = time.perf_counter()
         restored = self.checkpointer.restore(self.orbax_path, target)
         jax.block_until_ready(restored)
         elapsed = time.perf_counter() - started
+        self._cpu_note(mode, cpu_before, elapsed)
         self._peak_note(mode, before)
         self._check(mode, restored, target)
         return elapsed
@@ -1142,6 +1171,7 @@ def summarize(results: Results, state_bytes: int, rounds: int, daemon_problems: 
         },
         # the timed rounds' (the first is the warm-up's)
         "phases": common.phase_medians({m: r[1:] or r for m, r in results.phases.items()}),
+        "cpu": cpu_report(results.cpu),
         "matches": results.matches,
         "sources": results.sources,
         "holder_mb": results.holder_mb,
@@ -1152,6 +1182,18 @@ def summarize(results: Results, state_bytes: int, rounds: int, daemon_problems: 
         "problems": results.problems,
         "daemon_log": daemon_problems,
     }
+
+
+def cpu_report(recorded: dict[str, list[tuple[float, float]]]) -> dict[str, dict]:
+    """Per mode, over its timed rounds: the median CPU ms this process and the daemons
+    spent on one restore, and the median cores that kept busy (CPU over wall time: at
+    the machine's core count, a restore is bound by the CPU, not by waiting)."""
+    out = {}
+    for mode, rounds in recorded.items():
+        timed = rounds[1:] or rounds
+        out[mode] = {"median_ms": round(statistics.median(c for c, _ in timed) * 1e3, 1),
+                     "cores_busy": round(statistics.median(c / w for c, w in timed), 2)}
+    return out
 
 
 def memory_report(results: Results, state_bytes: int, baseline: int, layout: str,
@@ -1318,6 +1360,8 @@ def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
                                            if r}),
                    **{rename[m]: v for m, v in common.phase_medians(
                        {m: r[1:] or r for m, r in huge.phases.items() if r}).items()}},
+        "cpu": {**cpu_report(plain.cpu), **{rename[m]: v for m, v in
+                                             cpu_report(huge.cpu).items()}},
         "client_pmd_mapped_bytes": {**plain.pmd_mapped, **{rename[m]: v for m, v in
                                                            huge.pmd_mapped.items()}},
         "matches": {**{m: plain.matches[m] for m in rename},

@@ -138,6 +138,9 @@ def check_restore(report: dict) -> None:
     for mode in restoring:  # the client's phases, and the daemon's under its own names
         assert {"call", "map", "place", "ready", "daemon.holdings"} <= set(report["phases"][mode])
         assert_finite(report["phases"][mode], mode)
+    # every restore, Orbax's too, ran on some CPU of this process or a daemon
+    assert set(report["cpu"]) == set(restoring) | {"orbax_restore", "orbax_restore_resharded"}
+    assert all(row["median_ms"] > 0 and row["cores_busy"] > 0 for row in report["cpu"].values())
     # a peer restore pulls a copy; one from the durable tier reads regions
     for mode in ("restore_peer", "restore_peer_2holders"):
         assert {"daemon.open", "daemon.receive", "daemon.land"} <= set(report["phases"][mode])
