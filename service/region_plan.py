@@ -100,6 +100,7 @@ def plan(asked: list[Asked], layouts: dict[int, Layout], world_size: int, caller
     ``world_size`` ranks; ``caller`` is the rank whose own tensors it may read (its
     copier), ``caller_world`` its world size (0: not said)."""
     job_wide, own = _shards_by_tensor(layouts, world_size)
+    tiled: dict[str, bool] = {}
     planned = []
     for request in asked:
         found = job_wide.get(request.name)
@@ -120,8 +121,25 @@ def plan(asked: list[Asked], layouts: dict[int, Layout], world_size: int, caller
             raise FailedPrecondition(
                 f"{request.name!r} was saved as {dtype}{list(shape)}; the target asks for "
                 f"{request.dtype}{list(request.global_shape)}")
-        planned.append(tuple(_fill(request.name, box, candidates) for box in request.boxes))
+        if request.name not in tiled:
+            tiled[request.name] = _tiles(shape, candidates)
+        planned.append(tuple(_fill(request.name, box, candidates,
+                                   tiled[request.name] and _inside(box, shape))
+                             for box in request.boxes))
     return RegionPlan(tuple(planned))
+
+
+def _tiles(shape, candidates: list[Piece]) -> bool:
+    """Whether the shards (told apart by box) cover the tensor, none overlapping another:
+    then the shards that meet a box inside it cover that box, with no gap to look for
+    box by box (the walk that looks is most of a reshard's plan)."""
+    boxes = {c.source_box for c in candidates}
+    return sum(regions.volume(b) for b in boxes) == regions.volume(regions.whole(shape)) \
+        and regions.missing(shape, list(boxes)) is None
+
+
+def _inside(box: Box, shape) -> bool:
+    return all(0 <= a <= b <= d for (a, b), d in zip(box, shape, strict=True))
 
 
 def _shards_by_tensor(layouts: dict[int, Layout], world_size: int) -> tuple[dict, dict]:
@@ -143,18 +161,21 @@ def _shards_by_tensor(layouts: dict[int, Layout], world_size: int) -> tuple[dict
     return job_wide, own
 
 
-def _fill(name: str, box: Box, candidates: list[Piece]) -> tuple[Piece, ...]:
+def _fill(name: str, box: Box, candidates: list[Piece], covered: bool) -> tuple[Piece, ...]:
     """Pieces covering ``box``: one shard that holds it all if there is one, else every
-    shard that meets it (a box met twice by identical shards is read once)."""
-    for c in candidates:
-        if regions.intersect(c.source_box, box) == box:
+    shard that meets it (a box met twice by identical shards is read once); ``covered``:
+    the shards are known to cover it (else a gap is looked for, and refused)."""
+    met = [(c, regions.intersect(c.source_box, box)) for c in candidates]
+    for c, common in met:
+        if common == box:
             return (Piece(c.rank, c.slot, box, c.source_box),)
     pieces, boxes = [], set()
-    for c in candidates:
-        common = regions.intersect(c.source_box, box)
+    for c, common in met:
         if common is not None and common not in boxes:
             boxes.add(common)
             pieces.append(Piece(c.rank, c.slot, common, c.source_box))
+    if covered:
+        return tuple(pieces)
     gap = regions.missing(tuple(b - a for a, b in box),
                           [tuple((p0 - b0, p1 - b0) for (p0, p1), (b0, _) in
                                  zip(p.box, box, strict=True)) for p in pieces])

@@ -9,6 +9,7 @@ import pytest
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos.checksum import checksum
+from bubblesnap.service.errors import FailedPrecondition
 from bubblesnap.service.region_plan import Asked, plan
 from bubblesnap.service.store.layout import build_layout
 from bubblesnap.testing import wait_for
@@ -236,6 +237,23 @@ def test_the_plan_takes_one_shard_when_one_holds_the_region():
     assert [p.rank for p in inside.pieces[0][0]] == [1] and inside.exact_copy() is None
     own = plan([Asked("w", "float32", (8, 6), (((4, 8), (0, 6)),))], layouts, 2, 1, 2)
     assert own.exact_copy() == 1
+
+
+def test_shards_that_tile_a_tensor_plan_as_the_gap_walk_would_and_gaps_are_refused():
+    # rows held, columns asked (a reshard): the shards tile the tensor, so no gap is looked
+    # for; the pieces are those the walk would plan
+    rows = {0: build_layout([spec("w", ((0, 4), (0, 6)))]),
+            1: build_layout([spec("w", ((4, 8), (0, 6)))])}
+    columns = plan([Asked("w", "float32", (8, 6), (((0, 8), (0, 3)), ((0, 8), (3, 6))))],
+                   rows, 2, 0, 1)
+    assert [[(p.rank, p.box) for p in region] for region in columns.pieces[0]] == [
+        [(0, ((0, 4), (0, 3))), (1, ((4, 8), (0, 3)))],
+        [(0, ((0, 4), (3, 6))), (1, ((4, 8), (3, 6)))]]
+    # overlapping shards whose volumes add up to the tensor's still leave rows 6:8 bare
+    overlapping = {0: build_layout([spec("w", ((0, 5), (0, 6)))]),
+                   1: build_layout([spec("w", ((3, 6), (0, 6)))])}
+    with pytest.raises(FailedPrecondition, match=r"no copy of the step holds 'w' \[6:8, 0:3\]"):
+        plan([Asked("w", "float32", (8, 6), (((0, 8), (0, 3)),))], overlapping, 2, 0, 1)
 
 
 def test_a_ring_judges_coverage_and_gathers_regions_from_a_peer(start_ring):
