@@ -1300,18 +1300,21 @@ def run_group(index: int, plan: GroupPlan, state, results: Results, rounds: int,
 
 #: The restores the huge-page comparison runs on daemons in /dev/shm and on --huge-dir.
 HUGE_BASE = ("restore_local", "restore_local_resharded", "restore_peer")
-#: Its modes, interleaved: each of HUGE_BASE, then each on huge pages (``*_huge``).
-HUGE_MODES = (*HUGE_BASE, *(f"{mode}_huge" for mode in HUGE_BASE))
+#: Its modes, interleaved: each of HUGE_BASE, then each on huge pages (``*_huge``), and
+#: Orbax's restore of the same state, which the local restores are held against.
+HUGE_MODES = (*HUGE_BASE, *(f"{mode}_huge" for mode in HUGE_BASE), "orbax_restore")
 
 
 class HugePair:
     """The HUGE_BASE restores on two sets of daemons: in /dev/shm and in a tmpfs mounted
-    with huge pages (--huge-dir); ``*_huge`` the latter."""
+    with huge pages (--huge-dir); ``*_huge`` the latter. Orbax's restore runs on the
+    former's checkpoint (Orbax reads its files; the page size of a mapping is not its)."""
 
     def __init__(self, plain: "Bench", huge: "Bench"):
         for mode in HUGE_BASE:
             setattr(self, mode, getattr(plain, mode))
             setattr(self, f"{mode}_huge", getattr(huge, mode))
+        self.orbax_restore = plain.orbax_restore
 
 
 def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
@@ -1323,17 +1326,17 @@ def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
     if not found.huge_pages:
         raise RuntimeError(f"--huge-dir {huge_dir} gives segments {found.describe()}: mount a "
                            "tmpfs with huge=within_size there (see the README)")
-    plan = GroupPlan(HUGE_BASE)
+    plans = {"plain": GroupPlan((*HUGE_BASE, "orbax_restore")), "huge": GroupPlan(HUGE_BASE)}
     sides = {"plain": (Results(), Daemons(log_dir, "plain-")),
              "huge": (Results(), Daemons(log_dir, "huge-", shm_parent=huge_dir))}
     benches, watchdogs = {}, [Watchdog(d) for _, d in sides.values()]
     common.trim_memory()
     try:
         for side, (results, daemons) in sides.items():
-            results.groups.append({"modes": list(plan.modes), "daemons": {}})
+            results.groups.append({"modes": list(plans[side].modes), "daemons": {}})
             folder = os.path.join(work_dir, f"huge-{side}")
             os.mkdir(folder)
-            benches[side] = Bench(plan, state, results, daemons, folder, warm_bytes)
+            benches[side] = Bench(plans[side], state, results, daemons, folder, warm_bytes)
         seconds = common.measure(HugePair(benches["plain"], benches["huge"]), HUGE_MODES,
                                  rounds)
         memory = {side: daemons.memory() for side, (_, daemons) in sides.items()}
@@ -1355,6 +1358,9 @@ def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
                       for mode in HUGE_BASE},
                    **{f"resharded_vs_same_local{tail}": round(
                        med[f"restore_local_resharded{tail}"] / med[f"restore_local{tail}"], 3)
+                      for tail in ("", "_huge")},
+                   **{f"restore_local{tail}_vs_orbax": round(
+                       med[f"restore_local{tail}"] / med["orbax_restore"], 3)
                       for tail in ("", "_huge")}},
         "phases": {**common.phase_medians({m: r[1:] or r for m, r in plain.phases.items()
                                            if r}),
@@ -1364,7 +1370,7 @@ def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
                                              cpu_report(huge.cpu).items()}},
         "client_pmd_mapped_bytes": {**plain.pmd_mapped, **{rename[m]: v for m, v in
                                                            huge.pmd_mapped.items()}},
-        "matches": {**{m: plain.matches[m] for m in rename},
+        "matches": {**{m: plain.matches[m] for m in (*rename, "orbax_restore")},
                     **{rename[m]: huge.matches[m] for m in rename}},
         "daemons": memory, "problems": plain.problems + huge.problems,
     }
