@@ -347,17 +347,10 @@ def pmd_mapped_bytes() -> int:
     return 0
 
 
-def cpu_seconds(pid: int | str) -> float:
-    """CPU time every thread of a process now has run (schedstat: ns on a CPU; a thread
-    that ended is not counted)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except OSError:
-            continue
-    return total / 1e9
+def cpu_seconds(pid: int) -> float:
+    """CPU time process ``pid`` has run so far, every thread's, those ended too (its
+    CPU-time clock: what clock_getcpuclockid(3) makes of a pid)."""
+    return time.clock_gettime(((~pid) << 3) | 2)
 
 
 def reset_peak_rss() -> None:
@@ -462,6 +455,12 @@ class Daemons:
         if mem_available() < _MEMORY_FLOOR:
             return f"the machine has less than {_MEMORY_FLOOR >> 30} GiB of memory available"
         return None
+
+    def log_stacks(self) -> None:
+        """Logs what every running daemon's threads are doing: after a failure, what one
+        that stopped answering waits on."""
+        for daemon in self.started.values():
+            common.log(daemon.dump_stacks())
 
     def problems(self) -> dict[str, list[str]]:
         """WARNING/ERROR lines each daemon logged (at most 20), and unclean exits."""
@@ -941,7 +940,7 @@ class Bench:
 
     def _cpu_now(self) -> float:
         """CPU seconds this process and the group's running daemons have run so far."""
-        return cpu_seconds("self") + sum(cpu_seconds(d.proc.pid)
+        return time.process_time() + sum(cpu_seconds(d.proc.pid)
                                          for d in self.daemons.started.values() if d.alive())
 
     def _cpu_note(self, mode: str, cpu_before: float, elapsed: float) -> None:
@@ -1281,8 +1280,7 @@ def run_group(index: int, plan: GroupPlan, state, results: Results, rounds: int,
     except Exception as err:
         if watchdog.reason:
             raise RuntimeError(f"watchdog: {watchdog.reason} (then {err})") from err
-        for daemon in daemons.started.values():  # what one that stopped answering waits on
-            common.log(daemon.dump_stacks())
+        daemons.log_stacks()
         raise
     finally:
         watchdog.close()
@@ -1341,6 +1339,10 @@ def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
                                  rounds)
         memory = {side: daemons.memory() for side, (_, daemons) in sides.items()}
         shown = {side: benches[side].a.ready["shm_pages"] for side in sides}
+    except Exception:
+        for _, daemons in sides.values():
+            daemons.log_stacks()
+        raise
     finally:
         for watchdog in watchdogs:
             watchdog.close()

@@ -378,20 +378,23 @@ class DaemonProcess:
         """What the daemon is doing now, for a report on one that stopped answering: every
         thread's Python stack (SIGUSR1: the daemon writes them to its log, and runs on) and
         each thread's state in the kernel (``R`` running, ``S`` waiting, ``D`` in the kernel
-        uninterruptibly, with the kernel function it waits in). "" once it ended; the
-        stacks only when its log goes to a file."""
+        uninterruptibly, ``T`` stopped, with the kernel function it waits in). "" once it
+        ended; the stacks only when its log goes to a file (into a pipe nobody reads, the
+        dump could block the daemon) and it is not frozen (it would write them once
+        thawed)."""
         if self.proc.poll() is not None:
             return ""
+        states = f"{self.name}: threads {_thread_states(self.proc.pid)}\n"
+        if self.stderr_path is None or _stopped(self.proc.pid):
+            return states
         before = len(self.stderr_text())
         self.proc.send_signal(signal.SIGUSR1)
-        if self.stderr_path is not None:
-            try:  # done at the main thread's outermost frame, written last (python -m)
-                wait_for(lambda: "in _run_module_as_main" in self.stderr_text()[before:],
-                         f"{self.name}'s stacks", timeout=timeout, interval=0.05)
-            except TimeoutError:
-                pass  # what was written so far says something too
-        return f"{self.name}: threads {_thread_states(self.proc.pid)}\n" + \
-            self.stderr_text()[before:]
+        try:  # done at the main thread's outermost frame, written last (python -m)
+            wait_for(lambda: "in _run_module_as_main" in self.stderr_text()[before:],
+                     f"{self.name}'s stacks", timeout=timeout, interval=0.05)
+        except TimeoutError:
+            pass  # what was written so far says something too
+        return states + self.stderr_text()[before:]
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (it finishes in-flight calls and frees its memory), SIGKILL after

@@ -10,6 +10,7 @@ pieces planned, else the plan is refused naming the tensor and the region.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 from bubblesnap.service.errors import FailedPrecondition, NotFound
 from bubblesnap.service.store import regions
@@ -121,10 +122,13 @@ def plan(asked: list[Asked], layouts: dict[int, Layout], world_size: int, caller
             raise FailedPrecondition(
                 f"{request.name!r} was saved as {dtype}{list(shape)}; the target asks for "
                 f"{request.dtype}{list(request.global_shape)}")
-        if request.name not in tiled:
-            tiled[request.name] = _tiles(shape, candidates)
-        planned.append(tuple(_fill(request.name, box, candidates,
-                                   tiled[request.name] and _inside(box, shape))
+
+        def covered(box: Box, name=request.name, shape=shape, candidates=candidates) -> bool:
+            if name not in tiled:  # asked only of a box no one shard holds
+                tiled[name] = _tiles(shape, candidates)
+            return tiled[name] and _inside(box, shape)
+
+        planned.append(tuple(_fill(request.name, box, candidates, covered)
                              for box in request.boxes))
     return RegionPlan(tuple(planned))
 
@@ -134,8 +138,12 @@ def _tiles(shape, candidates: list[Piece]) -> bool:
     then the shards that meet a box inside it cover that box, with no gap to look for
     box by box (the walk that looks is most of a reshard's plan)."""
     boxes = {c.source_box for c in candidates}
-    return sum(regions.volume(b) for b in boxes) == regions.volume(regions.whole(shape)) \
-        and regions.missing(shape, list(boxes)) is None
+    if sum(regions.volume(b) for b in boxes) != regions.volume(regions.whole(shape)):
+        return False
+    try:
+        return regions.missing(shape, list(boxes)) is None
+    except regions.TooFragmented:  # then each box is walked on its own, as before
+        return False
 
 
 def _inside(box: Box, shape) -> bool:
@@ -161,10 +169,11 @@ def _shards_by_tensor(layouts: dict[int, Layout], world_size: int) -> tuple[dict
     return job_wide, own
 
 
-def _fill(name: str, box: Box, candidates: list[Piece], covered: bool) -> tuple[Piece, ...]:
+def _fill(name: str, box: Box, candidates: list[Piece],
+          covered: Callable[[Box], bool]) -> tuple[Piece, ...]:
     """Pieces covering ``box``: one shard that holds it all if there is one, else every
     shard that meets it (a box met twice by identical shards is read once); ``covered``:
-    the shards are known to cover it (else a gap is looked for, and refused)."""
+    whether the shards are known to cover it (else a gap is looked for, and refused)."""
     met = [(c, regions.intersect(c.source_box, box)) for c in candidates]
     for c, common in met:
         if common == box:
@@ -174,7 +183,7 @@ def _fill(name: str, box: Box, candidates: list[Piece], covered: bool) -> tuple[
         if common is not None and common not in boxes:
             boxes.add(common)
             pieces.append(Piece(c.rank, c.slot, common, c.source_box))
-    if covered:
+    if covered(box):
         return tuple(pieces)
     gap = regions.missing(tuple(b - a for a, b in box),
                           [tuple((p0 - b0, p1 - b0) for (p0, p1), (b0, _) in
