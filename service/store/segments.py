@@ -27,7 +27,6 @@ moment never claims it too) for adoption.py to take the copies over. A live
 daemon's directory is never touched.
 """
 
-import ctypes
 import errno
 import fcntl
 import itertools
@@ -41,6 +40,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
+from bubblesnap import page_faults
 from bubblesnap.service import phases
 from bubblesnap.service.errors import ResourceExhausted
 from bubblesnap.service.store import pages
@@ -49,13 +49,6 @@ log = logging.getLogger("bubblesnap.daemon")
 
 _PREFIX = "bubblesnap"
 LOCK_NAME = "lock"
-#: madvise(2)'s MADV_POPULATE_WRITE: Python's mmap names it from 3.13 on.
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_madvise = ctypes.CDLL(None, use_errno=True).madvise
-_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_madvise.restype = ctypes.c_int
-#: The piece of a segment one worker pre-faults at a time (a multiple of 2 MiB pages).
-_PREFAULT_CHUNK = 32 << 20
 #: The last distinct sizes asked of the pool, which warm segments are made in.
 _SIZES_KEPT = 4
 
@@ -89,23 +82,16 @@ class Segment:
 
     def prefault(self, workers: Executor | None = None) -> None:
         """Faults every page in now (writable, in this mapping), so that bytes written
-        later land at memcpy speed; nothing once done. MADV_POPULATE_WRITE (Linux 5.14),
-        or one byte written per page where the kernel lacks it; both let other threads
-        run meanwhile (ctypes and numpy release the GIL; mmap.madvise would not).
-        ``workers``: the pieces on its threads (faults scale with the cores); timed as
-        the ``prefault`` phase."""
+        later land at memcpy speed; nothing once done (bubblesnap.page_faults: other
+        threads run meanwhile). ``workers``: the pieces on its threads (faults scale
+        with the cores); timed as the ``prefault`` phase."""
         if self.faulted:
             return
         # The view held throughout keeps the mapping alive should the segment be freed
         # meanwhile (destroy() leaves a mapping a view still uses to that view's end).
         view = self.view
-        starts = range(0, view.nbytes, _PREFAULT_CHUNK)
         with phases.timed("prefault"):
-            if workers is None:
-                for start in starts:
-                    _prefault_piece(view, start)
-            else:
-                list(workers.map(lambda start: _prefault_piece(view, start), starts))
+            page_faults.populate(view, workers, write=True)
         self.faulted = True
 
     def shrink(self, nbytes: int) -> None:
@@ -144,12 +130,6 @@ class Segment:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-def _prefault_piece(view: np.ndarray, start: int) -> None:
-    end = min(start + _PREFAULT_CHUNK, view.nbytes)
-    if _madvise(view.ctypes.data + start, end - start, MADV_POPULATE_WRITE) != 0:
-        view[start:end:mmap.PAGESIZE] = 0  # fresh from posix_fallocate: zeros
 
 
 class SegmentPool:
