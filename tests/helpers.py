@@ -34,3 +34,17 @@ def run_example(name: str, *flags: str, timeout: float = 600) -> tuple[int, dict
                           capture_output=True, text=True, timeout=timeout)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def mapped_bytes(path: str, fields: tuple[str, ...]) -> int:
+    """The sum of ``fields`` (``"Rss:"``, ``"ShmemPmdMapped:"``, ...) over this process's
+    mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if parts and "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
+                inside = parts[-1] == path  # a mapping's header line
+            elif inside and parts[0] in fields:
+                total += int(parts[1]) << 10
+    return total

@@ -8,19 +8,7 @@ import numpy as np
 import pytest
 
 from bubblesnap import page_faults
-
-
-def resident_bytes(path: str) -> int:
-    """Rss of this process's mappings of ``path`` (/proc/self/smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
-                inside = fields[-1] == path  # a mapping's header line
-            elif inside and fields[0] == "Rss:":
-                total += int(fields[1]) << 10
-    return total
+from tests.helpers import mapped_bytes
 
 
 @pytest.mark.parametrize("write", [False, True])
@@ -33,10 +21,10 @@ def test_every_page_of_a_mapping_is_faulted_in_by_pieces_on_threads(write):
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
                             prot=mmap.PROT_READ | (mmap.PROT_WRITE if write else 0))
         view = np.frombuffer(mapping, dtype=np.uint8)
-        assert resident_bytes(path) == 0  # nothing touched yet
+        assert mapped_bytes(path, ("Rss:",)) == 0  # nothing touched yet
         with ThreadPoolExecutor(2) as workers:
             page_faults.populate(view, workers, write=write)
-        assert resident_bytes(path) == size
+        assert mapped_bytes(path, ("Rss:",)) == size
         assert not view.any()  # the bytes are the file's: zeros
         del view
         mapping.close()

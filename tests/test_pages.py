@@ -17,6 +17,7 @@ from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.store import pages
 from bubblesnap.testing import DaemonError, DaemonProcess
+from tests.helpers import mapped_bytes
 
 _MOUNTINFO = """\
 22 27 0:21 / /proc rw,relatime - proc proc rw
@@ -112,19 +113,6 @@ def huge_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def _pmd_mapped(path: str) -> int:
-    """Bytes of this process's mappings of ``path`` mapped with huge page-table entries."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if fields and "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
-                inside = fields[-1] == path  # a mapping's header line
-            elif inside and fields[0] in ("ShmemPmdMapped:", "FilePmdMapped:"):
-                total += int(fields[1]) << 10
-    return total
-
-
 def _restored_mapping(shm_dir: str | None) -> tuple[int, int, bool]:
     """A daemon on ``shm_dir`` (None: its own folder in /dev/shm) takes a 16 MiB snapshot and
     serves it back; the restored segment's PMD-mapped bytes in this process, the page
@@ -141,7 +129,7 @@ def _restored_mapping(shm_dir: str | None) -> tuple[int, int, bool]:
             view = raw.shards[(0, 0)].view(np.float32)
             paths = {line.split()[-1] for line in open("/proc/self/maps")
                      if line.split()[-1].startswith(daemon.shm_dir)}
-            mapped = sum(_pmd_mapped(p) for p in paths)
+            mapped = sum(mapped_bytes(p, ("ShmemPmdMapped:", "FilePmdMapped:")) for p in paths)
             same = bool(np.array_equal(view, arrays["w"]))
             page = daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.shm_page_bytes
             del view, raw
