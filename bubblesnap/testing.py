@@ -243,6 +243,7 @@ class DaemonProcess:
                  name: str = "daemon", ready_timeout: float = 120.0, netns: str | None = None):
         self.name = name
         self.stderr_path = None if stderr is None or isinstance(stderr, int) else str(stderr)
+        self._stderr_inherited = stderr is None  # writes where this process's stderr goes
         parent = own_shm_dir if isinstance(own_shm_dir, str) else "/dev/shm"
         self.own_shm_dir = (tempfile.mkdtemp(prefix="bubblesnap-testing-", dir=parent)
                             if own_shm_dir else None)
@@ -379,13 +380,18 @@ class DaemonProcess:
         thread's Python stack (SIGUSR1: the daemon writes them to its log, and runs on) and
         each thread's state in the kernel (``R`` running, ``S`` waiting, ``D`` in the kernel
         uninterruptibly, ``T`` stopped, with the kernel function it waits in). "" once it
-        ended; the stacks only when its log goes to a file (into a pipe nobody reads, the
-        dump could block the daemon) and it is not frozen (it would write them once
-        thawed)."""
+        ended. The stacks come back when its log goes to a file; with this process's
+        stderr, they are written there; not into a pipe (one nobody reads could block
+        the daemon), nor while it is frozen (it would write them once thawed)."""
         if self.proc.poll() is not None:
             return ""
         states = f"{self.name}: threads {_thread_states(self.proc.pid)}\n"
-        if self.stderr_path is None or _stopped(self.proc.pid):
+        if _stopped(self.proc.pid):
+            return states
+        if self._stderr_inherited:
+            self.proc.send_signal(signal.SIGUSR1)
+            return states + "(its stacks: written to this process's stderr)\n"
+        if self.stderr_path is None:
             return states
         before = len(self.stderr_text())
         self.proc.send_signal(signal.SIGUSR1)

@@ -411,7 +411,13 @@ def main() -> int:
         plan, _ = iteration_plan(args)
         log(f"{args.stages} stages x {args.devices_per_stage} device(s), {args.schedule}, "
             f"{args.microbatches} microbatches, {len(plan)} iterations, {args.transport}")
-        results = run_processes(args) if args.transport == "processes" else run_threads(args)
+        try:
+            results = (run_processes(args) if args.transport == "processes"
+                       else run_threads(args))
+        except BaseException:
+            if daemon is not None:  # what a daemon the stages waited on was doing
+                log(daemon.dump_stacks())
+            raise
         report = summarize(args, results)
         if args.events:
             with open(args.events, "w") as f:

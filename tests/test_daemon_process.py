@@ -109,6 +109,18 @@ def test_sigusr1_logs_every_threads_stack_and_the_daemon_serves_on(daemon):
     assert daemon.stub.Status(pb.StatusRequest(), timeout=10).memory.budget_bytes > 0
 
 
+def test_a_daemon_logging_to_its_starters_stderr_dumps_its_stacks_there():
+    program = ("from bubblesnap.testing import DaemonProcess\n"
+               "with DaemonProcess() as d:\n"
+               "    print(d.dump_stacks(), flush=True)\n"
+               "    assert d.healthy()\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "written to this process's stderr" in done.stdout
+    assert 'service/daemon.py", line' in done.stderr and "(most recent call first)" in done.stderr
+
+
 def test_metrics_endpoint(daemon):
     client = NumpyClient("metrics", options=ClientOptions(daemon=daemon.address))
     assert client.snapshot(9, {"x": np.ones(10)}).committed
