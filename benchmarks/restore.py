@@ -1354,6 +1354,11 @@ def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
     modes, med = common.bandwidths(seconds, lambda mode: benches["plain"].state_bytes)
     (plain, _), (huge, _) = sides["plain"], sides["huge"]
     rename = {mode: f"{mode}_huge" for mode in HUGE_BASE}
+
+    def both(on_plain: dict, on_huge: dict) -> dict:
+        """Per mode figures of both sides, the huge side's modes named ``*_huge``."""
+        return {**on_plain, **{rename[m]: v for m, v in on_huge.items()}}
+
     return {
         "dir": huge_dir, "pages": shown, "modes": modes,
         "ratios": {**{f"{mode}_huge_vs_plain": round(med[f"{mode}_huge"] / med[mode], 3)
@@ -1364,14 +1369,10 @@ def run_huge(state, huge_dir: str, rounds: int, log_dir: str, work_dir: str,
                    **{f"restore_local{tail}_vs_orbax": round(
                        med[f"restore_local{tail}"] / med["orbax_restore"], 3)
                       for tail in ("", "_huge")}},
-        "phases": {**common.phase_medians({m: r[1:] or r for m, r in plain.phases.items()
-                                           if r}),
-                   **{rename[m]: v for m, v in common.phase_medians(
-                       {m: r[1:] or r for m, r in huge.phases.items() if r}).items()}},
-        "cpu": {**cpu_report(plain.cpu), **{rename[m]: v for m, v in
-                                             cpu_report(huge.cpu).items()}},
-        "client_pmd_mapped_bytes": {**plain.pmd_mapped, **{rename[m]: v for m, v in
-                                                           huge.pmd_mapped.items()}},
+        "phases": both(*(common.phase_medians({m: r[1:] or r for m, r in side.phases.items()
+                                               if r}) for side in (plain, huge))),
+        "cpu": both(cpu_report(plain.cpu), cpu_report(huge.cpu)),
+        "client_pmd_mapped_bytes": both(plain.pmd_mapped, huge.pmd_mapped),
         "matches": {**{m: plain.matches[m] for m in (*rename, "orbax_restore")},
                     **{rename[m]: huge.matches[m] for m in rename}},
         "daemons": memory, "problems": plain.problems + huge.problems,

@@ -117,39 +117,38 @@ def freeze(pid: int, timeout: float = 30.0) -> None:
              interval=0.002)
 
 
-def _stopped(pid: int) -> bool:
-    """Whether no thread of ``pid`` runs (each stopped, or exiting)."""
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return True  # gone
-    for tid in threads:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a thread that ended meanwhile
-        if state not in ("T", "t", "Z", "X"):
-            return False
-    return True
-
-
-def _thread_states(pid: int) -> str:
-    """Each thread's state and, where waiting, the kernel function it waits in, counted:
-    ``R 2, S 9 (futex_wait_queue 8, ep_poll 1)``."""
-    counts: dict[str, dict[str, int]] = {}
+def _threads(pid: int) -> list[tuple[str, str]]:
+    """(state, the kernel function it waits in, or "0") of every thread of ``pid`` now;
+    none once it is gone (a thread that ended meanwhile is left out)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
-        return "gone"
+        return []
+    found = []
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
             with open(f"/proc/{pid}/task/{tid}/wchan") as f:
-                wchan = f.read().strip()
-        except OSError:  # the thread ended meanwhile
+                found.append((state, f.read().strip()))
+        except OSError:
             continue
+    return found
+
+
+def _stopped(pid: int) -> bool:
+    """Whether no thread of ``pid`` runs (each stopped, or exiting; or it is gone)."""
+    return all(state in ("T", "t", "Z", "X") for state, _ in _threads(pid))
+
+
+def _thread_states(pid: int) -> str:
+    """Each thread's state and, where waiting, the kernel function it waits in, counted:
+    ``R 2, S 9 (futex_wait_queue 8, ep_poll 1)``."""
+    threads = _threads(pid)
+    if not threads:
+        return "gone"
+    counts: dict[str, dict[str, int]] = {}
+    for state, wchan in threads:
         waits = counts.setdefault(state, {})
         waits[wchan] = waits.get(wchan, 0) + 1
     return ", ".join(

@@ -168,10 +168,11 @@ def _fill(regions_to_fill: list[Region], sources: dict, shards: dict, hashed: bo
             hasher.update(_rows_of(data, box, rows))
         for copy in copies:
             copy.rows(rows)
-        for region, hasher in zip(regions_to_fill, region_hashers, strict=False):  # or none
-            hasher.update(_rows_of(region.target, region.box, rows))
-    region_sums = [h.intdigest() for h in region_hashers] if hashed else [0] * len(
-        regions_to_fill)
+        if hashed:
+            for region, hasher in zip(regions_to_fill, region_hashers, strict=True):
+                hasher.update(_rows_of(region.target, region.box, rows))
+    region_sums = [h.intdigest() for h in region_hashers] if hashed else \
+        [0] * len(regions_to_fill)
     return region_sums, [h.intdigest() for h in source_hashers]
 
 
