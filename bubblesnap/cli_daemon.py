@@ -302,7 +302,8 @@ def daemon_options(args):
 
 
 def _run_daemon(args) -> int:
-    from bubblesnap import orbax_patch
+    from bubblesnap import huge_malloc, orbax_patch
+    huge_malloc.reexec()  # once, before any thread or buffer: the flags parsed, the rest not
     from bubblesnap.service import DaemonStartError, run
     orbax_patch.uninstall()  # a switch inherited from a launcher is the trainers', not ours
     logging.basicConfig(level=args.log_level, stream=sys.stderr,

@@ -49,7 +49,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bubblesnap import reaper
+from bubblesnap import huge_malloc, reaper
 from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
 
 
@@ -207,6 +207,15 @@ def wait_for(check: Callable[[], object], what: str, timeout: float = 60.0,
         time.sleep(interval)
 
 
+def _daemon_environment(env: dict[str, str]) -> dict[str, str]:
+    """This process's environment with ``env`` added, and glibc's huge-page tunable
+    unless ``env`` names GLIBC_TUNABLES (``DaemonProcess``)."""
+    full = {**os.environ, **env}
+    if huge_malloc.ENV in env:
+        return full
+    return huge_malloc.this_environment(full) or full
+
+
 class DaemonProcess:
     """A ``bubblesnap daemon`` child process, started and ready when the constructor returns.
 
@@ -215,7 +224,10 @@ class DaemonProcess:
     appended to the command line (a flag given twice: the last one wins, so
     ``"--listen", "127.0.0.1:0"`` puts it on a free loopback port). ``metrics`` is the
     ``--metrics`` address ("" disables it, "127.0.0.1:0" picks a port),
-    ``env`` is added to this process's environment. ``stderr`` is where the
+    ``env`` is added to this process's environment, which gets glibc's huge-page
+    tunable as ``bubblesnap daemon`` would (:mod:`bubblesnap.huge_malloc`), so that
+    the daemon need not execute itself again, unless ``env`` names ``GLIBC_TUNABLES``
+    itself. ``stderr`` is where the
     daemon's log goes: None inherits this process's stderr,
     ``subprocess.PIPE`` or ``subprocess.DEVNULL`` as for Popen, or a path,
     written from the start (see :meth:`stderr_text`). With ``own_shm_dir``
@@ -254,7 +266,7 @@ class DaemonProcess:
                    "--listen", f"unix://{self._socket_dir}/daemon.sock",
                    "--metrics", metrics, "--log-level", log_level, *shm, *flags]
         try:
-            self.proc = self._spawn(command, stderr, None if env is None else {**os.environ, **env})
+            self.proc = self._spawn(command, stderr, _daemon_environment(env or {}))
         except BaseException:
             self._remove_own_dirs()
             raise
