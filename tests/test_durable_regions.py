@@ -8,6 +8,7 @@ restores bit for bit in one fresh process and in two processes under
 ``jax.distributed``, into other shardings.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.durable import DurableReader, finalizer
 from bubblesnap.service.durable import checkpoint as durable_checkpoint
 from bubblesnap.service.durable import format as fmt
+from bubblesnap.service.durable import reader as durable_reader
 from bubblesnap.service.errors import DataLoss
 from bubblesnap.testing import wait_for
 from tests.helpers import ROOT
@@ -79,7 +81,8 @@ def assert_plain_orbax_restores(step_dir, step: int) -> None:
     assert sum(p["shards_checked"] for p in pair) == alone[0]["shards_checked"]
 
 
-def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_daemon, tmp_path):
+def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_daemon, tmp_path,
+                                                                        monkeypatch):
     durable = tmp_path / "durable"
     daemon = start_daemon("--durable-dir", str(durable), *FLAGS)
     sessions = [session(daemon, rank, uneven=True) for rank in range(WORLD)]
@@ -113,6 +116,20 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
                 region = expected[leaf][tuple(slice(a, b) for a, b in shard.index)]
                 [got] = reader.read_shards(JOB, 3, rank, [(t_index, s_index)])
                 assert got.dtype == np.uint8 and got.tobytes() == region.tobytes()
+
+    # Every region of a rank read in one call, a window of bytes at a time: the same
+    # bytes in order, never more than the window in flight (one larger region alone).
+    every = [(t, s) for t, tensor in enumerate(copies[0].layout.tensors)
+             for s in range(len(tensor.shards))]
+    one_by_one = [reader.read_shards(JOB, 3, 0, [key])[0].tobytes() for key in every]
+    sizes = sorted(len(b) for b in one_by_one)
+    for window in (1, sizes[-1] + sizes[-2], 1 << 30):
+        monkeypatch.setattr(durable_reader, "READ_BYTES_IN_FLIGHT", window)
+        with _reads_in_flight(monkeypatch) as seen:
+            got = reader.read_shards(JOB, 3, 0, every)
+        assert [g.tobytes() for g in got] == one_by_one
+        assert max(seen) == max(sizes) if window == 1 else max(seen) <= window
+        assert (max(seen) == sum(sizes)) == (window == 1 << 30)
 
     # The current restore's path: rank 1's copy cut into its registered layout.
     _, checksums = reader.load(JOB, 1, 3, copies[1].layout)
@@ -149,6 +166,31 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
     with pytest.raises(DataLoss, match="does not match its checksum"):
         reader.read_shards(JOB, 3, 1, [(w_index, 0)])
     reader.read_shards(JOB, 3, 0, [(w_index, 0)])  # rank 0's regions are intact
+
+
+@contextlib.contextmanager
+def _reads_in_flight(monkeypatch):
+    """The bytes of regions the reader had started and not yet taken, after each start."""
+    seen, outstanding = [], [0]
+    real = durable_checkpoint.read_box
+
+    class Taken:
+        def __init__(self, future, nbytes):
+            self.future, self.nbytes = future, nbytes
+
+        def result(self):
+            outstanding[0] -= self.nbytes
+            return self.future.result()
+
+    def read_box(array, box, into=None):
+        nbytes = int(np.prod([b - a for a, b in box])) * array.dtype.numpy_dtype.itemsize
+        outstanding[0] += nbytes
+        seen.append(outstanding[0])
+        return Taken(real(array, box, into), nbytes)
+
+    monkeypatch.setattr(durable_checkpoint, "read_box", read_box)
+    yield seen
+    monkeypatch.setattr(durable_checkpoint, "read_box", real)
 
 
 def test_the_writer_never_allocates_a_global_array(start_daemon, tmp_path):
