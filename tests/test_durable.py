@@ -109,3 +109,41 @@ def test_damaged_durable_checkpoint_is_reported_not_served(start_daemon, tmp_pat
         SnapshotClient("bad", options=ClientOptions(daemon=fresh.address)).restore(same)
     fresh.stop()
     assert "corrupt copy skipped" in fresh.stderr_text()  # recorded, not only refused
+
+
+def test_a_shard_larger_than_a_chunk_is_written_in_chunks_plain_orbax_reads(start_daemon,
+                                                                           tmp_path):
+    from bubblesnap.service.durable.checkpoint import CHUNK_BYTES
+    from bubblesnap.service.durable.reader import DurableReader
+
+    rows, cols = 2 * CHUNK_BYTES // (4 * 1024) + 8, 1024  # one shard of 2+ chunks
+    values = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    state = {"big": jax.device_put(values, jax.devices()[0]),
+             "small": jax.device_put(np.arange(8, dtype=np.int32), jax.devices()[1])}
+    durable = tmp_path / "durable"
+    flags = ("--durable-dir", str(durable), "--durable-every-steps", "1")
+    daemon = start_daemon(*flags)
+    client = SnapshotClient("chunks", options=ClientOptions(daemon=daemon.address))
+    assert client.snapshot(0, state, wait=True).taken
+    client.close()
+    deadline = time.monotonic() + 60
+    while durable_steps(daemon, "chunks") != [0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+    [written] = DurableReader(str(durable)).sidecars("chunks", 0).values()
+    chunks = {t.name: t.chunks for t in written.tensors}
+    assert chunks["small"] == (8,)
+    assert chunks["big"][1:] == (cols,) and chunks["big"][0] < rows  # cut along the rows
+    assert np.prod(chunks["big"]) * 4 <= CHUNK_BYTES
+
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+              for k, v in state.items()}
+    plain = ocp.StandardCheckpointer().restore(durable / "chunks" / "step_0", target)
+    daemon.kill()
+    restored = SnapshotClient("chunks", options=ClientOptions(
+        daemon=start_daemon(*flags).address)).restore(target)
+    assert restored.source == "durable"
+    for got in (plain, restored.state):
+        assert {k: np.asarray(v).tobytes() for k, v in got.items()} == \
+            {k: np.asarray(v).tobytes() for k, v in state.items()}
