@@ -111,12 +111,15 @@ def test_damaged_durable_checkpoint_is_reported_not_served(start_daemon, tmp_pat
     assert "corrupt copy skipped" in fresh.stderr_text()  # recorded, not only refused
 
 
-def test_a_shard_larger_than_a_chunk_is_written_in_chunks_plain_orbax_reads(start_daemon,
-                                                                           tmp_path):
+def test_a_shard_of_many_chunks_is_written_and_read_in_pieces_plain_orbax_reads(
+        start_daemon, tmp_path, monkeypatch):
+    from bubblesnap.service.durable import checkpoint, reader
     from bubblesnap.service.durable.checkpoint import CHUNK_BYTES
     from bubblesnap.service.durable.reader import DurableReader
 
-    rows, cols = 2 * CHUNK_BYTES // (4 * 1024) + 8, 1024  # one shard of 2+ chunks
+    # one shard of 5+ chunks, more than a piece the writer hands over or the reader reads
+    rows, cols = 5 * CHUNK_BYTES // (4 * 1024) + 8, 1024
+    assert rows * cols * 4 > max(checkpoint._WRITE_PIECE_BYTES, reader.READ_PIECE_BYTES)
     values = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
     state = {"big": jax.device_put(values, jax.devices()[0]),
              "small": jax.device_put(np.arange(8, dtype=np.int32), jax.devices()[1])}
@@ -136,6 +139,17 @@ def test_a_shard_larger_than_a_chunk_is_written_in_chunks_plain_orbax_reads(star
     assert chunks["small"] == (8,)
     assert chunks["big"][1:] == (cols,) and chunks["big"][0] < rows  # cut along the rows
     assert np.prod(chunks["big"]) * 4 <= CHUNK_BYTES
+
+    # Read a chunk row at a time, the region verified once whole.
+    monkeypatch.setattr(reader, "READ_PIECE_BYTES", 1)
+    boxes, real = [], checkpoint.read_box
+    monkeypatch.setattr(checkpoint, "read_box", lambda a, box, into: (boxes.append(box),
+                                                                     real(a, box, into))[1])
+    big = next(i for i, t in enumerate(written.tensors) if t.name == "big")
+    [got] = DurableReader(str(durable)).read_shards("chunks", 0, 0, [(big, 0)])
+    assert got.tobytes() == values.tobytes()
+    assert [box[0] for box in boxes] == [(a, min(a + chunks["big"][0], rows))
+                                         for a in range(0, rows, chunks["big"][0])]
 
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
               for k, v in state.items()}

@@ -92,3 +92,15 @@ def test_a_write_behind_takes_the_newest_step_when_no_other_host_writes_the_job(
     assert step_to_write([0, 1, 2, 3], every_rank_here=True) == 3
     assert step_to_write([0, 1, 2, 3], every_rank_here=False) == 0
     assert step_to_write([5, 6, 7], every_rank_here=False) == 6
+
+
+def test_row_pieces_cut_whole_chunks_along_the_first_axis_at_most_the_bytes_asked():
+    box = ((4, 14), (0, 6))  # 10 rows of 6 four-byte elements, chunks of 2 rows
+    assert orbax_layout.row_pieces(box, (2, 3), 4, 100) == [((4, 8), (0, 6)), ((8, 12), (0, 6)),
+                                                            ((12, 14), (0, 6))]
+    # a piece is one chunk row at least, however few bytes are asked
+    assert orbax_layout.row_pieces(box, (2, 3), 4, 1) == [((a, a + 2), (0, 6))
+                                                          for a in range(4, 14, 2)]
+    assert orbax_layout.row_pieces(box, (2, 3), 4, 1 << 20) == [box]
+    assert orbax_layout.row_pieces((), (), 4, 1) == [()]  # a scalar is its one piece
+    assert orbax_layout.row_pieces(((0, 0), (0, 6)), (1, 6), 4, 1) == [((0, 0), (0, 6))]

@@ -182,7 +182,7 @@ def _reads_in_flight(monkeypatch):
             outstanding[0] -= self.nbytes
             return self.future.result()
 
-    def read_box(array, box, into=None):
+    def read_box(array, box, into):
         nbytes = int(np.prod([b - a for a, b in box])) * array.dtype.numpy_dtype.itemsize
         outstanding[0] += nbytes
         seen.append(outstanding[0])

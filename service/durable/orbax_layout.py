@@ -82,6 +82,19 @@ def is_aligned(box: Box, shape: tuple[int, ...], chunks: tuple[int, ...]) -> boo
                for (start, stop), dim, c in zip(box, shape, chunks, strict=True))
 
 
+def row_pieces(box: Box, chunks: tuple[int, ...], itemsize: int,
+               most_bytes: int) -> list[Box]:
+    """``box`` (whole chunks of the grid ``chunks``) cut along its first axis at chunk
+    edges into pieces of at most ``most_bytes`` each, in order; a piece is at least one
+    chunk thick (so it may pass ``most_bytes``). A 0-d box is its one piece."""
+    if not box:
+        return [box]
+    (start, stop), rest = box[0], box[1:]
+    row_bytes = itemsize * math.prod(b - a for a, b in rest)
+    step = chunks[0] * max(1, most_bytes // max(1, row_bytes * chunks[0]))
+    return [((a, min(a + step, stop)), *rest) for a in range(start, stop, step)] or [box]
+
+
 def conflict(leaves) -> str | None:
     """Why ``leaves`` cannot share one checkpoint (None: they can).
 
