@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from bubblesnap.clients import RestoreError
 from bubblesnap.clients.jax import ClientOptions, SnapshotClient
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.testing import wait_for
 from tests.programs.trainer import state_at
 
 ROWS = 32
@@ -129,10 +130,7 @@ def test_a_shard_of_many_chunks_is_written_and_read_in_pieces_plain_orbax_reads(
     client = SnapshotClient("chunks", options=ClientOptions(daemon=daemon.address))
     assert client.snapshot(0, state, wait=True).taken
     client.close()
-    deadline = time.monotonic() + 60
-    while durable_steps(daemon, "chunks") != [0]:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(lambda: durable_steps(daemon, "chunks") == [0], "step 0 written durably")
 
     [written] = DurableReader(str(durable)).sidecars("chunks", 0).values()
     chunks = {t.name: t.chunks for t in written.tensors}
