@@ -104,3 +104,16 @@ def test_row_pieces_cut_whole_chunks_along_the_first_axis_at_most_the_bytes_aske
     assert orbax_layout.row_pieces(box, (2, 3), 4, 1 << 20) == [box]
     assert orbax_layout.row_pieces((), (), 4, 1) == [()]  # a scalar is its one piece
     assert orbax_layout.row_pieces(((0, 0), (0, 6)), (1, 6), 4, 1) == [((0, 0), (0, 6))]
+
+
+@pytest.mark.parametrize("grid, itemsize, chunks", [
+    ((3276, 1024), 4, (3276, 1024)),  # 13 MB: whole
+    ((100_000_000,), 4, (4_000_000,)),  # the largest divisor within 16 MiB
+    ((32, 4096, 14336), 2, (1, 512, 14336)),  # stacked layers: the leading axis first
+    ((1024, 5_000_011), 4, (1, 5_000_011)),  # a prime row: a row per chunk, 20 MB
+    ((8_388_617,), 4, (8_388_617,)),  # a prime length: whole, not 8 M chunks of 4 bytes
+    ((32_001, 4096), 2, (32_001, 4096)),  # 3 x 10667 rows: 24 KB or 87 MB chunks, whole
+    ((8,), 4, (8,)), ((), 4, ()),
+])
+def test_chunks_cut_the_leading_axes_and_never_into_tiny_chunks(grid, itemsize, chunks):
+    assert orbax_layout.chunk_shape(grid, itemsize, 16 << 20, 1 << 20) == chunks

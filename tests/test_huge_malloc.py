@@ -28,6 +28,8 @@ def test_the_tunable_is_added_beside_the_operators_others(env, expected):
     ({}, (2, 34), "madvise"),  # a glibc without the tunable
     ({}, None, "madvise"),  # not glibc (musl, say)
     ({}, (2, 36), "never"),  # no transparent huge pages from this kernel
+    ({}, (2, 36), "always"),  # huge pages without asking: glibc would not madvise
+    ({}, (2, 36), None),  # no word from the kernel
 ])
 def test_nothing_to_do_keeps_the_environment_as_it_is(env, glibc, thp):
     assert environment(env, glibc, thp) is None
@@ -61,7 +63,7 @@ def _hugepage_advised_bytes(pid: int) -> int:
 
 needs_it = pytest.mark.skipif(
     huge_malloc.this_environment({}) is None,
-    reason="glibc < 2.35, not glibc, or a kernel without transparent huge pages")
+    reason="glibc < 2.35, not glibc, or transparent huge pages not 'madvise'")
 
 
 @needs_it
@@ -76,6 +78,16 @@ def test_the_daemon_executes_itself_again_with_the_tunable_and_serves(start_daem
 def test_an_operators_value_of_the_tunable_is_kept(start_daemon):
     daemon = start_daemon(env={"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
     assert _tunables_of(daemon.proc.pid) == "glibc.malloc.hugetlb=0"
+    assert _hugepage_advised_bytes(daemon.proc.pid) == 0
+    assert daemon.healthy()
+
+
+@needs_it
+def test_the_process_executed_again_never_executes_itself_a_second_time(start_daemon):
+    # as if a loader had dropped the tunable the first exec set: no loop, it serves on
+    daemon = start_daemon(env={"GLIBC_TUNABLES": "",
+                               "BUBBLESNAP_EXECUTED_WITH_HUGE_MALLOC": "1"})
+    assert _tunables_of(daemon.proc.pid) == ""
     assert _hugepage_advised_bytes(daemon.proc.pid) == 0
     assert daemon.healthy()
 

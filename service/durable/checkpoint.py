@@ -31,12 +31,15 @@ _WRITE_BYTES_IN_FLIGHT = 256 << 20
 #: is written. A 4096 MB state of 48 shards on the dev VM: the writing daemon's peak
 #: RSS passed what it held by 1.57 GB with whole shards, by 1.21 GB in pieces.
 _WRITE_PIECE_BYTES = 64 << 20
-#: The most bytes of one chunk (Orbax's ``chunk_byte_size``: chunks divide each write, so
-#: every region stays whole chunks). A restore reads a chunk into buffers of TensorStore's
-#: own, the file's bytes and then the decoded ones; past glibc's 32 MiB they are mapped
-#: afresh and zeroed for each chunk. A shard per chunk (Orbax's default) read 2 GB from
-#: tmpfs in 1666 ms on the dev VM, 16 MiB chunks in 1080 ms (4-32 MiB alike at 1 GB).
+#: The most bytes of one chunk (``orbax_layout.chunk_shape``: chunks divide the write
+#: grid, so every region stays whole chunks). A restore reads a chunk into buffers of
+#: TensorStore's own, the file's bytes and then the decoded ones; past glibc's 32 MiB
+#: they are mapped afresh and zeroed for each chunk. A shard per chunk (Orbax's default)
+#: read 2 GB from tmpfs in 1666 ms on the dev VM, 16 MiB chunks in 1080 ms (4-32 MiB
+#: alike at 1 GB).
 CHUNK_BYTES = 16 << 20
+#: Chunks are not cut below this: an axis whose divisors allow no more is left whole.
+CHUNK_LEAST_BYTES = 1 << 20
 #: The value type Orbax records for a jax.Array leaf: restored as a jax.Array into
 #: the caller's shardings, or as numpy without a target.
 _VALUE_TYPE = "jax.Array"
@@ -148,8 +151,12 @@ def _write_spec(step_dir: str, rank: int, part: ArrayPart):
     ts_utils, _ = _orbax_modules()
     return ts_utils.ArrayWriteSpec(
         f"{step_dir}/{part.item}" if part.item else step_dir, part.param,
-        global_shape=part.shape, write_shape=part.write_shape,
-        dtype=fmt.numpy_dtype(part.dtype), chunk_byte_size=CHUNK_BYTES, use_ocdbt=True,
+        global_shape=part.shape, dtype=fmt.numpy_dtype(part.dtype), use_ocdbt=True,
+        # Orbax writes in chunks of its write_shape; its own chunk_byte_size cuts the
+        # largest axis first, to a chunk of a few bytes for a prime length
+        write_shape=orbax_layout.chunk_shape(part.write_shape,
+                                             fmt.numpy_dtype(part.dtype).itemsize,
+                                             CHUNK_BYTES, CHUNK_LEAST_BYTES),
         process_id=rank)
 
 

@@ -82,6 +82,34 @@ def is_aligned(box: Box, shape: tuple[int, ...], chunks: tuple[int, ...]) -> boo
                for (start, stop), dim, c in zip(box, shape, chunks, strict=True))
 
 
+def chunk_shape(grid: tuple[int, ...], itemsize: int, most_bytes: int,
+                least_bytes: int) -> tuple[int, ...]:
+    """The chunks a cell of ``grid`` is written in: the leading axes cut first, each to
+    the largest divisor of its length that brings a chunk to ``most_bytes`` (an axis
+    that cannot is cut to 1 and the next one tried), so that a chunk is one run of the
+    cell's C-order bytes. A cut that would leave chunks under ``least_bytes`` (a prime
+    length, say: millions of tiny chunks cost more than a few large ones) is not made:
+    the chunks are then those of the last cut made, the whole cell if none."""
+    chunk, best = list(grid), tuple(grid)
+    for axis, length in enumerate(grid):
+        rest = itemsize * math.prod(chunk[axis + 1:])
+        if rest * chunk[axis] <= most_bytes:
+            break
+        cut = max((d for d in _divisors(length) if rest * d <= most_bytes), default=1)
+        if rest * cut < least_bytes:
+            break
+        chunk[axis] = cut
+        best = tuple(chunk)
+        if rest * cut <= most_bytes:
+            break
+    return best
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in small]
+
+
 def row_pieces(box: Box, chunks: tuple[int, ...], itemsize: int,
                most_bytes: int) -> list[Box]:
     """``box`` (whole chunks of the grid ``chunks``) cut along its first axis at chunk

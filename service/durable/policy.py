@@ -110,8 +110,9 @@ def _array_incomplete(name: str, parts) -> str | None:
     if any((t.dtype, t.shape) != (first.dtype, first.shape) for t in parts):
         return f"ranks disagree on the dtype or shape of {name!r}"
     if len({t.chunks for t in parts if t.regions}) > 1:
-        return (f"ranks chose different chunk grids for {name!r} (they knew different "
-                "layouts): their chunks may overlap")
+        return (f"ranks chose different chunk grids for {name!r} (their daemons knew "
+                "different layouts, or are of versions that cut chunks differently): their "
+                "chunks may overlap")
     boxes = [box for t in parts for box in t.regions]
     gap = regions.missing(first.shape, boxes)
     if gap is not None:

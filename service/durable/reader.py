@@ -1,6 +1,7 @@
 """Reading the durable tier: finalized steps, what each rank wrote, regions read and
 verified, and a written rank cut into a layout (for the current restore)."""
 
+import contextlib
 import dataclasses
 import math
 
@@ -271,6 +272,7 @@ class DurableReader:
                     futures[number].result()
                 done(target.nbytes)
             except Exception as err:  # TensorStore raises many types for damaged files
+                _settle(futures[number + 1:])
                 raise DataLoss(f"{step_dir}: region {index} of {tensor.name!r} cannot be "
                                f"read: {err}") from err
             in_flight -= target.nbytes
@@ -280,6 +282,7 @@ class DurableReader:
             with phases.timed("verify"):
                 computed = checksum(outs[at].reshape(-1).view(np.uint8))
             if computed != tensor.checksums[index]:
+                _settle(futures[number + 1:])
                 raise DataLoss(f"{step_dir}: region "
                                f"{regions.describe(tensor.name, tensor.regions[index])} does "
                                "not match its checksum")
@@ -331,3 +334,11 @@ def _world_of(step_dir: str) -> int:
         return int(fmt.read_json(fmt.marker_path(step_dir))["world_size"])
     except (DaemonError, KeyError, TypeError, ValueError):
         return 0
+
+
+def _settle(futures) -> None:
+    """Waits out reads still in flight, their errors ignored: the caller gives back the
+    memory they land in as soon as the read fails."""
+    for future in futures:
+        with contextlib.suppress(Exception):  # a read given up already
+            future.result()
