@@ -5,10 +5,10 @@ into a freshly malloc'd buffer and decompresses it into another. At a restore's 
 glibc maps those buffers anew each time, and faulting in and zeroing their 4 KiB pages
 took about a quarter of the read's CPU (perf, a 1 GB restore). With the tunable, glibc
 (2.35 on) madvises its mappings MADV_HUGEPAGE where the kernel's transparent huge pages
-are "madvise": a fault per 2 MiB. glibc reads tunables
-at process start only, so ``bubblesnap daemon`` executes itself again, once, with it
-set (``reexec``). An operator's own value of it in ``GLIBC_TUNABLES`` is kept
-(``glibc.malloc.hugetlb=0`` turns this off).
+are "madvise": a fault per 2 MiB. glibc reads tunables at process start only, so
+``bubblesnap daemon`` executes itself again, once, with it set (``reexec``). An
+operator's own value of it in ``GLIBC_TUNABLES`` is kept (``glibc.malloc.hugetlb=0``
+turns this off).
 """
 
 import logging

@@ -107,8 +107,7 @@ def write_parts(step_dir: str, rank: int, parts: list[ArrayPart],
         for box, data in part.regions:
             for piece in orbax_layout.row_pieces(box, chunks[part.where], itemsize,
                                                  _WRITE_PIECE_BYTES):
-                batch.write(array, piece, data[piece[0][0] - box[0][0]:
-                                               piece[0][1] - box[0][0]] if box else data)
+                batch.write(array, piece, data[orbax_layout.rows_of(box, piece)])
     batch.commit()
     return chunks
 
@@ -149,13 +148,13 @@ class _Batch:
 
 def _write_spec(step_dir: str, rank: int, part: ArrayPart):
     ts_utils, _ = _orbax_modules()
+    dtype = fmt.numpy_dtype(part.dtype)
     return ts_utils.ArrayWriteSpec(
         f"{step_dir}/{part.item}" if part.item else step_dir, part.param,
-        global_shape=part.shape, dtype=fmt.numpy_dtype(part.dtype), use_ocdbt=True,
+        global_shape=part.shape, dtype=dtype, use_ocdbt=True,
         # Orbax writes in chunks of its write_shape; its own chunk_byte_size cuts the
         # largest axis first, to a chunk of a few bytes for a prime length
-        write_shape=orbax_layout.chunk_shape(part.write_shape,
-                                             fmt.numpy_dtype(part.dtype).itemsize,
+        write_shape=orbax_layout.chunk_shape(part.write_shape, dtype.itemsize,
                                              CHUNK_BYTES, CHUNK_LEAST_BYTES),
         process_id=rank)
 

@@ -123,6 +123,12 @@ def row_pieces(box: Box, chunks: tuple[int, ...], itemsize: int,
     return [((a, min(a + step, stop)), *rest) for a in range(start, stop, step)] or [box]
 
 
+def rows_of(box: Box, piece: Box):
+    """The index that takes ``piece`` (of :func:`row_pieces`) out of an array of
+    ``box``'s elements: its rows, or all of a 0-d box."""
+    return slice(piece[0][0] - box[0][0], piece[0][1] - box[0][0]) if box else ...
+
+
 def conflict(leaves) -> str | None:
     """Why ``leaves`` cannot share one checkpoint (None: they can).
 

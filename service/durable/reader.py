@@ -89,8 +89,7 @@ class DurableReader:
         """Reads regions ``rank`` wrote straight into ``targets`` ((tensor index, region
         index, uint8 view of exactly its bytes): slots of the segment to be served),
         together as ``read_shards`` does, and verifies each where it landed; their
-        checksums. DataLoss when one
-        cannot be read or does not match."""
+        checksums. DataLoss when one cannot be read or does not match."""
         step_dir = self._finalized(job, step)
         wanted = self._wanted(self._sidecar(job, step, rank), [t[:2] for t in targets])
         arrays = self._open_all(step_dir, [t for t, _ in wanted])
@@ -243,19 +242,16 @@ class DurableReader:
         shapes = [tuple(b - a for a, b in t.regions[i]) for t, i in wanted]
         outs = into or [np.empty(shape, dtype) for shape, dtype in zip(shapes, dtypes,
                                                                          strict=True)]
-        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes,
-                                                                            strict=True)]
-        progress.expect(sum(sizes))
+        progress.expect(sum(out.nbytes for out in outs))
         done = progress.reporter()
         pieces = []  # (region's position, piece box, its bytes in the region's)
         for at, (tensor, index) in enumerate(wanted):
-            box, flat = tensor.regions[index], outs[at].reshape(-1).view(np.uint8)
-            row_bytes = sizes[at] // shapes[at][0] if shapes[at] and shapes[at][0] else 0
+            box = tensor.regions[index]
+            elements = outs[at].reshape(-1).view(np.uint8).view(dtypes[at]).reshape(shapes[at])
             for piece in orbax_layout.row_pieces(box, tensor.chunks or shapes[at],
                                                  dtypes[at].itemsize, READ_PIECE_BYTES):
-                first = (piece[0][0] - box[0][0]) * row_bytes if box else 0
-                nbytes = math.prod(b - a for a, b in piece) * dtypes[at].itemsize
-                pieces.append((at, piece, flat[first:first + nbytes]))
+                rows = elements[orbax_layout.rows_of(box, piece)]
+                pieces.append((at, piece, rows.reshape(-1).view(np.uint8)))
         futures, in_flight = [], 0
         out = []
         for number, (at, _, target) in enumerate(pieces):
