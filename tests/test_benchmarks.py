@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-PROGRAMS = ("adoption", "datapath", "gpu", "group_scale", "load", "log_cost", "manager",
-            "overhead", "plan_scale", "restore", "sick_daemon")
+PROGRAMS = ("adoption", "datapath", "durable_write", "gpu", "group_scale", "load", "log_cost",
+            "manager", "overhead", "plan_scale", "restore", "sick_daemon")
 #: Runs beyond each program's plain --quick: name -> (program, its extra flags).
 VARIANTS = {"overhead_link_rate": ("overhead", ("--link-rate", "1gbit"))}
 
@@ -414,7 +414,23 @@ def check_manager(report: dict) -> None:
     assert report["restore_matches"] == {"bubblesnap": True, "orbax": True}
 
 
-CHECKS = {"adoption": check_adoption, "datapath": check_datapath, "gpu": check_gpu,
+def check_durable_write(report: dict) -> None:
+    assert_bandwidth_modes(report, ("durable_write", "orbax_save"))
+    assert report["rounds"] == 1 and report["state_bytes"] > 0 and report["devices"] == 4
+    assert set(report["ratios"]) == {"durable_write_vs_orbax_save"}
+    assert_finite(report["ratios"], "ratios")
+    assert set(report["meets_targets"]) == {"durable_write_ge_orbax_save"}
+    assert isinstance(report["meets_targets"]["durable_write_ge_orbax_save"], bool)
+    assert list(report["anon_grown_mb"]) == ["durable_write", "orbax_save"]
+    for mode, row in report["anon_grown_mb"].items():
+        assert_finite(row, mode)
+        assert 0 <= row["median"] <= row["max"], (mode, row)
+    # the daemon's step and Orbax's folder each restored through plain Orbax, bit for bit
+    assert report["matches"] == {"durable_write": True, "orbax_save": True}
+
+
+CHECKS = {"adoption": check_adoption, "datapath": check_datapath,
+          "durable_write": check_durable_write, "gpu": check_gpu,
           "group_scale": check_group_scale, "load": check_load,
           "log_cost": check_log_cost, "manager": check_manager, "overhead": check_overhead,
           "plan_scale": check_plan_scale, "sick_daemon": check_sick_daemon,
