@@ -159,3 +159,39 @@ def test_a_shard_of_many_chunks_is_written_and_read_in_pieces_plain_orbax_reads(
     for got in (plain, restored.state):
         assert {k: np.asarray(v).tobytes() for k, v in got.items()} == \
             {k: np.asarray(v).tobytes() for k, v in state.items()}
+
+
+def test_a_write_is_committed_in_batches_no_larger_than_its_bound(tmp_path, monkeypatch):
+    """TensorStore holds a copy of what a batch was given until it commits: a write of
+    many chunks commits batch after batch, none past the bound, and the database then
+    holds every byte."""
+    import tensorstore as ts
+
+    from bubblesnap.service.durable import checkpoint
+
+    chunk = 1 << 20
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(checkpoint, "_WRITE_PIECE_BYTES", chunk)
+    monkeypatch.setattr(checkpoint, "_WRITE_BYTES_IN_FLIGHT", 3 * chunk)
+    committed, commit = [], checkpoint._Batch.commit
+
+    def counted(batch):
+        committed.append(batch._bytes)
+        commit(batch)
+    monkeypatch.setattr(checkpoint._Batch, "commit", counted)
+    rows = 10 * chunk // (4 * 1024)  # ten chunks of (256, 1024) float32
+    big = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
+    small = np.arange(1024, dtype=np.int32).reshape(4, 256)
+    parts = [checkpoint.ArrayPart(name, str(data.dtype), data.shape, data.shape,
+                                  ((tuple((0, n) for n in data.shape), data),))
+             for name, data in (("big", big), ("small", small))]
+    chunks = checkpoint.write_parts(str(tmp_path), 0, parts)
+
+    assert chunks[("", "big")] == (256, 1024)
+    assert sum(committed) == big.nbytes + small.nbytes
+    assert len(committed) >= 4 and max(committed) <= 3 * chunk, committed
+    for name, data in (("big", big), ("small", small)):
+        stored = ts.open({"driver": "zarr", "kvstore": {
+            "driver": "ocdbt", "base": f"file://{tmp_path}/ocdbt.process_0/",
+            "path": name}}).result().read().result()
+        assert stored.dtype == data.dtype and stored.tobytes() == data.tobytes(), name

@@ -23,14 +23,23 @@ from bubblesnap.service.durable import manager_files, orbax_layout
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import FailedPrecondition
 
-#: Bytes of regions handed to TensorStore before waiting for them: TensorStore copies
-#: what it is given until it is written, so this bounds the copy, not the state.
-_WRITE_BYTES_IN_FLIGHT = 256 << 20
+#: Bytes of regions handed to TensorStore before committing them: TensorStore copies
+#: what it is given until it is written, and encodes it while committing, so this bounds
+#: those copies, not the state. Fresh buffers cost more than they seem: faulting in and
+#: zeroing their pages (on the dev VM, its first touch of memory runs at ~0.5 GB/s). A
+#: 1024 MB state, benchmarks/durable_write.py, 5 rounds: 256 MB at a time (64 MB pieces)
+#: wrote in 1445-2291 ms (0.48-0.79x Orbax's save), the daemon's anonymous memory up by
+#: 314-539 MB; 32 MB (16 MiB pieces) in 1146-1231 ms (0.97-1.01x), up by 54-94 MB. More
+#: batches mean more database commits (each a few small files, fsynced), which costs time
+#: on storage slow to fsync; but the write runs in the background, while the memory it
+#: takes is taken from the host training beside it.
+_WRITE_BYTES_IN_FLIGHT = 32 << 20
 #: A region is handed over in pieces of whole chunks of at most this much (one chunk
 #: row at least): a shard of many GB would otherwise be copied whole before any of it
-#: is written. A 4096 MB state of 48 shards on the dev VM: the writing daemon's peak
-#: RSS passed what it held by 1.57 GB with whole shards, by 1.21 GB in pieces.
-_WRITE_PIECE_BYTES = 64 << 20
+#: is written (a 4096 MB state of 48 shards on the dev VM: the writing daemon's peak
+#: RSS passed what it held by 1.57 GB with whole shards, by 1.21 GB in 64 MB pieces).
+#: One chunk (``CHUNK_BYTES``): a batch passes its bound by at most a chunk row.
+_WRITE_PIECE_BYTES = 16 << 20
 #: The most bytes of one chunk (``orbax_layout.chunk_shape``: chunks divide the write
 #: grid, so every region stays whole chunks). A restore reads a chunk into buffers of
 #: TensorStore's own, the file's bytes and then the decoded ones; past glibc's 32 MiB

@@ -18,14 +18,18 @@ from bubblesnap.service.store import regions
 
 #: Bytes of regions being read at once: TensorStore reads each chunk into buffers of its
 #: own (the file's bytes, then decoded) until it lands, so this bounds the daemon's memory
-#: beyond what it holds. A 1 GB restore on the 2-core dev VM: all at once, the daemon's
-#: peak RSS passed what it held by 1.62 GB; 256 MB at a time by 1.03 GB, as fast (601
-#: against 638 ms); 64 MB at a time by 0.68 GB, but 795 ms (a region or two at a time).
-READ_BYTES_IN_FLIGHT = 256 << 20
+#: beyond what it holds. A 1 GB restore on the 2-core dev VM, the reading daemon holding
+#: 2.05 GB: all at once, its peak RSS passed what it held by 1.62 GB. Every bound tried
+#: read as fast (624-674 ms a restore); the peak RSS was 2.70-2.81 GB with 256 MB in
+#: flight (64 MB pieces), and in 16 MiB pieces 2.64-2.65 GB with 128 MB, 2.47-2.56 GB
+#: with 64 MB, 2.43 GB with 32 MB (fewer cores busy: 1.75 against 1.9). Four chunks in
+#: flight also leave room for storage slower to answer than tmpfs.
+READ_BYTES_IN_FLIGHT = 64 << 20
 #: A region is read in pieces of whole chunks of at most this much (one chunk row at
 #: least): TensorStore would otherwise hold buffers for all of one shard of many GB at
-#: once, whatever ``READ_BYTES_IN_FLIGHT`` says.
-READ_PIECE_BYTES = 64 << 20
+#: once, whatever ``READ_BYTES_IN_FLIGHT`` says. One chunk (``checkpoint.CHUNK_BYTES``):
+#: 64 MB pieces with 64 MB in flight read a region or two at a time (795 against 601 ms).
+READ_PIECE_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
