@@ -1,11 +1,14 @@
-"""Hashing slots as their bytes arrive in pieces equals hashing each slot whole, and
-parallel pulls split a segment at slot boundaries."""
+"""Hashing slots as their bytes arrive in pieces equals hashing each slot whole, a slot
+hashed with runs in it gives each run's own checksum, and parallel pulls split a segment
+at slot boundaries."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bubblesnap.protos.checksum import SlotHasher, checksum
+from bubblesnap.protos import checksum as checksum_module
+from bubblesnap.protos.checksum import SlotHasher, checksum, checksum_with_runs
 from bubblesnap.service.peers.data_channel import split
 
 
@@ -42,3 +45,18 @@ def test_pull_groups_cover_every_slot_once_in_order(sizes, streams):
     assert 1 <= len(groups) <= streams
     assert [s for g in groups for s in g] == slots
     assert all(groups)
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 3000),
+       runs=st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 3000)), max_size=5),
+       whole=st.integers(0, 2))
+def test_a_slot_hashed_with_runs_gives_each_runs_own_checksum(size, runs, whole):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    runs = [(min(o, size), min(n, size - min(o, size))) for o, n in runs]
+    runs[len(runs) // 2:len(runs) // 2] = [(0, size)] * whole  # the whole slot, as a run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checksum_module, "FUSED_BLOCK_BYTES", 256)  # blocks cut the runs
+        value, sums = checksum_with_runs(data, runs)
+    assert value == checksum(data)
+    assert sums == [checksum(data[o:o + n]) for o, n in runs]
