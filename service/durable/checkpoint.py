@@ -27,12 +27,12 @@ from bubblesnap.service.errors import FailedPrecondition
 #: what it is given until it is written, and encodes it while committing, so this bounds
 #: those copies, not the state. Fresh buffers cost more than they seem: faulting in and
 #: zeroing their pages (on the dev VM, its first touch of memory runs at ~0.5 GB/s). A
-#: 1024 MB state, benchmarks/durable_write.py, 5 rounds: 256 MB at a time (64 MB pieces)
-#: wrote in 1445-2291 ms (0.48-0.79x Orbax's save), the daemon's anonymous memory up by
-#: 314-539 MB; 32 MB (16 MiB pieces) in 1146-1231 ms (0.97-1.01x), up by 54-94 MB. More
-#: batches mean more database commits (each a few small files, fsynced), which costs time
-#: on storage slow to fsync; but the write runs in the background, while the memory it
-#: takes is taken from the host training beside it.
+#: 1024 MB state (benchmarks/durable_write.py, 5 rounds, 4 runs each): 256 MB at a time
+#: (64 MB pieces) wrote in 1410-2291 ms (0.48-0.84x Orbax's save), the daemon's anonymous
+#: memory up by 314-539 MB (1109 at most); 32 MB (16 MiB pieces) in 1146-1231 ms
+#: (0.97-1.33x), up by 32-94 MB. More batches mean more database commits (each a few
+#: small files, fsynced), which costs time on storage slow to fsync; but the write runs
+#: in the background, while the memory it takes is taken from the host training beside it.
 _WRITE_BYTES_IN_FLIGHT = 32 << 20
 #: A region is handed over in pieces of whole chunks of at most this much (one chunk
 #: row at least): a shard of many GB would otherwise be copied whole before any of it
