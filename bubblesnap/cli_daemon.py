@@ -196,6 +196,12 @@ def add_parser(sub) -> None:
                          help="also write the next committed step once T seconds passed")
     durable.add_argument("--durable-keep", type=int, default=durable_d.keep, metavar="N",
                          help=f"durable steps kept per rank (default {durable_d.keep})")
+    durable.add_argument("--durable-write-batch", type=parse_bytes,
+                         default=durable_d.write_batch_bytes, metavar="SIZE",
+                         help="bytes written between commits to the checkpoint's database: "
+                         "what bounds the memory a write takes beside what the daemon holds "
+                         "(a few times this); raise it where each commit is slow, NFS or a "
+                         f"bucket mount (default {human_bytes(durable_d.write_batch_bytes)})")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run_daemon)
 
@@ -298,7 +304,8 @@ def daemon_options(args):
         peers=_peer_options(args),
         durable=DurableOptions(directory=args.durable_dir, every_steps=args.durable_every_steps,
                                every_seconds=args.durable_every_seconds,
-                               keep=args.durable_keep))
+                               keep=args.durable_keep,
+                               write_batch_bytes=args.durable_write_batch))
 
 
 def _run_daemon(args) -> int:

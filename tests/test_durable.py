@@ -163,8 +163,8 @@ def test_a_shard_of_many_chunks_is_written_and_read_in_pieces_plain_orbax_reads(
 
 def test_a_write_is_committed_in_batches_no_larger_than_its_bound(tmp_path, monkeypatch):
     """TensorStore holds a copy of what a batch was given until it commits: a write of
-    many chunks commits batch after batch, none past the bound, and the database then
-    holds every byte."""
+    many chunks, a stack of layers among them, commits batch after batch, none past the
+    bound, and the database then holds every byte."""
     import tensorstore as ts
 
     from bubblesnap.service.durable import checkpoint
@@ -172,25 +172,26 @@ def test_a_write_is_committed_in_batches_no_larger_than_its_bound(tmp_path, monk
     chunk = 1 << 20
     monkeypatch.setattr(checkpoint, "CHUNK_BYTES", chunk)
     monkeypatch.setattr(checkpoint, "_WRITE_PIECE_BYTES", chunk)
-    monkeypatch.setattr(checkpoint, "_WRITE_BYTES_IN_FLIGHT", 3 * chunk)
     committed, commit = [], checkpoint._Batch.commit
 
     def counted(batch):
         committed.append(batch._bytes)
         commit(batch)
     monkeypatch.setattr(checkpoint._Batch, "commit", counted)
-    rows = 10 * chunk // (4 * 1024)  # ten chunks of (256, 1024) float32
-    big = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
-    small = np.arange(1024, dtype=np.int32).reshape(4, 256)
+    arrays = {  # ten chunks of (256, 1024) float32; three 2 MiB layers; 4 KiB
+        "big": np.arange(10 * 256 * 1024, dtype=np.float32).reshape(2560, 1024),
+        "stack": np.arange(3 * 512 * 1024, dtype=np.float32).reshape(3, 512, 1024),
+        "small": np.arange(1024, dtype=np.int32).reshape(4, 256)}
     parts = [checkpoint.ArrayPart(name, str(data.dtype), data.shape, data.shape,
                                   ((tuple((0, n) for n in data.shape), data),))
-             for name, data in (("big", big), ("small", small))]
-    chunks = checkpoint.write_parts(str(tmp_path), 0, parts)
+             for name, data in arrays.items()]
+    chunks = checkpoint.write_parts(str(tmp_path), 0, parts, batch_bytes=3 * chunk)
 
     assert chunks[("", "big")] == (256, 1024)
-    assert sum(committed) == big.nbytes + small.nbytes
-    assert len(committed) >= 4 and max(committed) <= 3 * chunk, committed
-    for name, data in (("big", big), ("small", small)):
+    assert chunks[("", "stack")] == (1, 256, 1024)  # a layer is two chunks
+    # every piece one chunk: batches of three, what is left in the last
+    assert committed == [3 * chunk] * 5 + [chunk + arrays["small"].nbytes]
+    for name, data in arrays.items():
         stored = ts.open({"driver": "zarr", "kvstore": {
             "driver": "ocdbt", "base": f"file://{tmp_path}/ocdbt.process_0/",
             "path": name}}).result().read().result()

@@ -3,6 +3,7 @@ whole: pure functions, tested on crafted layouts, no daemon."""
 
 import os
 
+import numpy as np
 import pytest
 
 from bubblesnap.service.durable import format as fmt
@@ -104,6 +105,26 @@ def test_row_pieces_cut_whole_chunks_along_the_first_axis_at_most_the_bytes_aske
     assert orbax_layout.row_pieces(box, (2, 3), 4, 1 << 20) == [box]
     assert orbax_layout.row_pieces((), (), 4, 1) == [()]  # a scalar is its one piece
     assert orbax_layout.row_pieces(((0, 0), (0, 6)), (1, 6), 4, 1) == [((0, 0), (0, 6))]
+
+
+def test_row_pieces_of_a_stack_of_layers_take_one_layer_at_a_time_and_cut_its_rows():
+    box = ((0, 4), (0, 8), (0, 6))  # 4 layers of 8 rows of 6 four-byte elements: 192 bytes
+    chunks = (1, 2, 6)  # a chunk: 2 rows of one layer, 48 bytes
+    assert orbax_layout.row_pieces(box, chunks, 4, 60) == [
+        ((i, i + 1), (a, a + 2), (0, 6)) for i in range(4) for a in range(0, 8, 2)]
+    assert orbax_layout.row_pieces(box, chunks, 4, 100) == [
+        ((i, i + 1), (a, a + 4), (0, 6)) for i in range(4) for a in (0, 4)]
+    # a layer fits: the pieces are whole layers, as many as fit
+    assert orbax_layout.row_pieces(box, chunks, 4, 400) == [((0, 2), (0, 8), (0, 6)),
+                                                           ((2, 4), (0, 8), (0, 6))]
+    # every piece is one run of the box's bytes, in order, and they cover it
+    values = np.arange(4 * 8 * 6).reshape(4, 8, 6)
+    for most in (1, 60, 100, 200, 400, 1 << 20):
+        pieces = orbax_layout.row_pieces(box, chunks, 4, most)
+        runs = [values[orbax_layout.rows_of(box, piece)] for piece in pieces]
+        assert all(run.flags.c_contiguous for run in runs)
+        assert np.concatenate([run.reshape(-1) for run in runs]).tolist() == \
+            values.reshape(-1).tolist()
 
 
 @pytest.mark.parametrize("grid, itemsize, chunks", [

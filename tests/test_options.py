@@ -55,6 +55,8 @@ def test_options_are_frozen_and_keyword_only(options):
                        coordination=CoordinationOptions(url="etcd://h:1", group_size=3)),
      "PeerOptions.peers: --peers"),
     (LogOptions, dict(max_rank_bytes=10), "LogOptions.max_rank_bytes: --training-log-budget"),
+    (DurableOptions, dict(write_batch_bytes=0),
+     "DurableOptions.write_batch_bytes: --durable-write-batch"),
     (DaemonOptions, dict(nice=20), "DaemonOptions.nice: --nice"),
     (DaemonOptions, dict(rpc_threads=0), "DaemonOptions.rpc_threads"),
 ])
@@ -66,6 +68,13 @@ def test_bad_options_are_refused_naming_the_option(options, kwargs, words):
 def test_the_daemon_flags_default_to_the_options_defaults():
     args = cli.parser().parse_args(["daemon"])
     assert cli_daemon.daemon_options(args) == DaemonOptions()
+
+
+def test_the_durable_write_batch_is_a_size():
+    flags = ["daemon", "--durable-dir", "/ckpt", "--durable-every-steps", "10",
+             "--durable-write-batch", "256MiB"]
+    options = cli_daemon.daemon_options(cli.parser().parse_args(flags)).durable
+    assert options.write_batch_bytes == 256 << 20 != DurableOptions().write_batch_bytes
 
 
 def test_spreading_restores_over_holders_can_be_turned_off():

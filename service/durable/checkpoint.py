@@ -23,17 +23,6 @@ from bubblesnap.service.durable import manager_files, orbax_layout
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import FailedPrecondition
 
-#: Bytes of regions handed to TensorStore before committing them: TensorStore copies
-#: what it is given until it is written, and encodes it while committing, so this bounds
-#: those copies, not the state. Fresh buffers cost more than they seem: faulting in and
-#: zeroing their pages (on the dev VM, its first touch of memory runs at ~0.5 GB/s). A
-#: 1024 MB state (benchmarks/durable_write.py, 5 rounds, 4 runs each): 256 MB at a time
-#: (64 MB pieces) wrote in 1410-2291 ms (0.48-0.84x Orbax's save), the daemon's anonymous
-#: memory up by 314-539 MB (1109 at most); 32 MB (16 MiB pieces) in 1146-1231 ms
-#: (0.97-1.33x), up by 32-94 MB. More batches mean more database commits (each a few
-#: small files, fsynced), which costs time on storage slow to fsync; but the write runs
-#: in the background, while the memory it takes is taken from the host training beside it.
-_WRITE_BYTES_IN_FLIGHT = 32 << 20
 #: A region is handed over in pieces of whole chunks of at most this much (one chunk
 #: row at least): a shard of many GB would otherwise be copied whole before any of it
 #: is written (a 4096 MB state of 48 shards on the dev VM: the writing daemon's peak
@@ -89,11 +78,12 @@ def context():
     return ts_utils.get_ts_context(use_ocdbt=True)
 
 
-def write_parts(step_dir: str, rank: int, parts: list[ArrayPart],
+def write_parts(step_dir: str, rank: int, parts: list[ArrayPart], batch_bytes: int,
                 written=None) -> dict[tuple[str, str], tuple]:
     """Writes ``parts`` into ``rank``'s database of the step (of each part's item);
     returns each array's chunks, by (item, parameter), once every region is
-    durable. FailedPrecondition, before anything is written, if a region is not
+    durable, committed ``batch_bytes`` (DurableOptions.write_batch_bytes) at a time.
+    FailedPrecondition, before anything is written, if a region is not
     whole chunks (another daemon could write into the same chunk).
     ``written(nbytes)`` hears each region as TensorStore took its bytes (from
     TensorStore's threads)."""
@@ -109,7 +99,7 @@ def write_parts(step_dir: str, rank: int, parts: list[ArrayPart],
                     f"region {box} of {part.param!r} is not whole chunks of "
                     f"{chunks[part.where]}; not written")
         specs[part.where] = spec
-    batch = _Batch(ts, context(), written)
+    batch = _Batch(ts, context(), batch_bytes, written)
     for part in parts:
         array = batch.open(specs[part.where].json)
         itemsize = fmt.numpy_dtype(part.dtype).itemsize
@@ -124,10 +114,10 @@ def write_parts(step_dir: str, rank: int, parts: list[ArrayPart],
 class _Batch:
     """Region writes committed together, a transaction at a time: one database
     commit (a few files) per batch instead of one per region, and TensorStore's
-    copy of what a batch holds bounded by ``_WRITE_BYTES_IN_FLIGHT``."""
+    copy of what a batch holds bounded by ``most_bytes``."""
 
-    def __init__(self, ts, ctx, written=None):
-        self._ts, self._ctx, self._written = ts, ctx, written
+    def __init__(self, ts, ctx, most_bytes: int, written=None):
+        self._ts, self._ctx, self._written, self._most = ts, ctx, written, most_bytes
         self._txn, self._bytes, self._writes = ts.Transaction(), 0, []
 
     def open(self, spec: dict):
@@ -144,7 +134,7 @@ class _Batch:
         if self._written is not None:
             self._writes[-1].add_done_callback(lambda _, n=data.nbytes: self._written(n))
         self._bytes += data.nbytes
-        if self._bytes >= _WRITE_BYTES_IN_FLIGHT:
+        if self._bytes >= self._most:
             self.commit()
 
     def commit(self) -> None:

@@ -21,6 +21,7 @@
   every rank's regions (the writer's ``job_layouts``).
 """
 
+import itertools
 import math
 
 from bubblesnap import checkpoint_record
@@ -112,21 +113,36 @@ def _divisors(n: int) -> list[int]:
 
 def row_pieces(box: Box, chunks: tuple[int, ...], itemsize: int,
                most_bytes: int) -> list[Box]:
-    """``box`` (whole chunks of the grid ``chunks``) cut along its first axis at chunk
-    edges into pieces of at most ``most_bytes`` each, in order; a piece is at least one
-    chunk thick (so it may pass ``most_bytes``). A 0-d box is its one piece."""
-    if not box:
+    """``box`` (whole chunks of the grid ``chunks``) cut at chunk edges into pieces of at
+    most ``most_bytes`` each, in order, each one run of the box's C-order bytes. The cut
+    is along the first axis; but where one index of a leading axis is more than
+    ``most_bytes`` and its chunks are one index thick (a stack of layers, chunked a
+    layer's rows at a time), the pieces take one index of it at a time and the next axis
+    is cut so. A piece is at least one chunk row thick along the axis cut (so it may
+    pass ``most_bytes``). A box with no elements is its one piece."""
+    extents = [b - a for a, b in box]
+    if math.prod(extents) == 0 or not box:
         return [box]
-    (start, stop), rest = box[0], box[1:]
-    row_bytes = itemsize * math.prod(b - a for a, b in rest)
-    step = chunks[0] * max(1, most_bytes // max(1, row_bytes * chunks[0]))
-    return [((a, min(a + step, stop)), *rest) for a in range(start, stop, step)] or [box]
+    axis = 0
+    while (axis + 1 < len(box) and chunks[axis] == 1
+           and itemsize * math.prod(extents[axis + 1:]) > most_bytes):
+        axis += 1
+    row_bytes = itemsize * math.prod(extents[axis + 1:])
+    step = chunks[axis] * max(1, most_bytes // max(1, row_bytes * chunks[axis]))
+    start, stop = box[axis]
+    cuts = [(a, min(a + step, stop)) for a in range(start, stop, step)]
+    return [(*((i, i + 1) for i in index), cut, *box[axis + 1:])
+            for index in itertools.product(*(range(a, b) for a, b in box[:axis]))
+            for cut in cuts]
 
 
 def rows_of(box: Box, piece: Box):
     """The index that takes ``piece`` (of :func:`row_pieces`) out of an array of
-    ``box``'s elements: its rows, or all of a 0-d box."""
-    return slice(piece[0][0] - box[0][0], piece[0][1] - box[0][0]) if box else ...
+    ``box``'s elements (all of a 0-d box): a view of one run of its bytes."""
+    if not box:
+        return ...
+    return tuple(slice(a - start, b - start) for (a, b), (start, _) in zip(piece, box,
+                                                                          strict=True))
 
 
 def conflict(leaves) -> str | None:

@@ -155,7 +155,8 @@ class DurableWriter:
         try:
             with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
                                       pinned.layout.nbytes) as written:
-                chunks = checkpoint.write_parts(step_dir, pinned.rank, parts, written)
+                chunks = checkpoint.write_parts(step_dir, pinned.rank, parts,
+                                                self.options.write_batch_bytes, written)
             _verify(pinned)  # the bytes did not change while TensorStore copied them
             if record is not None:
                 manager_files.write_record(step_dir, record)
