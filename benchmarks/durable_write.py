@@ -10,8 +10,9 @@ state's bytes:
 
   durable_write  the state snapshotted into a daemon (--durable-dir on tmpfs,
                  --durable-every-steps 1) as a new step; timed from the
-                 snapshot's commit (the daemon holds the copy) until the
-                 daemon's Status lists the step as durable: written through
+                 snapshot's commit (the daemon holds the copy, and may have
+                 begun writing a moment before this process hears it) until
+                 the daemon's Status lists the step as durable: written through
                  TensorStore, finalized as one Orbax checkpoint, published.
                  This runs in the daemon's background, off the training step.
   orbax_save     orbax.checkpoint.StandardCheckpointer().save of the same state
@@ -22,7 +23,9 @@ Memory, per mode and round: how far the writing process's anonymous memory
 (RssAnon: its heap, TensorStore's buffers; not shared-memory segments, which
 hold the copy itself) rose over its level before the round, at its peak,
 sampled every 5 ms: the daemon's for durable_write, this process's for
-orbax_save. Reported as the median and the most over the rounds, in MB.
+orbax_save. Reported as the median and the most over the rounds, in MB, and
+the most it reached over its level before the first (warm-up) round: what a
+writer keeps between rounds (glibc's arenas) counts there.
 
 Checked: the last step each mode wrote, restored with plain Orbax into the
 state's shardings, equals the state bit for bit.
@@ -33,14 +36,13 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common
 
-from bubblesnap.testing import DaemonProcess, wait_for
+from bubblesnap.testing import DaemonProcess, reaped_tempdir, wait_for
 
 MODES = ["durable_write", "orbax_save"]
 DEVICES = 4
@@ -65,11 +67,12 @@ def anon_bytes(pid) -> int:
 
 class AnonPeak:
     """The most a process's RssAnon rose over its level at the start, read on a thread
-    every ``_SAMPLE_SECONDS`` until the block ends (``grown`` then holds it)."""
+    every ``_SAMPLE_SECONDS`` until the block ends (``grown`` then holds it, and
+    ``peak`` the most it was)."""
 
     def __init__(self, pid):
         self._pid, self._stop = pid, threading.Event()
-        self.grown = 0
+        self.grown = self.peak = 0
 
     def __enter__(self):
         self._start = anon_bytes(self._pid)
@@ -89,23 +92,30 @@ class AnonPeak:
         return False
 
     def _sample(self) -> None:
-        self.grown = max(self.grown, anon_bytes(self._pid) - self._start)
+        self.peak = max(self.peak, anon_bytes(self._pid))
+        self.grown = max(self.grown, self.peak - self._start)
 
 
 class Bench:
     """This process holding the state and a client of the daemon; Orbax's checkpointer."""
 
-    def __init__(self, state, daemon: DaemonProcess, root: str):
+    def __init__(self, state, daemon: DaemonProcess, root: str, durable_dir: str):
         import orbax.checkpoint as ocp
 
         from bubblesnap.clients.jax import ClientOptions, SnapshotClient
         self.state, self._daemon, self._root = state, daemon, root
+        self._durable_dir = durable_dir
         self._client = SnapshotClient(JOB, options=ClientOptions(daemon=daemon.address))
         self._checkpointer = ocp.StandardCheckpointer()
         self.step = 0
         self.orbax_paths: list[str] = []  # the folders Orbax's save wrote, oldest first
         self._saves = 0
         self.anon_grown = {mode: [] for mode in MODES}
+        # each writer's RssAnon before the first round, and the most it reached since:
+        # what a writer keeps between rounds (glibc's arenas) counts here too
+        self.anon_start = {"durable_write": anon_bytes(daemon.proc.pid),
+                           "orbax_save": anon_bytes(os.getpid())}
+        self.anon_peak = dict(self.anon_start)
 
     def _durable_steps(self) -> list[int]:
         from bubblesnap.protos import daemon_pb2 as pb
@@ -121,10 +131,24 @@ class Bench:
                 raise RuntimeError(f"step {step} was not taken: {getattr(result, 'reason', '')}")
             started = time.perf_counter()
             wait_for(lambda: step in self._durable_steps(), f"step {step} durable", 600,
-                     interval=_POLL_SECONDS)
+                     failed=self._daemon_gone, interval=_POLL_SECONDS)
             spent = time.perf_counter() - started
-        self.anon_grown["durable_write"].append(peak.grown)
+            # The daemon removes the step --durable-keep behind after publishing this
+            # one: waited for here, off the clock, so that no other mode's clock runs
+            # beside it (Orbax's save removes its oldest folder off its clock too).
+            retired = os.path.join(self._durable_dir, JOB, f"step_{step - _KEEP}")
+            wait_for(lambda: not os.path.exists(retired), f"{retired} removed", 600,
+                     failed=self._daemon_gone, interval=_POLL_SECONDS)
+        self._note("durable_write", peak)
         return spent
+
+    def _daemon_gone(self) -> str | None:
+        code = self._daemon.proc.poll()
+        return None if code is None else f"the daemon exited with code {code}"
+
+    def _note(self, mode: str, peak: AnonPeak) -> None:
+        self.anon_grown[mode].append(peak.grown)
+        self.anon_peak[mode] = max(self.anon_peak[mode], peak.peak)
 
     def orbax_save(self) -> float:
         self._saves += 1
@@ -141,28 +165,31 @@ class Bench:
         for old in self.orbax_paths[:-_KEEP]:
             shutil.rmtree(old)
         del self.orbax_paths[:-_KEEP]
-        self.anon_grown["orbax_save"].append(peak.grown)
+        self._note("orbax_save", peak)
         return spent
 
-    def matches(self, durable_dir: str) -> dict[str, bool]:
+    def matches(self) -> dict[str, bool]:
         """Whether the last step each mode wrote restores, through plain Orbax, bit for bit."""
         target = common.restore_target(self.state)
-        paths = {"durable_write": os.path.join(durable_dir, JOB, f"step_{self.step}"),
+        paths = {"durable_write": os.path.join(self._durable_dir, JOB, f"step_{self.step}"),
                  "orbax_save": self.orbax_paths[-1]}
         return {mode: common.same_state(self.state, self._checkpointer.restore(path, target))
                 for mode, path in paths.items()}
 
     def close(self) -> None:
-        self._client.close()
-        self._checkpointer.close()
+        try:
+            self._client.close()
+        finally:
+            self._checkpointer.close()
 
 
 def print_durable_write_table(report: dict) -> None:
     common.print_table(report, f"durable write of a {report['state_bytes'] / 1e6:.0f} MB "
                        f"state, {report['rounds']} rounds", report["matches"])
     for mode, row in report["anon_grown_mb"].items():
-        print(f"  {mode:15s} anonymous memory grew {row['median']:.0f} MB "
-              f"(most {row['max']:.0f} MB)")
+        print(f"  {mode:15s} anonymous memory grew {row['median']:.0f} MB a round "
+              f"(most {row['max']:.0f} MB); its peak over its level before the first: "
+              f"{report['anon_peak_over_start_mb'][mode]:.0f} MB")
 
 
 def main() -> int:
@@ -174,7 +201,8 @@ def main() -> int:
     common.force_cpu_devices(DEVICES)
     import jax
 
-    root = tempfile.mkdtemp(dir="/dev/shm", prefix="bubblesnap-bench-durable-write-")
+    # removed even if this process is killed (bubblesnap.testing's reaper)
+    root = reaped_tempdir("bubblesnap-bench-durable-write-", "/dev/shm")
     durable_dir = os.path.join(root, "durable")
     daemon = bench = None
     try:
@@ -184,16 +212,19 @@ def main() -> int:
         daemon = DaemonProcess("--memory-budget", str(4 * state_bytes + (256 << 20)),
                                "--durable-dir", durable_dir, "--durable-every-steps", "1",
                                "--keep", str(_KEEP), "--durable-keep", str(_KEEP))
-        bench = Bench(state, daemon, root)
+        bench = Bench(state, daemon, root, durable_dir)
         seconds = common.measure(bench, MODES, args.rounds)
-        matches = bench.matches(durable_dir)
+        matches = bench.matches()
         anon = {mode: values[1:] for mode, values in bench.anon_grown.items()}  # no warm-up
+        over_start = {mode: bench.anon_peak[mode] - bench.anon_start[mode] for mode in MODES}
     finally:
-        if bench is not None:
-            bench.close()
-        if daemon is not None:
-            daemon.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if bench is not None:
+                bench.close()
+        finally:
+            if daemon is not None:
+                daemon.stop()
+            shutil.rmtree(root, ignore_errors=True)
     modes, medians = common.bandwidths(seconds, lambda _: state_bytes)
     ratio = medians["durable_write"] / medians["orbax_save"]
     report = {
@@ -204,6 +235,8 @@ def main() -> int:
         "anon_grown_mb": {mode: {"median": round(statistics.median(values) / 1e6, 1),
                                  "max": round(max(values) / 1e6, 1)}
                           for mode, values in anon.items()},
+        "anon_peak_over_start_mb": {mode: round(value / 1e6, 1)
+                                    for mode, value in over_start.items()},
         "matches": matches,
         "storage": "tmpfs (/dev/shm): the daemon's durable tier and Orbax's folder",
     }

@@ -425,6 +425,10 @@ def check_durable_write(report: dict) -> None:
     for mode, row in report["anon_grown_mb"].items():
         assert_finite(row, mode)
         assert 0 <= row["median"] <= row["max"], (mode, row)
+    # over the level before the first round, both writers grew (the sampler watched them)
+    over_start = report["anon_peak_over_start_mb"]
+    assert list(over_start) == ["durable_write", "orbax_save"]
+    assert all(value > 0 for value in over_start.values()), over_start
     # the daemon's step and Orbax's folder each restored through plain Orbax, bit for bit
     assert report["matches"] == {"durable_write": True, "orbax_save": True}
 
