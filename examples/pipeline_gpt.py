@@ -101,8 +101,8 @@ def run_stage(args, stage: int, devices, inbox, send) -> dict:
         if "bubblesnap" in modes and stage == 0:
             from google.protobuf import json_format
             result["plan"] = json_format.MessageToDict(modes["bubblesnap"].client.status().plan)
-        if args.verify_restore and "bubblesnap" in modes:
-            result["restore"] = verify_restore(modes["bubblesnap"].client, runner, jax)
+        if args.verify_restore in modes:
+            result["restore"] = verify_restore(modes[args.verify_restore].client, runner, jax)
     finally:
         for mode in modes.values():
             mode.close()
@@ -363,9 +363,14 @@ def parse_args(argv=None):
                       help="for the daemon started here: longest snapshot interval its planner "
                            "may choose (1: every iteration, spilling what does not fit)")
     snap.add_argument("--job", default="pipeline", help="job name prefix")
-    snap.add_argument("--verify-restore", action="store_true",
-                      help="after training, restore the latest committed step on every stage "
-                           "and compare it with the state of that step")
+    snap.add_argument("--verify-restore", nargs="?", const="bubblesnap", default=None,
+                      choices=("bubblesnap", "eager"), metavar="MODE",
+                      help="after training, restore the latest committed step of MODE's job "
+                           "(default bubblesnap) on every stage and compare it with the state "
+                           "of that step. bubblesnap's steps follow the daemon's plan, which "
+                           "each stage adopts a couple of iterations ahead: in a short segment "
+                           "on a loaded host a stage may take none; eager's are every "
+                           "iteration")
     p.add_argument("--timeline", metavar="PNG", help="draw two iterations of every stage")
     p.add_argument("--json", action="store_true", help="print a JSON report last")
     p.add_argument("--events", metavar="FILE",
