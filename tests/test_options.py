@@ -75,6 +75,10 @@ def test_the_durable_write_batch_is_a_size():
              "--durable-write-batch", "256MiB"]
     options = cli_daemon.daemon_options(cli.parser().parse_args(flags)).durable
     assert options.write_batch_bytes == 256 << 20 != DurableOptions().write_batch_bytes
+    with pytest.raises(SystemExit):  # argparse's usage error: not a size
+        cli.parser().parse_args([*flags[:-1], "lots"])
+    with pytest.raises(ValueError, match="--durable-write-batch"):
+        cli_daemon.daemon_options(cli.parser().parse_args([*flags[:-1], "0"]))
 
 
 def test_spreading_restores_over_holders_can_be_turned_off():
