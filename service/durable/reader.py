@@ -22,8 +22,8 @@ from bubblesnap.service.store import regions
 #: 2.05 GB: all at once, its peak RSS passed what it held by 1.62 GB. Every bound tried
 #: read as fast (624-674 ms a restore); the peak RSS was 2.70-2.81 GB with 256 MB in
 #: flight (64 MB pieces), and in 16 MiB pieces 2.64-2.65 GB with 128 MB, 2.47-2.56 GB
-#: with 64 MB, 2.43 GB with 32 MB (fewer cores busy: 1.75 against 1.9). Four chunks in
-#: flight also leave room for storage slower to answer than tmpfs.
+#: with 64 MB, 2.43 GB with 32 MB (fewer cores busy: 1.75 against 1.9). Storage slower
+#: to answer than tmpfs may want more in flight (not measured: four chunks here).
 READ_BYTES_IN_FLIGHT = 64 << 20
 #: A region is read in pieces of whole chunks of at most this much (one chunk row at
 #: least): TensorStore would otherwise hold buffers for all of one shard of many GB at
