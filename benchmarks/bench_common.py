@@ -63,6 +63,18 @@ def report_out(report: dict, as_json: bool, print_table) -> None:
         print_table(report)
 
 
+def proc_bytes(pid: int | str, field: str) -> int:
+    """A size from /proc/<pid>/status (VmHWM, VmRSS, RssAnon, ...), in bytes (0 when gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def force_cpu_devices(count: int) -> None:
     """Makes the JAX CPU backend show ``count`` devices; call before JAX is imported."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"

@@ -57,12 +57,8 @@ _KEEP = 2
 
 
 def anon_bytes(pid) -> int:
-    """The process's anonymous resident memory (RssAnon in /proc/<pid>/status), in bytes."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/{pid}/status has no RssAnon")
+    """The process's anonymous resident memory (its RssAnon), in bytes."""
+    return common.proc_bytes(pid, "RssAnon")
 
 
 class AnonPeak:
@@ -72,10 +68,13 @@ class AnonPeak:
 
     def __init__(self, pid):
         self._pid, self._stop = pid, threading.Event()
-        self.grown = self.peak = 0
+
+    @property
+    def grown(self) -> int:
+        return self.peak - self._start
 
     def __enter__(self):
-        self._start = anon_bytes(self._pid)
+        self._start = self.peak = anon_bytes(self._pid)
 
         def sample():
             while not self._stop.is_set():
@@ -93,7 +92,6 @@ class AnonPeak:
 
     def _sample(self) -> None:
         self.peak = max(self.peak, anon_bytes(self._pid))
-        self.grown = max(self.grown, self.peak - self._start)
 
 
 class Bench:

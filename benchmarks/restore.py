@@ -325,18 +325,6 @@ def make_groups(layout: str, cap_states: float) -> list[GroupPlan]:
     return groups
 
 
-def proc_bytes(pid: int | str, field: str) -> int:
-    """A size from /proc/<pid>/status (VmHWM, VmRSS, ...), in bytes (0 when gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def pmd_mapped_bytes() -> int:
     """This process's shared memory mapped with huge page-table entries now (2 MiB pages
     of a huge-page tmpfs: ShmemPmdMapped of /proc/self/smaps_rollup)."""
@@ -408,7 +396,7 @@ class Daemons:
         for name, daemon in self.started.items():
             if not daemon.alive():
                 continue
-            rss, held = proc_bytes(daemon.proc.pid, "VmHWM"), self.held_peak[name]
+            rss, held = common.proc_bytes(daemon.proc.pid, "VmHWM"), self.held_peak[name]
             out[name] = {"peak_rss_bytes": rss, "peak_held_bytes": held,
                          "rss_vs_held": round(rss / held, 3) if held else None}
         return out
@@ -934,9 +922,9 @@ class Bench:
     def _peak_reset(self) -> int:
         """This process's RSS now, its peak reset to it (before a restore's clock); the
         group's peak so far is kept first."""
-        self.results.group_peak = max(self.results.group_peak, proc_bytes("self", "VmHWM"))
+        self.results.group_peak = max(self.results.group_peak, common.proc_bytes("self", "VmHWM"))
         reset_peak_rss()
-        return proc_bytes("self", "VmRSS")
+        return common.proc_bytes("self", "VmRSS")
 
     def _cpu_now(self) -> float:
         """CPU seconds this process and the group's running daemons have run so far."""
@@ -950,7 +938,7 @@ class Bench:
         """Notes what the restore just done added to this process's peak RSS, in states:
         what restoring costs a trainer's memory (a restore mapped from a daemon's segment
         counts its pages as they are touched)."""
-        grown = (proc_bytes("self", "VmHWM") - before) / self.state_bytes
+        grown = (common.proc_bytes("self", "VmHWM") - before) / self.state_bytes
         peaks = self.results.restore_peaks
         peaks[mode] = max(peaks.get(mode, 0.0), round(grown, 3))
         pmd = self.results.pmd_mapped
@@ -1293,7 +1281,7 @@ def run_group(index: int, plan: GroupPlan, state, results: Results, rounds: int,
         shutil.rmtree(group_dir, ignore_errors=True)
         del bench
         common.trim_memory()
-        entry["client_peak_rss_bytes"] = max(results.group_peak, proc_bytes("self", "VmHWM"))
+        entry["client_peak_rss_bytes"] = max(results.group_peak, common.proc_bytes("self", "VmHWM"))
 
 
 #: The restores the huge-page comparison runs on daemons in /dev/shm and on --huge-dir.
@@ -1407,7 +1395,7 @@ def main() -> int:
     common.exit_on_sigterm()
     import jax
     jax.devices()  # the runtime's own memory, before the state: the baseline
-    baseline = proc_bytes("self", "VmRSS")
+    baseline = common.proc_bytes("self", "VmRSS")
     state = common.make_state(int(args.mb * 1e6), DEVICES)
     state_bytes = sum(s.nbytes for s in common.shard_bytes(state).values())
     unit = state_bytes + (4 << 20)

@@ -23,12 +23,6 @@ from bubblesnap.service.durable import manager_files, orbax_layout
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import FailedPrecondition
 
-#: A region is handed over in pieces of whole chunks of at most this much (one chunk
-#: row at least): a shard of many GB would otherwise be copied whole before any of it
-#: is written (a 4096 MB state of 48 shards on the dev VM: the writing daemon's peak
-#: RSS passed what it held by 1.57 GB with whole shards, by 1.21 GB in 64 MB pieces).
-#: One chunk (``CHUNK_BYTES``): a batch passes its bound by at most a chunk row.
-_WRITE_PIECE_BYTES = 16 << 20
 #: The most bytes of one chunk (``orbax_layout.chunk_shape``: chunks divide the write
 #: grid, so every region stays whole chunks). A restore reads a chunk into buffers of
 #: TensorStore's own, the file's bytes and then the decoded ones; past glibc's 32 MiB
@@ -38,6 +32,12 @@ _WRITE_PIECE_BYTES = 16 << 20
 CHUNK_BYTES = 16 << 20
 #: Chunks are not cut below this: an axis whose divisors allow no more is left whole.
 CHUNK_LEAST_BYTES = 1 << 20
+#: A region is handed over in pieces of whole chunks of at most this much (one chunk
+#: row at least): a shard of many GB would otherwise be copied whole before any of it
+#: is written (a 4096 MB state of 48 shards on the dev VM: the writing daemon's peak
+#: RSS passed what it held by 1.57 GB with whole shards, by 1.21 GB in 64 MB pieces).
+#: One chunk: a batch passes its bound by at most a chunk row.
+_WRITE_PIECE_BYTES = CHUNK_BYTES
 #: The value type Orbax records for a jax.Array leaf: restored as a jax.Array into
 #: the caller's shardings, or as numpy without a target.
 _VALUE_TYPE = "jax.Array"

@@ -27,9 +27,9 @@ from bubblesnap.service.store import regions
 READ_BYTES_IN_FLIGHT = 64 << 20
 #: A region is read in pieces of whole chunks of at most this much (one chunk row at
 #: least): TensorStore would otherwise hold buffers for all of one shard of many GB at
-#: once, whatever ``READ_BYTES_IN_FLIGHT`` says. One chunk (``checkpoint.CHUNK_BYTES``):
-#: 64 MB pieces with 64 MB in flight read a region or two at a time (795 against 601 ms).
-READ_PIECE_BYTES = 16 << 20
+#: once, whatever ``READ_BYTES_IN_FLIGHT`` says. One chunk: 64 MB pieces with 64 MB in
+#: flight read a region or two at a time (795 against 601 ms).
+READ_PIECE_BYTES = checkpoint.CHUNK_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
