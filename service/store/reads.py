@@ -1,68 +1,79 @@
 """Reading held copies: handing one over to a trainer, pinning one for a reader outside the lock.
 
-Called with the store's lock held.
+Called with the store's lock held. A copy handed over is verified between
+``take`` and ``hand_over``, outside the lock, pinned meanwhile.
 """
 
 from bubblesnap.service import answer_segment
 from bubblesnap.service.errors import DataLoss, NotFound
 from bubblesnap.service.store import registration
-from bubblesnap.service.store.model import mismatches
+from bubblesnap.service.store.model import RankStep, mismatches
 from bubblesnap.service.store.state import StoreState
 from bubblesnap.service.store.views import PinnedCopy, Restorable, pinned
 
 
-def serve(state: StoreState, job: str, rank: int, step: int,
-          asked_group: tuple[int, ...] = ()) -> Restorable:
-    """Verifies this daemon's copy of ``step`` for ``rank`` and hands its segment over.
-
-    A member of a replica group gets its copier's copy (``asked_group`` is
-    the caller's, for a rank no registration here declared).
-    """
+def take(state: StoreState, job: str, rank: int, step: int,
+         asked_group: tuple[int, ...] = ()) -> tuple[PinnedCopy, bool]:
+    """``take_copy`` of this daemon's copy of ``step`` for ``rank``: a member of a replica
+    group gets its copier's copy (``asked_group`` is the caller's, for a rank no
+    registration here declared)."""
     entry, _ = registration.copier(state, job, rank, asked_group)
     copier = registration.agreed_group(job, entry, rank, asked_group)[0]
-    return serve_copy(state, job, copier, step)
+    return take_copy(state, job, copier, step)
 
 
-def serve_copy(state: StoreState, job: str, rank: int, step: int) -> Restorable:
-    """Verifies this daemon's copy of ``step`` of ``rank`` (registered or not, of any
-    epoch) and hands its segment over.
+def take_copy(state: StoreState, job: str, rank: int, step: int) -> tuple[PinnedCopy, bool]:
+    """Pins this daemon's copy of ``step`` of ``rank`` (registered or not, of any epoch)
+    to be handed over, and names its segment to the caller; True when the copy was
+    verified as it arrived (a moment ago, from a peer or disk): not to be read a
+    second time. Every take is followed by ``hand_over``.
 
-    The client may keep arrays that alias the segment (zero-copy on the CPU
-    backend), so a segment once served is never recycled: when retention
-    frees it, it is unlinked, and its memory lives on only as long as the
+    The client maps the segment from now on and may keep arrays that alias it
+    (zero-copy on the CPU backend), so a segment once taken is never recycled:
+    when it is freed, it is unlinked, and its memory lives on only as long as the
     client maps it.
     """
-    entry = state.jobs.get(job)
-    held = entry.ranks.get(rank) if entry is not None else None
-    rank_step = held.steps.get(step) if held is not None else None
-    if rank_step is None or not rank_step.local:
-        raise NotFound(f"this daemon holds no copy of step {step} of rank {rank}")
+    rank_step = _local_copy(state, job, rank, step)
     answer_segment.announce(rank_step.segment.path, rank_step.segment.nbytes)
-    # A copy verified as it arrived (a moment ago, from a peer or disk) is not
-    # read a second time.
-    computed = rank_step.checksums if rank_step.just_verified else \
-        state.hash(rank_step.segment, rank_step.slots)
-    rank_step.just_verified = False
-    bad = mismatches(rank_step.checksums, computed)
-    if bad:
-        names = rank_step.slot_names(bad)
-        state.memory.free(held, step)
-        raise DataLoss(
-            f"step {step} of rank {rank} failed its checksum on {names}: the copy was "
-            f"corrupted in memory and has been discarded; committed steps left: "
-            f"{entry.committed_steps() or 'none'}")
     rank_step.segment.handed_out = True
-    return Restorable(step, rank_step.segment.path, rank_step.slots, rank_step.checksums,
-                      rank_step.layout, rank_step.world_size)
+    verified, rank_step.just_verified = rank_step.just_verified, False
+    rank_step.pins += 1
+    return pinned(job, rank, step, rank_step), verified
+
+
+def hand_over(state: StoreState, copy: PinnedCopy, computed: tuple[int, ...]) -> Restorable:
+    """Unpins ``copy`` (``take``) and hands it over if ``computed``, its checksums as read
+    outside the lock, are the ones it was committed with. DataLoss (the copy
+    discarded) if not; NotFound if it was deleted meanwhile."""
+    rank_step = copy._held
+    state.memory.unpin(rank_step)
+    if rank_step.released:
+        raise NotFound(f"step {copy.step} of rank {copy.rank} was deleted while it was "
+                       "being verified for this restore; restore again")
+    bad = mismatches(copy.checksums, computed)
+    if bad:
+        entry = state.jobs[copy.job]
+        state.memory.free(entry.ranks[copy.rank], copy.step)
+        raise DataLoss(
+            f"step {copy.step} of rank {copy.rank} failed its checksum on "
+            f"{rank_step.slot_names(bad)}: the copy was corrupted in memory and has been "
+            f"discarded; committed steps left: {entry.committed_steps() or 'none'}")
+    return Restorable(copy.step, copy.segment.path, copy.slots, copy.checksums, copy.layout,
+                      copy.world_size)
 
 
 def pin(state: StoreState, job: str, rank: int, step: int) -> PinnedCopy:
     """Keeps a LOCAL copy's segment intact for a reader outside the lock."""
+    rank_step = _local_copy(state, job, rank, step)
+    rank_step.pins += 1
+    return pinned(job, rank, step, rank_step)
+
+
+def _local_copy(state: StoreState, job: str, rank: int, step: int) -> RankStep:
     entry = state.jobs.get(job)
     held = entry.ranks.get(rank) if entry is not None else None
     rank_step = held.steps.get(step) if held is not None else None
     if rank_step is None or not rank_step.local:
         raise NotFound(f"this daemon holds no committed copy of step {step} of rank "
                        f"{rank} of job {job!r}")
-    rank_step.pins += 1
-    return pinned(job, rank, step, rank_step)
+    return rank_step
