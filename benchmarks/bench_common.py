@@ -12,6 +12,7 @@ import ctypes
 import gc
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -73,6 +74,35 @@ def proc_bytes(pid: int | str, field: str) -> int:
     except OSError:
         pass
     return 0
+
+
+#: What the kernel does with memory, as machine_memory reports it: (name, file).
+_MEMORY_SETTINGS = (
+    ("thp_enabled", "/sys/kernel/mm/transparent_hugepage/enabled"),
+    ("thp_defrag", "/sys/kernel/mm/transparent_hugepage/defrag"),
+    ("thp_shmem_enabled", "/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+    ("page_reporting_order", "/sys/module/page_reporting/parameters/page_reporting_order"),
+)
+
+
+def machine_memory() -> dict[str, str | None]:
+    """The kernel's memory settings that move every number here that touches fresh memory
+    (None: not on this kernel). ``page_reporting_order`` is set in a VM whose balloon
+    device takes back free memory: every freed block of 2^order pages goes back to the
+    host, and touching it again costs a fault in the host too. On the dev VM (order 9)
+    numpy filled fresh huge pages (its default for large arrays) at 0.3 GiB/s, 9 GiB/s
+    with reporting off (docs/development/benchmarks.md, "This VM's memory")."""
+    found = {}
+    for name, path in _MEMORY_SETTINGS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            found[name] = None
+            continue
+        chosen = re.search(r"\[(\w[\w+]*)\]", text)  # "always [madvise] never"
+        found[name] = chosen[1] if chosen else text
+    return found
 
 
 def force_cpu_devices(count: int) -> None:

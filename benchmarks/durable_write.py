@@ -237,6 +237,7 @@ def main() -> int:
                                     for mode, value in over_start.items()},
         "matches": matches,
         "storage": "tmpfs (/dev/shm): the daemon's durable tier and Orbax's folder",
+        "machine_memory": common.machine_memory(),
     }
     common.report_out(report, args.json, print_durable_write_table)
     return 0 if all(matches.values()) else 1

@@ -1166,6 +1166,7 @@ def summarize(results: Results, state_bytes: int, rounds: int, daemon_problems: 
         "groups": results.groups,
         "memory": memory,
         "storage": "tmpfs (/dev/shm): daemon segments, Orbax checkpoint, durable tier",
+        "machine_memory": common.machine_memory(),
         "problems": results.problems,
         "daemon_log": daemon_problems,
     }

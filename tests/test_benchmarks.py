@@ -116,6 +116,7 @@ def check_restore(report: dict) -> None:
              "restore_durable", "orbax_restore", "orbax_restore_resharded")
     assert "error" not in report, report
     assert_bandwidth_modes(report, modes)
+    assert_machine_memory(report)
     assert set(report["ratios"]) == {
         "peer_transfer_vs_raw_tcp", "restore_peer_vs_orbax", "restore_peer_vs_peer_transfer",
         "restore_peer_vs_raw_tcp_parallel", "restore_peer_2holders_vs_raw_tcp_parallel",
@@ -431,6 +432,20 @@ def check_durable_write(report: dict) -> None:
     assert all(value > 0 for value in over_start.values()), over_start
     # the daemon's step and Orbax's folder each restored through plain Orbax, bit for bit
     assert report["matches"] == {"durable_write": True, "orbax_save": True}
+    assert_machine_memory(report)
+
+
+def assert_machine_memory(report: dict) -> None:
+    """The kernel's memory settings as this machine has them, the chosen one of a list."""
+    memory = report["machine_memory"]
+    assert set(memory) == {"thp_enabled", "thp_defrag", "thp_shmem_enabled",
+                           "page_reporting_order"}
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            assert f"[{memory['thp_enabled']}]" in f.read()
+    except FileNotFoundError:  # a kernel without transparent huge pages
+        assert memory["thp_enabled"] is None
+    assert all(value is None or (value and "[" not in value) for value in memory.values())
 
 
 CHECKS = {"adoption": check_adoption, "datapath": check_datapath,
