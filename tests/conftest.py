@@ -9,7 +9,20 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import pytest
 
-from bubblesnap.testing import DaemonProcess, EtcdServer, Ring
+from bubblesnap.testing import DaemonProcess, EtcdServer, Ring, reaped_tempdir
+
+#: JAX's settings for one compilation cache shared by the whole run: the pytest processes
+#: (set here, before the workers start: they inherit it) and every program the tests
+#: start. Each of those processes compiles the same functions (the pipeline example's
+#: stages, the Orbax loops, the multi-host jobs); about half of a stage process's start
+#: was compiling (benchmarks/overhead.py --quick: 79 s, 43 s with a cache). Small
+#: compiles count too: a cache of only those over JAX's default second saved 9 s of it.
+#: Made per run, removed with the process that made it (even if SIGKILLed).
+JAX_COMPILATION_CACHE = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ.update(JAX_COMPILATION_CACHE,
+                      JAX_COMPILATION_CACHE_DIR=reaped_tempdir("bubblesnap-jax-cache-"))
 
 #: Modules whose tests run programs (examples, benchmarks, trainers) as processes of their
 #: own, each importing JAX, or compile and run a whole pipeline in this one: marked
