@@ -9,6 +9,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import pytest
 
+from bubblesnap.service.store import SnapshotStore
 from bubblesnap.testing import DaemonProcess, EtcdServer, Ring, reaped_tempdir
 
 #: JAX's settings for one compilation cache shared by the whole run: the pytest processes
@@ -115,6 +116,16 @@ def pytest_runtest_makereport(item, call):
                 report.sections.append((f"stacks of {daemon.name} when the test failed",
                                         stacks))
     return report
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A daemon's store (SnapshotStore) in this process, its segments in tmp_path/shm."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    store = SnapshotStore(str(shm))
+    yield store
+    store.close()
 
 
 @pytest.fixture

@@ -6,21 +6,11 @@ import os
 import threading
 
 import numpy as np
-import pytest
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.service.store import SnapshotStore, arrivals
+from bubblesnap.service.store import arrivals
 from bubblesnap.service.store.layout import build_layout
-
-
-@pytest.fixture
-def store(tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    store = SnapshotStore(str(shm))
-    yield store
-    store.close()
 
 
 def test_a_second_transfer_of_an_arriving_copy_waits_for_it_and_takes_it(store, monkeypatch):

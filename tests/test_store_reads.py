@@ -18,15 +18,6 @@ DATA = np.arange(1024, dtype=np.float32)
 STEP = 3
 
 
-@pytest.fixture
-def store(tmp_path):
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    store = SnapshotStore(str(shm))
-    yield store
-    store.close()
-
-
 def _committed(store: SnapshotStore) -> tuple[str, int]:
     """Commits step STEP of rank 0 (DATA); returns its segment's path and the slot's offset."""
     layout = build_layout([pb.TensorSpec(name="w", dtype="float32", global_shape=[1024], shards=[
