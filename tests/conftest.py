@@ -18,12 +18,12 @@ from bubblesnap.testing import DaemonProcess, EtcdServer, Ring, reaped_tempdir
 #: stages, the Orbax loops, the multi-host jobs); about half of a stage process's start
 #: was compiling (benchmarks/overhead.py --quick: 79 s, 43 s with a cache). Small
 #: compiles count too: a cache of only those over JAX's default second saved 9 s of it.
-#: Made per run, removed with the process that made it (even if SIGKILLed).
-JAX_COMPILATION_CACHE = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+#: Made per run, removed with the process that made it (even if SIGKILLed), unless
+#: JAX_COMPILATION_CACHE_DIR names one already.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ.update(JAX_COMPILATION_CACHE,
-                      JAX_COMPILATION_CACHE_DIR=reaped_tempdir("bubblesnap-jax-cache-"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = reaped_tempdir("bubblesnap-jax-cache-")
 
 #: Modules whose tests run programs (examples, benchmarks, trainers) as processes of their
 #: own, each importing JAX, or compile and run a whole pipeline in this one: marked
