@@ -37,16 +37,24 @@ def _write(path: str, offset: int, data: np.ndarray) -> None:
 
 
 def _while_verified(monkeypatch, call) -> dict:
-    """Makes the store's hash run ``call`` on another thread first and wait (10 s at most)
-    for it to return; the dict gets its result."""
+    """Makes the store's first hash run ``call`` on another thread first and wait (10 s at
+    most) for it to end; the dict gets its result, or the exception it raised."""
     outcome = {}
     hash_slots = StoreState.hash
 
+    def run():
+        try:
+            outcome["result"] = call()
+        except Exception as err:
+            outcome["raised"] = err
+
     def hash_after_call(state, segment, slots):
-        thread = threading.Thread(target=lambda: outcome.update(result=call()))
-        thread.start()
-        thread.join(10)
-        assert not thread.is_alive(), "a call made while a copy was verified waited for it"
+        if "started" not in outcome:
+            outcome["started"] = True
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(10)
+            assert not thread.is_alive(), "a call made while a copy was verified waited"
         return hash_slots(state, segment, slots)
     monkeypatch.setattr(StoreState, "hash", hash_after_call)
     return outcome
@@ -81,3 +89,16 @@ def test_a_copy_corrupted_before_its_verify_is_discarded(store, monkeypatch):
         store.serve("job", 0, STEP)
     assert store.holdings() == [] and not os.path.exists(path)
     assert store.memory().used_bytes == 0
+
+
+def test_two_restores_of_a_corrupt_copy_at_once_are_both_told_it_is_corrupt(
+        store, monkeypatch):
+    """Members of a replica group restore their copier's one copy: the second to finish
+    its verify finds the copy discarded by the first, and still hears why."""
+    path, offset = _committed(store)
+    _write(path, offset, np.full(4, 255, np.uint8))
+    outcome = _while_verified(monkeypatch, lambda: store.serve("job", 0, STEP))
+    with pytest.raises(DataLoss, match="failed its checksum"):
+        store.serve("job", 0, STEP)
+    assert isinstance(outcome["raised"], DataLoss), outcome
+    assert store.holdings() == [] and store.memory().used_bytes == 0

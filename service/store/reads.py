@@ -44,20 +44,25 @@ def take_copy(state: StoreState, job: str, rank: int, step: int) -> tuple[Pinned
 def hand_over(state: StoreState, copy: PinnedCopy, computed: tuple[int, ...]) -> Restorable:
     """Unpins ``copy`` (``take``) and hands it over if ``computed``, its checksums as read
     outside the lock, are the ones it was committed with. DataLoss (the copy
-    discarded) if not; NotFound if it was deleted meanwhile."""
+    discarded, if another caller did not discard it first) if not; NotFound if it
+    was freed meanwhile (deleted, retired, the store closed)."""
     rank_step = copy._held
     state.memory.unpin(rank_step)
-    if rank_step.released:
-        raise NotFound(f"step {copy.step} of rank {copy.rank} was deleted while it was "
-                       "being verified for this restore; restore again")
+    entry = state.jobs.get(copy.job)
+    held = entry.ranks.get(copy.rank) if entry is not None else None
+    still_held = held is not None and held.steps.get(copy.step) is rank_step
     bad = mismatches(copy.checksums, computed)
     if bad:
-        entry = state.jobs[copy.job]
-        state.memory.free(entry.ranks[copy.rank], copy.step)
+        if still_held:
+            state.memory.free(held, copy.step)
+        left = entry.committed_steps() if entry is not None else []
         raise DataLoss(
             f"step {copy.step} of rank {copy.rank} failed its checksum on "
             f"{rank_step.slot_names(bad)}: the copy was corrupted in memory and has been "
-            f"discarded; committed steps left: {entry.committed_steps() or 'none'}")
+            f"discarded; committed steps left: {left or 'none'}")
+    if not still_held:
+        raise NotFound(f"step {copy.step} of rank {copy.rank} was deleted while it was "
+                       "being verified for this restore; restore again")
     return Restorable(copy.step, copy.segment.path, copy.slots, copy.checksums, copy.layout,
                       copy.world_size)
 
