@@ -159,7 +159,8 @@ class Bench:
         self.orbax_paths.append(path)
         # Kept as the daemon keeps its steps (--durable-keep 2), the oldest removed after
         # the new one is written: removed before, its memory would be the next save's warm
-        # pages (this VM backs memory not touched lately at ~0.5 GB/s on first touch).
+        # pages (a VM whose balloon takes freed memory back makes fresh pages slow to
+        # touch: docs/development/benchmarks.md, "What this VM's memory does").
         for old in self.orbax_paths[:-_KEEP]:
             shutil.rmtree(old)
         del self.orbax_paths[:-_KEEP]
