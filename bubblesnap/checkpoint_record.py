@@ -1,34 +1,35 @@
-"""The record a CheckpointManager step carries beside its arrays: pure, shared by both ends.
+"""The record a CheckpointManager's pytree item carries beside its arrays: pure, shared by
+both ends.
 
-A step saved through ``bubblesnap.clients.jax.CheckpointManager`` holds more
-than arrays: Python and NumPy scalars, strings, ``None`` and empty subtrees
-of its pytrees, JSON items, ``custom_metadata``, metrics, and how Orbax lays
-the step out (step folder name, items and their handlers, each pytree's
-``_METADATA`` entries). All of that is one JSON document, the *record*,
-travelling inside the snapshot as the uint8 tensor :data:`TENSOR` of a fixed
-``capacity`` that rank 0 copies: it has the step's checksums, is replicated,
-adopted after a daemon restart and restored with the arrays, never sent on
-a side channel that could disagree with them.
+An item saved through ``bubblesnap.clients.jax.CheckpointManager`` holds more than
+arrays: Python and NumPy scalars, strings, ``None`` and empty subtrees, its shardings and
+custom metadata, the structure Orbax writes in ``_METADATA``. All of that is one JSON
+document, the *record*, travelling inside the item's snapshot as the uint8 tensor
+:data:`TENSOR` of a fixed ``capacity`` that the primary process copies: it has the
+snapshot's checksums, is replicated, adopted after a daemon restart and restored with
+the arrays, never sent on a side channel that could disagree with them.
 
-A layout holding :data:`TENSOR` is a manager's: its other tensors are named
-``<item>/<path>``, and the daemon's durable writer turns the record into the
-files Orbax's CheckpointManager writes for the same step (``<step>/<item>/``
-checkpoints, JSON items, ``_CHECKPOINT_METADATA``), so plain Orbax reads it.
+A layout holding :data:`TENSOR` is a manager's item: its other tensors are named
+``<item>/<path>``, and a daemon that persists the item writes from the record what
+Orbax's PyTree handler writes beside the arrays (``_METADATA``, the scalars, strings
+and shardings: service/durable/item_files.py); a restore from memory rebuilds the tree
+from it.
 
-A pytree item's entry lists its leaves in flatten order, each
-``[keys, key_types, value_type, info]``: its key names, their Orbax key
-types (one digit each: 1 a sequence index, 2 a dict key or attribute),
-Orbax's value type (``jax.Array``, ``np.ndarray``, ``scalar``, ``string``,
-or an empty value's ``None``/``Dict``/``List``/``Tuple``), and for an array
-``[shape, dtype, sharding]`` (an index into the entry's ``shardings``, -1:
-none; a JAX PRNG key adds its implementation's name, and its tensor is its
-key data, as Orbax stores keys), for a scalar or string its Python type name, whose value is in the
-entry's ``values`` under the leaf's index. An array leaf is the tensor
-:func:`tensor_name` names. :func:`leaves` reads them back.
+The document: ``{"format", "step", "time", "items": {<item>: <entry>}}`` with one
+pytree entry. An entry lists its leaves in flatten order, each ``[keys, key_types,
+value_type, info]``: its key names, their Orbax key types (one digit each: 1 a
+sequence index, 2 a dict key or attribute), Orbax's value type (``jax.Array``,
+``np.ndarray``, ``scalar``, ``string``, or an empty value's
+``None``/``Dict``/``List``/``Tuple``), and for an array ``[shape, dtype, sharding]``
+(an index into the entry's ``shardings``, -1: none; a JAX PRNG key adds its
+implementation's name, and its tensor is its key data, as Orbax stores keys), for a
+scalar or string its Python type name, whose value is in the entry's ``values`` under
+the leaf's index. An array leaf is the tensor :func:`tensor_name` names.
+:func:`leaves` reads them back.
 
-The bytes: 8 little-endian bytes giving the document's length, the UTF-8
-JSON, zeros up to the capacity. :func:`decode` refuses anything else with
-ValueError (the daemon decodes what a trainer wrote: never trusted).
+The bytes: 8 little-endian bytes giving the document's length, the UTF-8 JSON, zeros
+up to the capacity. :func:`decode` refuses anything else with ValueError (the daemon
+decodes what a trainer wrote: never trusted).
 """
 
 import dataclasses
@@ -36,28 +37,34 @@ import json
 import re
 import struct
 
-#: The folder names a manager and the daemons share in a job's folder: bubblesnap's own
-#: state (in a step: sidecars, the record, the completion marker), the steps being
-#: written, the items a manager
-#: saved with Orbax's handlers before the daemon persisted their step, and the steps a
-#: manager deleted (a daemon must not publish them after).
+#: bubblesnap's own folder where it keeps something beside Orbax's files: in a folder a
+#: daemon persisted an item into, until the trainer took the answer away; in a manager's
+#: directory, the other items of steps held in memory only (when asked for).
 STATE_DIR = ".bubblesnap"
-MARKER_FILE = "complete.json"
-RECORD_FILE = "record.json"
-PARTIAL_DIR = f"{STATE_DIR}/partial"
-ITEMS_DIR = f"{STATE_DIR}/items"
-DELETED_DIR = f"{STATE_DIR}/deleted"
+
+
+def persisted_file(rank: int) -> str:
+    """In a folder a daemon persisted a rank's copy into (the Persist call), what says the
+    write is durable (the rank's sidecar), relative to the folder. The trainer waits for
+    it or :func:`failed_file`, then removes it: the folder keeps what Orbax writes."""
+    return f"{STATE_DIR}/rank_{rank}.json"
+
+
+def failed_file(rank: int) -> str:
+    """What says why a daemon's Persist of ``rank`` into a folder failed (its text)."""
+    return f"{STATE_DIR}/rank_{rank}.failed"
+
+
 #: Names of a step's own files, which no item may take.
 RESERVED_ITEMS = ("_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA")
 
-#: The tensor a manager's step record travels in (rank 0 copies it; every rank
+#: The tensor an item's record travels in (the primary process copies it; every rank
 #: declares it, job-wide, so any process count restores it).
 TENSOR = ".bubblesnap/record"
-#: The record's document format; a daemon writes the files of the formats it knows.
-FORMAT = "bubblesnap-record-1"
-#: Default capacity of the record tensor: room for JSON items, metadata and the
-#: leaves of pytrees of ~10,000 arrays; an item that does not fit is saved by
-#: Orbax's own handler instead.
+#: The record's document format.
+FORMAT = "bubblesnap-record-2"
+#: Default capacity of the record tensor: room for the leaves of a pytree of ~10,000
+#: arrays; an item that does not fit is saved by Orbax's own handler instead.
 DEFAULT_CAPACITY = 1 << 20
 #: Orbax's value types of leaves held as tensors, of Python values, and of empty values.
 ARRAY_TYPES = ("jax.Array", "np.ndarray")
@@ -65,17 +72,10 @@ VALUE_TYPES = {"scalar": ("int", "float", "bool"), "string": ("str",)}
 EMPTY_TYPES = ("None", "Dict", "List", "Tuple", "NamedTuple")
 #: What JSON gives back for a value of each Python type (a float may read back as an int).
 _JSON_TYPES = {"int": "int", "float": "float", "bool": "bool", "str": "str"}
-#: Item kinds: a pytree held in memory (arrays as tensors, other leaves in the
-#: record), a JSON value (in the record), an item Orbax's own handler wrote to the
-#: step's folder in the durable tier (nothing of it in memory).
-KINDS = ("pytree", "json", "orbax")
 
 _LENGTH = struct.Struct("<Q")
-#: Item names become folder names of the step: Orbax's CheckpointManager uses them as is.
+#: Item names become folder names: Orbax's CheckpointManager uses them as is.
 _ITEM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-#: A step prefix becomes part of a folder name (``<prefix>_<step>``).
-_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_MAX_FIXED_LENGTH = 32
 
 
 def encode(record: dict, capacity: int, texts: dict | None = None) -> bytes:
@@ -123,30 +123,22 @@ def decode(data) -> dict:
 
 
 def check(record) -> None:
-    """ValueError unless ``record`` is a record of :data:`FORMAT` whose names are safe
-    to use as folder names."""
+    """ValueError unless ``record`` is a record of :data:`FORMAT` of one pytree item whose
+    name is safe to use as a folder name."""
     if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise ValueError(f"not a {FORMAT} step record")
+        raise ValueError(f"not a {FORMAT} item record")
     items = record.get("items")
-    if not isinstance(items, dict):
-        raise ValueError("the step record has no items")
+    if not isinstance(items, dict) or len(items) != 1:
+        raise ValueError("an item record names one item")
     for name, item in items.items():
         check_item_name(name)
-        if not isinstance(item, dict) or item.get("kind") not in KINDS or \
+        if not isinstance(item, dict) or item.get("kind") != "pytree" or \
                 not isinstance(item.get("handler"), str):
-            raise ValueError(f"item {name!r} of the step record is malformed")
-        if item["kind"] == "pytree":
-            leaves(item, name)  # checks each leaf
-    naming = record.get("naming", {})
-    if not isinstance(naming, dict):
-        raise ValueError("the step record's naming is malformed")
-    step_dir_name(0, naming.get("prefix"), naming.get("fixed_length"))  # checks both
-    for key in ("custom_metadata", "metrics"):
-        if record.get(key) is not None and not isinstance(record[key], dict):
-            raise ValueError(f"the step record's {key} is not an object")
+            raise ValueError(f"item {name!r} of the record is malformed")
+        leaves(item, name)  # checks each leaf
     if not isinstance(record.get("time", 0), (int, float)) or isinstance(record.get("time"),
                                                                          bool):
-        raise ValueError("the step record's time is not a number")
+        raise ValueError("the item record's time is not a number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,32 +234,3 @@ def check_item_name(name) -> None:
         raise ValueError(f"item name {str(name)[:80]!r} is not allowed: use 1-128 characters "
                          "from A-Z a-z 0-9 . _ - not starting with '.' or '-', and none of "
                          f"{', '.join(RESERVED_ITEMS)}")
-
-
-def step_dir_name(step: int, prefix: str | None = None, fixed_length: int | None = None) -> str:
-    """The folder of ``step`` as Orbax's CheckpointManager names it: ``<prefix>_<step>``
-    with ``prefix``, the bare number without; ``fixed_length`` pads with zeros."""
-    if prefix is not None and (not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix)):
-        raise ValueError(f"step prefix {str(prefix)[:80]!r} is not allowed: use 1-64 "
-                         "characters from A-Z a-z 0-9 . _ - starting with a letter or digit")
-    if fixed_length is not None and (not isinstance(fixed_length, int) or isinstance(
-            fixed_length, bool) or not 0 < fixed_length <= _MAX_FIXED_LENGTH):
-        raise ValueError(f"step_format_fixed_length {fixed_length!r} must be None or an int "
-                         f"from 1 to {_MAX_FIXED_LENGTH}")
-    number = f"{step:0{fixed_length}d}" if fixed_length else str(step)
-    return f"{prefix}_{number}" if prefix else number
-
-
-def step_of_dir_name(name: str, prefix: str | None = None,
-                     fixed_length: int | None = None) -> int | None:
-    """The step a folder named ``name`` holds under that naming, None if it is not one."""
-    digits = name
-    if prefix:
-        if not name.startswith(prefix + "_"):
-            return None
-        digits = name[len(prefix) + 1:]
-    if not digits.isdigit() or not digits.isascii() or (fixed_length and len(digits) <
-                                                        fixed_length):
-        return None
-    step = int(digits)
-    return step if step_dir_name(step, prefix, fixed_length) == name else None

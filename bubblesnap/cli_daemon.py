@@ -183,17 +183,22 @@ def add_parser(sub) -> None:
     peers.add_argument("--peer-tls-client-auth", action="store_true",
                        help="mutual TLS: peers must present a certificate signed by the CA")
     durable = p.add_argument_group(
-        "durable tier", "Write some committed steps as standard Orbax checkpoints (loadable "
-        "with orbax.checkpoint.StandardCheckpointer().restore(path), no daemon needed), in "
-        "the background; the last resort of a restore.")
+        "durable tier", "Write committed steps as standard Orbax checkpoints, in the "
+        "background: a CheckpointManager's steps as its own policy says, into its directory "
+        "(which must lie inside --durable-dir); bubblesnap's own clients' steps as "
+        "--durable-every-steps/--durable-every-seconds say, into <durable-dir>/<job>/step_N "
+        "(loadable with orbax.checkpoint.StandardCheckpointer().restore(path), no daemon "
+        "needed); the last resort of a restore.")
     durable.add_argument("--durable-dir", default=durable_d.directory, metavar="DIR",
                          help="where to write (shared storage every host sees); empty: off")
     durable.add_argument("--durable-every-steps", type=int, default=durable_d.every_steps,
                          metavar="N",
-                         help="write steps that are multiples of N (all hosts pick the same)")
+                         help="bubblesnap's own clients: write steps that are multiples of N "
+                         "(all hosts pick the same; default 0: none)")
     durable.add_argument("--durable-every-seconds", type=float,
                          default=durable_d.every_seconds, metavar="T",
-                         help="also write the next committed step once T seconds passed")
+                         help="bubblesnap's own clients: also write the next committed step "
+                         "once T seconds passed (default 0: never)")
     durable.add_argument("--durable-keep", type=int, default=durable_d.keep, metavar="N",
                          help=f"durable steps kept per rank (default {durable_d.keep})")
     durable.add_argument("--durable-write-batch", type=parse_bytes,

@@ -1,14 +1,21 @@
-"""bubblesnap's CheckpointManager behind Orbax's name, for code that builds Orbax's manager.
+"""bubblesnap's CheckpointManager behind Orbax's names, for code that builds Orbax's manager.
 
 Frameworks build ``orbax.checkpoint.CheckpointManager`` inside their own code,
-where a user cannot change an import. :func:`install` makes the public names
-``orbax.checkpoint.CheckpointManager`` and
-``orbax.checkpoint.checkpoint_managers.CheckpointManager`` bubblesnap's
-manager in this process: at once if Orbax is imported already, else the
-moment it is (an import hook; JAX and Orbax are not imported before the
-program asks for them). Orbax's own modules keep their class (its emergency
-managers build the original). One log line says what was patched and how
-to tell (``orbax.checkpoint.CheckpointManager.__module__``).
+where a user cannot change an import. :func:`install` makes every name Orbax's
+manager is reached by (:data:`NAMES`: ``orbax.checkpoint.CheckpointManager``,
+``orbax.checkpoint.checkpoint_manager.CheckpointManager``,
+``orbax.checkpoint.checkpoint_managers.CheckpointManager``) bubblesnap's manager
+in this process: at once if Orbax is imported already, else the moment it is (an
+import hook; JAX and Orbax are not imported before the program asks for them).
+Orbax's options stay Orbax's (bubblesnap's manager takes them as they are). One
+log line lists what was replaced and how to tell
+(``orbax.checkpoint.CheckpointManager.__module__``).
+
+Orbax's own modules keep Orbax's manager: a manager built by code inside Orbax
+(its v1 ``Checkpointer``, its emergency and replicator managers) is Orbax's
+class, and one log line per building module says so, with where; the modules
+that subclass Orbax's manager when imported (:data:`SUBCLASSING`) are imported
+first, so they subclass Orbax's.
 
 ``python -m bubblesnap.run train.py`` installs it (bubblesnap/run.py); so does
 Python's start-up in any process whose environment has
@@ -25,8 +32,16 @@ import sys
 
 #: The switch Python's start-up reads (bootstrap/sitecustomize.py): "1" patches.
 ENV = "BUBBLESNAP_ORBAX"
+#: Where bubblesnap's CheckpointManagerOptions read ``memory_interval_steps`` for a manager
+#: built with Orbax's own options (what ``python -m bubblesnap.run
+#: --memory-interval-steps`` sets).
+MEMORY_INTERVAL_ENV = "BUBBLESNAP_MEMORY_INTERVAL_STEPS"
 _TARGET = "orbax.checkpoint"
-_PATCHED = ("CheckpointManager",)
+#: The modules whose ``CheckpointManager`` is Orbax's manager, replaced.
+NAMES = ("orbax.checkpoint", "orbax.checkpoint.checkpoint_manager",
+         "orbax.checkpoint.checkpoint_managers")
+#: Orbax's modules that subclass its manager as they are imported.
+SUBCLASSING = ("orbax.checkpoint.experimental.emergency.checkpoint_manager",)
 
 log = logging.getLogger("bubblesnap.client")
 
@@ -65,22 +80,57 @@ def _patch() -> None:
 
 
 def _swap() -> None:
-    import orbax.checkpoint as ocp
+    import importlib
+
+    from orbax.checkpoint import checkpoint_manager
 
     from bubblesnap.clients.jax.checkpoint_manager import CheckpointManager
 
-    original = ocp.CheckpointManager
-    if original is CheckpointManager:
-        return
-    ocp.CheckpointManager = CheckpointManager
-    managers = getattr(ocp, "checkpoint_managers", None)
-    if managers is not None and getattr(managers, "CheckpointManager", None) is original:
-        managers.CheckpointManager = CheckpointManager
-    log.warning("bubblesnap: orbax.checkpoint.CheckpointManager is now bubblesnap's "
+    original = checkpoint_manager.CheckpointManager
+    if issubclass(original, CheckpointManager):
+        return  # patched already
+    for name in SUBCLASSING:
+        try:
+            importlib.import_module(name)
+        except Exception:  # an optional part of Orbax, broken here: nothing of it to keep
+            pass
+    replacement = _dispatching(CheckpointManager, original)
+    replaced = []
+    for name in NAMES:
+        module = importlib.import_module(name)
+        if getattr(module, "CheckpointManager", None) is original:
+            module.CheckpointManager = replacement
+            replaced.append(f"{name}.CheckpointManager")
+    log.warning("bubblesnap: %s are now bubblesnap's CheckpointManager "
                 "(bubblesnap.clients.jax.CheckpointManager, daemon %s) in process %d; "
                 "orbax.checkpoint.CheckpointManager.__module__ tells which one a process has; "
-                "unset %s to use Orbax's", os.environ.get("BUBBLESNAP_DAEMON") or
-                "at the default socket", os.getpid(), ENV)
+                "unset %s to use Orbax's", ", ".join(replaced),
+                os.environ.get("BUBBLESNAP_DAEMON") or "at the default socket", os.getpid(),
+                ENV)
+
+
+def _dispatching(ours: type, original: type) -> type:
+    """bubblesnap's manager, except when code inside Orbax builds one: that gets Orbax's
+    own (logged once per building module, with where)."""
+    told: set[str] = set()
+
+    class CheckpointManager(ours):
+        def __new__(cls, *args, **kwargs):
+            caller = sys._getframe(1)
+            module = caller.f_globals.get("__name__", "")
+            if cls is CheckpointManager and module.startswith("orbax."):
+                if module not in told:
+                    told.add(module)
+                    log.warning("bubblesnap: %s (%s:%d) built Orbax's own CheckpointManager: "
+                                "its steps do not go through bubblesnap's daemons", module,
+                                caller.f_code.co_filename, caller.f_lineno)
+                return original(*args, **kwargs)
+            return super().__new__(cls)
+
+    CheckpointManager.__module__ = ours.__module__
+    CheckpointManager.__qualname__ = ours.__qualname__
+    CheckpointManager.__doc__ = ours.__doc__
+    return CheckpointManager
 
 
 class _OrbaxFinder(importlib.abc.MetaPathFinder):

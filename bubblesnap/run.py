@@ -15,20 +15,30 @@ import runpy
 import sys
 
 from bubblesnap import orbax_patch
+from bubblesnap.orbax_patch import MEMORY_INTERVAL_ENV
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bubblesnap.run",
         description="Run a Python program with bubblesnap's CheckpointManager behind "
-                    "orbax.checkpoint.CheckpointManager (in it and in the processes it "
-                    "starts). The program's checkpoint directory must be a job folder of "
-                    "the daemon's --durable-dir (<durable-dir>/<job>).",
+                    "orbax.checkpoint.CheckpointManager (every name Orbax's manager is "
+                    "reached by, in the program and in the processes it starts). The steps "
+                    "its policy keeps are written by the daemon when the checkpoint "
+                    "directory lies inside the daemon's --durable-dir (else by Orbax, as "
+                    "plain Orbax); restores come from the daemons' memory when they hold "
+                    "the step.",
         epilog="Launchers that start the processes themselves: set BUBBLESNAP_ORBAX=1 and "
-               "put the folder `python -m bubblesnap.run --pythonpath` prints on PYTHONPATH.")
+               "put the folder `python -m bubblesnap.run --pythonpath` prints on PYTHONPATH "
+               f"(and ${MEMORY_INTERVAL_ENV}=N for --memory-interval-steps).")
     parser.add_argument("--daemon", default=None,
                         help="the local daemon's address (default: $BUBBLESNAP_DAEMON, else "
                              "the daemon's default Unix socket)")
+    parser.add_argument("--memory-interval-steps", type=_steps, default=None, metavar="N",
+                        help="also snapshot every N-th step into the daemons' memory only, "
+                             "between the steps the program's policy saves (listed and "
+                             "restored like them, never written to disk; default "
+                             f"${MEMORY_INTERVAL_ENV}, else 0: off)")
     parser.add_argument("--pythonpath", action="store_true",
                         help="print the bootstrap folder for PYTHONPATH and exit")
     parser.add_argument("-m", dest="module", default=None,
@@ -38,10 +48,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of steps (0: off)")
+    return value
+
+
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     """(this command's arguments, the program's): the program's begin after the program
     file or ``-m MODULE``, whatever they look like (as for ``python`` itself)."""
-    taking_value = {"--daemon", "-m"}
+    taking_value = {"--daemon", "--memory-interval-steps", "-m"}
     index = 0
     while index < len(argv):
         arg = argv[index]
@@ -50,7 +70,8 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
             if arg == "-m":
                 return argv[:index], argv[index:]
             continue
-        if arg.startswith("--daemon=") or (arg.startswith("-") and arg != "-"):
+        if arg.startswith(("--daemon=", "--memory-interval-steps=")) or (
+                arg.startswith("-") and arg != "-"):
             index += 1
             continue
         return argv[:index + 1], argv[index + 1:]
@@ -68,6 +89,8 @@ def main(argv=None) -> int:
         _parser().error("give the program to run (a file, or -m module)")
     if parsed.daemon:
         os.environ["BUBBLESNAP_DAEMON"] = parsed.daemon
+    if parsed.memory_interval_steps is not None:
+        os.environ[MEMORY_INTERVAL_ENV] = str(parsed.memory_interval_steps)
     os.environ[orbax_patch.ENV] = "1"
     paths = [orbax_patch.bootstrap_path(), *filter(None, os.environ.get(
         "PYTHONPATH", "").split(os.pathsep))]

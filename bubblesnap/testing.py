@@ -369,6 +369,13 @@ class DaemonProcess:
         ran out), and is -1 while it holds none."""
         return _ring_index(self._metrics(timeout))
 
+    def restores_served(self, timeout: float = 5.0) -> dict[str, int]:
+        """The restores it served, by the tier the bytes came from (``memory``, ``peer``,
+        ``durable``: its metrics' ``bubblesnap_restores_total``; it must serve ``metrics``)."""
+        return {source: int(float(count)) for source, count in re.findall(
+            r'^bubblesnap_restores_total\{source="(\w+)"\} (\S+)$', self._metrics(timeout),
+            re.M)}
+
     def _metrics(self, timeout: float) -> str:
         if not self.ready.get("metrics"):
             raise DaemonError(f"{self.name} serves no metrics: start it with metrics=...")

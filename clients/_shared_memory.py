@@ -138,6 +138,17 @@ class Heartbeat:
         """How the daemon is doing; None when it cannot be read (no heartbeat offered)."""
         return heartbeat_file.read(self._fd) if self._fd >= 0 else None
 
+    def sick_for(self, silent_after: float) -> float:
+        """How long the daemon has been sick: stopped or dead (the kernel says, where this
+        process sees the daemon's), or, where only its clock tells, silent for longer than
+        ``silent_after``; 0.0 while it runs (or with no heartbeat to read: the calls'
+        deadlines tell then)."""
+        beat = self.read()
+        if beat is None or not (beat.stopped or (beat.stopped is None and
+                                                 beat.silence > silent_after)):
+            return 0.0
+        return max(beat.silence, 1e-3)
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

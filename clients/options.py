@@ -50,6 +50,11 @@ class ClientOptions:
         daemon whose heartbeat, a clock it writes into shared memory every
         10 ms, is older than this is taken for frozen, > 0. Default 0.5 s: a
         busy daemon's clock on an overloaded host was seen up to 0.52 s late.
+      persist_timeout_seconds: a CheckpointManager's step its policy keeps is
+        written by the daemon; its save fails (raised by the next ``save`` or
+        ``wait_until_finished``, as Orbax raises a failed save) when the daemon
+        stays stopped or silent this long meanwhile (at once when it is gone), or
+        when the step's folder does not appear within it, > 0. Default 60 s.
     """
 
     daemon: str = dataclasses.field(
@@ -62,6 +67,7 @@ class ClientOptions:
     restore_timeout_seconds: float = 300.0
     commit_timeout_seconds: float = 60.0
     sick_after_seconds: float = 0.5
+    persist_timeout_seconds: float = 60.0
 
     def __post_init__(self):
         require(self, "daemon", isinstance(self.daemon, str) and bool(self.daemon),
@@ -69,7 +75,7 @@ class ClientOptions:
         if not isinstance(self.token, str):
             raise ValueError(f"ClientOptions.token must be a string (empty: ${TOKEN_ENV})")
         for name in ("rpc_timeout_seconds", "restore_timeout_seconds", "commit_timeout_seconds",
-                     "sick_after_seconds"):
+                     "sick_after_seconds", "persist_timeout_seconds"):
             value = getattr(self, name)
             require(self, name, is_number(value) and value > 0, "> 0")
         require(self, "backoff_seconds",

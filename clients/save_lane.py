@@ -144,10 +144,9 @@ class SaveLane:
         options = self._session.options
         deadline = time.monotonic() + options.rpc_timeout_seconds
         while self._busy():
-            beat = self._session.daemon_beat()
-            if beat is not None and (beat.stopped or (
-                    beat.stopped is None and beat.silence > options.sick_after_seconds)):
-                return max(beat.silence, 1e-3)  # stopped (the kernel says) or silent
+            sick = self._session.sick_for()
+            if sick:
+                return sick  # stopped (the kernel says) or silent
             if self._sick_since is not None:
                 return time.monotonic() - self._sick_since  # no answer since a wait ran out
             left = deadline - time.monotonic()
@@ -155,7 +154,8 @@ class SaveLane:
                 self._sick_since = self._busy_since
                 return time.monotonic() - self._sick_since
             # the heartbeat is read again every few ms; without one, the lane's end wakes it
-            self._cond.wait(min(left, 0.005) if beat is not None else left)
+            self._cond.wait(min(left, 0.005) if self._session.daemon_beat() is not None
+                            else left)
         return 0.0
 
     def _working(self) -> None:

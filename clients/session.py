@@ -125,6 +125,22 @@ class Session:
         not known)."""
         return self._heartbeat.read()
 
+    def answers(self, timeout: float) -> bool:
+        """Whether the daemon answers a call within ``timeout`` seconds (a refusal is an
+        answer): a heartbeat that went silent may be a dead daemon's, replaced since."""
+        try:
+            self._stub.Status(pb.StatusRequest(job=self.job), timeout=timeout)
+        except grpc.RpcError as err:
+            return err.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED)
+        return True
+
+    def sick_for(self) -> float:
+        """How long the daemon has been sick by its heartbeat (``Heartbeat.sick_for``:
+        silent past ``options.sick_after_seconds`` where only its clock tells); 0.0 while
+        it runs or when there is no heartbeat to read."""
+        return self._heartbeat.sick_for(self.options.sick_after_seconds)
+
     # -- snapshot -------------------------------------------------------------
 
     def snapshot(self, step: int, tensors, fetch, wait: bool | str = True) -> SnapshotResult:

@@ -618,6 +618,36 @@ class WaitCommittedResponse(_message.Message):
     latest_committed_step: int
     def __init__(self, committed: _Optional[bool] = ..., latest_committed_step: _Optional[int] = ...) -> None: ...
 
+class PersistRequest(_message.Message):
+    __slots__ = ("job", "rank", "step", "directory")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    step: int
+    directory: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class PersistResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DropAfterRequest(_message.Message):
+    __slots__ = ("job", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class DropAfterResponse(_message.Message):
+    __slots__ = ("dropped_copies",)
+    DROPPED_COPIES_FIELD_NUMBER: _ClassVar[int]
+    dropped_copies: int
+    def __init__(self, dropped_copies: _Optional[int] = ...) -> None: ...
+
 class ListSnapshotsRequest(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,16 @@ class DaemonStub:
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedResponse.FromString,
                 _registered_method=True)
+        self.Persist = channel.unary_unary(
+                '/bubblesnap.v1.Daemon/Persist',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.PersistRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.PersistResponse.FromString,
+                _registered_method=True)
+        self.DropAfter = channel.unary_unary(
+                '/bubblesnap.v1.Daemon/DropAfter',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.DropAfterRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.DropAfterResponse.FromString,
+                _registered_method=True)
         self.ListSnapshots = channel.unary_unary(
                 '/bubblesnap.v1.Daemon/ListSnapshots',
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.ListSnapshotsRequest.SerializeToString,
@@ -185,6 +195,26 @@ class DaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Persist(self, request, context):
+        """Writes a rank's committed copy into a folder of the durable tier, as one
+        process of Orbax's PyTree save writes an item (a CheckpointManager's step
+        that its policy keeps). Answers once the write is queued; the daemon
+        writes the rank's sidecar (".bubblesnap/rank_<r>.json") into the folder
+        when it is durable, or ".bubblesnap/rank_<r>.failed" saying why not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropAfter(self, request, context):
+        """Drops every copy of the job's steps after `step`, here and at every peer: an
+        abandoned run's (a CheckpointManager that saves `step + 1` anew, after a
+        restart, must never meet the copies an earlier run made of it). -1: every step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListSnapshots(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -270,6 +300,16 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.WaitCommitted,
                     request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedResponse.SerializeToString,
+            ),
+            'Persist': grpc.unary_unary_rpc_method_handler(
+                    servicer.Persist,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.PersistRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.PersistResponse.SerializeToString,
+            ),
+            'DropAfter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropAfter,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.DropAfterRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.DropAfterResponse.SerializeToString,
             ),
             'ListSnapshots': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSnapshots,
@@ -540,6 +580,60 @@ class Daemon:
             '/bubblesnap.v1.Daemon/WaitCommitted',
             bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedRequest.SerializeToString,
             bubblesnap_dot_protos_dot_daemon__pb2.WaitCommittedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Persist(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Daemon/Persist',
+            bubblesnap_dot_protos_dot_daemon__pb2.PersistRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.PersistResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropAfter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Daemon/DropAfter',
+            bubblesnap_dot_protos_dot_daemon__pb2.DropAfterRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.DropAfterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -216,7 +216,7 @@ class Daemon:
             trainer.DaemonServicer(self.store, self.layouts, self.plans, self.restorer,
                                    LogReplication(self.logs, self.group, self.store.layout_of),
                                    status, self.metrics, TrainerToken(options.trainer_token),
-                                   self.heartbeat.path),
+                                   self.heartbeat.path, self.durable),
             trainer.LANES)
         self._server.enable_reflection((SERVICE_NAME,))
         self.metrics_address = ""

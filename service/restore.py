@@ -22,7 +22,6 @@ import time
 
 import grpc
 
-from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service import assembly, phases, region_plan
 from bubblesnap.service.errors import (
     DaemonError,
@@ -34,6 +33,7 @@ from bubblesnap.service.errors import (
 )
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.progress import Progress
+from bubblesnap.service.rollback import Rollbacks
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.views import Restorable
 
@@ -77,6 +77,8 @@ class Restorer:
         self._corrupt: collections.deque = collections.deque(maxlen=_CORRUPT_KEPT)
         self._lock = threading.Lock()
         self._assembler = assembly.Assembler(store, transfers, durable_reader, self._record)
+        #: Dropping an abandoned run's copies (rollback.py).
+        self.rollbacks = Rollbacks(store, group, replicator, durable_writer)
 
     @property
     def resumes_job(self) -> bool:
@@ -225,17 +227,6 @@ class Restorer:
         with self._lock:
             return [c for c in reversed(self._corrupt) if c.job == job]
 
-    def roll_back_here(self, job: str, step: int) -> int:
-        """Drops this daemon's copies of ``job`` after ``step``, and queued work on them."""
-        if self._replicator is not None:
-            self._replicator.forget_after(job, step)
-        if self._writer is not None:
-            self._writer.forget_after(job, step)
-        dropped = self._store.rollback(job, step)
-        if self._replicator is not None:
-            self._replicator.rolled_back(job)
-        return dropped
-
     def _fetch(self, job: str, world: int, rank: int, copier: int, step: int,
                group: tuple[int, ...], holdings, durable) -> Restored:
         tried, corrupt = [], False
@@ -305,18 +296,7 @@ class Restorer:
             return
         log.info("job %s resumes from step %d under %d ranks: dropping later copies in the "
                  "group", job, step, world_size)
-        self.roll_back_here(job, step)
-        if self._writer is not None:
-            self._writer.discard_after(job, step)
-        if self._group is not None:
-            request = ppb.RollbackRequest(job=job, step=step, world_size=world_size)
-            for index in self._group.others():
-                try:
-                    self._group.call(index, "Rollback", request)
-                except grpc.RpcError as err:
-                    log.warning("peer %d did not roll back %s to step %d: %s; a copy of a "
-                                "later step it holds may be from the abandoned run", index, job,
-                                step, err.code().name)
+        self.rollbacks.everywhere(job, step, world_size)
 
     def _load_durable(self, job: str, world: int, rank: int, step: int,
                       group: tuple[int, ...]) -> None:

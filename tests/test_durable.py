@@ -187,8 +187,8 @@ def test_a_write_is_committed_in_batches_no_larger_than_its_bound(tmp_path, monk
              for name, data in arrays.items()]
     chunks = checkpoint.write_parts(str(tmp_path), 0, parts, batch_bytes=3 * chunk)
 
-    assert chunks[("", "big")] == (256, 1024)
-    assert chunks[("", "stack")] == (1, 256, 1024)  # a layer is two chunks
+    assert chunks["big"] == (256, 1024)
+    assert chunks["stack"] == (1, 256, 1024)  # a layer is two chunks
     # every piece one chunk: batches of three, what is left in the last
     assert committed == [3 * chunk] * 5 + [chunk + arrays["small"].nbytes]
     for name, data in arrays.items():

@@ -134,6 +134,13 @@ REPORTS = _lists(st.builds(pb.BubbleReport, position=st.one_of(SMALL, INT32),
                            measured_seconds=FLOATS, copied_bytes=INT64, copy_seconds=FLOATS),
                  3)
 STEPS = st.one_of(SMALL, INT64)
+#: Where the daemon's durable tier is, in a Persist's folder (the test's own, put in when
+#: the call is sent).
+DURABLE = "{durable}"
+FOLDERS = st.one_of(st.sampled_from([
+    "", "relative/item", "/", "/etc", "/etc/passwd/x", "/a/../b", "/a//b", "/a/./b", "/a/b/",
+    "/a\x00b", "/" + "x" * 5000, DURABLE, f"{DURABLE}/step/item", f"{DURABLE}/../outside",
+    f"{DURABLE}/missing/item", f"{DURABLE}/step", "\u2603"]), st.text(max_size=20))
 
 
 def _optional(**fields):
@@ -246,6 +253,13 @@ DAEMON_CALLS = st.one_of(
             [0.0, -0.0, 0.02, 5e-324, -1.0, -5e-324, math.inf, -math.inf, math.nan])),
         st.builds(pb.WaitCommittedRequest, job=st.just("held"), step=st.just(HELD_STEP),
                   timeout_seconds=FLOATS))),
+    st.tuples(st.just("Persist"), st.one_of(
+        st.builds(pb.PersistRequest, job=NAMES, rank=st.one_of(SMALL, INT32), step=STEPS,
+                  directory=FOLDERS),
+        st.builds(pb.PersistRequest, job=st.just("held"), rank=st.just(0),
+                  step=st.just(HELD_STEP), directory=FOLDERS))),
+    st.tuples(st.just("DropAfter"), st.builds(pb.DropAfterRequest, job=MUTABLE,
+                                              step=st.one_of(st.integers(-2, 6), INT64))),
     st.tuples(st.just("ListSnapshots"), st.builds(pb.ListSnapshotsRequest, job=NAMES)),
     st.tuples(st.just("DeleteSnapshots"), st.builds(
         pb.DeleteSnapshotsRequest, job=MUTABLE, steps=_lists(STEPS, 3, MANY_CHECKSUMS))),
@@ -288,8 +302,10 @@ PEER_CALLS = st.one_of(
 )
 
 
-def _answer(stub, method: str, request) -> tuple[grpc.StatusCode, str]:
+def _answer(stub, method: str, request, durable: str = "") -> tuple[grpc.StatusCode, str]:
     """The status code and details of one call (a stream: of the whole stream)."""
+    if method == "Persist":
+        request.directory = request.directory.replace(DURABLE, durable)
     try:
         if method == "Bubbles":
             list(stub.Bubbles(iter(request), timeout=20))
@@ -302,12 +318,12 @@ def _answer(stub, method: str, request) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-def _barrage(stub, calls, counts: collections.Counter) -> None:
+def _barrage(stub, calls, counts: collections.Counter, durable: str = "") -> None:
     @SETTINGS
     @given(st.lists(calls, min_size=1, max_size=4))
     def send(batch):
         for method, request in batch:
-            code, details = _answer(stub, method, request)
+            code, details = _answer(stub, method, request, durable)
             counts[code.name] += 1
             counts[f"{method} {code.name}"] += 1
             assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), \
@@ -339,12 +355,14 @@ def _still_serves(daemon, client: NumpyClient) -> None:
     client.close()
 
 
-def test_generated_calls_to_the_daemon_service(start_daemon):
-    daemon = start_daemon(*FLAGS)
+def test_generated_calls_to_the_daemon_service(start_daemon, tmp_path):
+    durable = tmp_path / "durable"
+    (durable / "step").mkdir(parents=True)
+    daemon = start_daemon(*FLAGS, "--durable-dir", str(durable))
     client = _held_snapshot(daemon)
     NumpyClient("scratch", options=ClientOptions(daemon=daemon.address)).register(HELD)
     counts = collections.Counter()
-    _barrage(daemon.stub, DAEMON_CALLS, counts)
+    _barrage(daemon.stub, DAEMON_CALLS, counts, str(durable))
     _report("Daemon", counts)
     _still_serves(daemon, client)
 

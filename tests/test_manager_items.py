@@ -1,14 +1,14 @@
-"""Items the daemon cannot hold in memory are saved by Orbax's own handler into the step's
-folder, in the same step, with one warning, never an exception that stops training: a
-data loader's own handler (the shape of Grain's), Orbax's ArraySave, and a JSON item too
-big for the step record. Plain Orbax restores them from the daemon's persisted step.
-And a step record that is not one is refused by the durable writer, nothing written."""
+"""Items of handlers other than Orbax's stock PyTree and Standard handlers (a data loader's
+own handler, the shape of Grain's; Orbax's ArraySave; JSON items, small and large) are
+saved by those handlers into the same step, as Orbax saves them, and restored through
+them; the pytree items beside them go through the daemon. Plain Orbax restores the whole
+step. An item record that is not one makes the daemon's write fail, saying why in the
+folder, nothing else written, the copy in memory kept. The legacy ``items=`` API and a job
+saved with another record size work as in Orbax."""
 
 import dataclasses
 import json
-import logging
 import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +20,6 @@ from bubblesnap import checkpoint_record
 from bubblesnap.clients import ClientOptions, Session
 from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.service.durable import DurableReader
 from bubblesnap.testing import wait_for
 
 
@@ -79,33 +78,29 @@ def as_plain(restored) -> dict:
 
 
 @pytest.mark.parametrize("meta_size", [1, 20_000])
-def test_items_no_daemon_holds_are_saved_by_orbax_in_the_same_step(start_daemon, tmp_path,
-                                                                    caplog, meta_size):
-    with ocp.CheckpointManager(tmp_path / "orbax", item_names=("state", "loader", "bias",
-                                                                "meta")) as theirs:
+def test_items_of_other_handlers_are_theirs_in_the_same_step(start_daemon, tmp_path,
+                                                           meta_size):
+    names = ("state", "loader", "bias", "meta")
+    with ocp.CheckpointManager(tmp_path / "orbax", item_names=names) as theirs:
         for step in range(3):
             save(theirs, step, meta_size)
         theirs.wait_until_finished()
         expected = as_plain(restore(theirs, 2))
 
     durable = tmp_path / "durable"
-    daemon = start_daemon("--durable-dir", str(durable), "--durable-every-steps", "2",
-                          "--keep", "3")
+    daemon = start_daemon("--durable-dir", str(durable), log_level="INFO",
+                          stderr=tmp_path / "daemon.log")
     options = CheckpointManagerOptions(client=ClientOptions(daemon=daemon.address),
                                        record_bytes=8192)
-    names = ("state", "loader", "bias", "meta")
-    with caplog.at_level(logging.WARNING, logger="bubblesnap.client"):
-        with CheckpointManager(durable / "job", item_names=names, options=options) as mine:
-            assert all(save(mine, step, meta_size) for step in range(3))
-            mine.wait_until_finished()
-            assert as_plain(restore(mine, 2)) == expected  # from memory, and the folder
-            assert mine.all_steps() == [0, 1, 2]
-    warned = [r.getMessage() for r in caplog.records if "Orbax's own handler" in r.getMessage()]
-    # once per kind: the loader's handler, ArraySave, and (too big) the JSON item
-    assert len(warned) == (3 if meta_size > 8192 else 2), warned
-
-    reader = DurableReader(str(durable))
-    wait_for(lambda: 2 in reader.steps("job"), "step 2 persisted")
+    with CheckpointManager(durable / "job", item_names=names, options=options) as mine:
+        assert all(save(mine, step, meta_size) for step in range(3))
+        mine.wait_until_finished()
+        assert as_plain(restore(mine, 2)) == expected  # the state from memory
+        assert mine.all_steps() == [0, 1, 2]
+    written = [line for line in daemon.stderr_text().splitlines() if "durable: wrote" in line]
+    assert len(written) == 3 and all("/job/state " in line for line in written)
+    assert sorted(os.listdir(durable / "job" / "2")) == sorted(os.listdir(tmp_path / "orbax" /
+                                                                           "2"))
     with ocp.CheckpointManager(durable / "job", item_names=names,
                                item_handlers={"loader": IteratorHandler()}) as plain:
         assert as_plain(restore(plain, 2)) == expected
@@ -113,11 +108,9 @@ def test_items_no_daemon_holds_are_saved_by_orbax_in_the_same_step(start_daemon,
         assert as_plain(restore(again, 2)) == expected  # a new run reads them back
 
 
-def test_a_step_record_that_is_not_one_is_refused_and_nothing_is_written(start_daemon,
-                                                                          tmp_path):
+def test_an_item_record_that_is_not_one_fails_the_write_and_says_so(start_daemon, tmp_path):
     durable = tmp_path / "durable"
-    daemon = start_daemon("--durable-dir", str(durable), "--durable-every-steps", "1",
-                          stderr=tmp_path / "daemon.log")
+    daemon = start_daemon("--durable-dir", str(durable), stderr=tmp_path / "daemon.log")
     text = b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"
     junk = np.frombuffer(text + bytes(4096 - len(text)), np.uint8)
     specs = [pb.TensorSpec(name=checkpoint_record.TENSOR, dtype="uint8", global_shape=[4096],
@@ -126,11 +119,17 @@ def test_a_step_record_that_is_not_one_is_refused_and_nothing_is_written(start_d
              pb.TensorSpec(name="default/w", dtype="float32", global_shape=[2],
                            job_wide=True, shards=[pb.ShardSpec(
                                index=[pb.Slice(start=0, stop=2)], nbytes=8)])]
-    session = Session("hostile", 0, 1, ClientOptions(daemon=daemon.address))
+    job = str(durable / "hostile" / "default")
+    session = Session(job, 0, 1, ClientOptions(daemon=daemon.address))
     weights = np.ones(2, np.float32).view(np.uint8)
     assert session.snapshot(0, specs, lambda: [junk, weights], wait="job").committed
-    wait_for(lambda: "step record is malformed" in daemon.stderr_text(), "the refusal logged")
-    assert DurableReader(str(durable)).steps("hostile") == []
+    folder = durable / "hostile" / "0" / "default"
+    folder.mkdir(parents=True)
+    session.call("Persist", pb.PersistRequest(job=job, rank=0, step=0, directory=str(folder)))
+    failed = folder / checkpoint_record.failed_file(0)
+    wait_for(failed.exists, "the write's failure said in the folder")
+    assert "item record is malformed" in failed.read_text()
+    assert sorted(os.listdir(folder)) == [checkpoint_record.STATE_DIR]  # nothing else
     assert daemon.healthy()
     # the copy in memory is untouched and restorable as the bytes it was given
     found = session.restore(0)
@@ -176,38 +175,3 @@ def test_a_job_saved_with_another_record_size_is_still_read(start_daemon, tmp_pa
                            options=CheckpointManagerOptions(client=client)) as second:
         assert second.all_steps() == [0]
         assert second.restore(0)["n"] == 4
-
-
-class PublishedWhileRead(ocp.ArrayCheckpointHandler):
-    """Orbax's array handler reading an item while the daemon publishes its step: the
-    step's folder gets the item and the manager's saved copy is being removed as the
-    read opens it (the removal reached the array's files first). Orbax fails on that in
-    more than one way: here a FileNotFoundError; in a full run tensorstore's ValueError,
-    when the files went between Orbax's look and tensorstore's open."""
-
-    def restore(self, directory: epath.Path, args=None):
-        saved = str(directory)
-        if "/.bubblesnap/items/" in saved:
-            step_dir = epath.Path(saved.split("/.bubblesnap/items/")[0]) / "step_2"
-            state = step_dir / checkpoint_record.STATE_DIR
-            state.mkdir(parents=True)
-            (state / checkpoint_record.MARKER_FILE).write_text("{}")
-            shutil.copytree(saved, step_dir / "bias")
-            for folder, _, files in os.walk(os.path.join(saved, "checkpoint")):
-                for name in files:
-                    os.remove(os.path.join(folder, name))
-        return super().restore(directory, args)
-
-
-@ocp.args.register_with_handler(PublishedWhileRead, for_save=True, for_restore=True)
-@dataclasses.dataclass
-class RestoreWhilePublished(ocp.args.ArrayRestore):
-    pass
-
-
-def test_an_item_read_while_its_step_is_published_is_read_from_the_step(tmp_path):
-    from bubblesnap.clients.jax.orbax_steps import StepFolders
-    folders = StepFolders(str(tmp_path / "job"), "step", None)
-    folders.save_item(2, "bias", ocp.args.ArraySave(np.arange(4, dtype=np.float32)))
-    restored = folders.restore_item(2, "bias", RestoreWhilePublished())
-    assert np.array_equal(restored, np.arange(4, dtype=np.float32))

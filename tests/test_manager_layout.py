@@ -1,8 +1,8 @@
 """A step bubblesnap's manager saves is the step Orbax's manager saves for the same tree
-(with typed PRNG keys):
-the daemon's persisted ``_METADATA`` equals Orbax's leaf for leaf (keys, key types, value
-types), a restore with no target gives the same tree of the same types, from our manager
-and from plain Orbax reading the daemon's step."""
+(with typed PRNG keys): the same files in the step and item folders (nothing of
+bubblesnap's), the daemon's ``_METADATA`` equal to Orbax's leaf for leaf (keys, key types,
+value types), and a restore with no target gives the same tree of the same types, from
+our manager (its memory) and from plain Orbax reading the daemon's step."""
 
 import enum
 import json
@@ -17,8 +17,6 @@ import pytest
 from flax.training import train_state
 
 from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions, ClientOptions
-from bubblesnap.service.durable import DurableReader
-from bubblesnap.testing import wait_for
 
 
 class Phase(enum.IntEnum):
@@ -71,13 +69,15 @@ def test_the_persisted_step_is_orbax_s_for_the_same_tree(start_daemon, tmp_path,
         expected = describe(theirs.restore(0))
 
     durable = tmp_path / "durable"
-    daemon = start_daemon("--durable-dir", str(durable), "--durable-every-steps", "1")
+    daemon = start_daemon("--durable-dir", str(durable))
     with CheckpointManager(durable / "job", options=CheckpointManagerOptions(
             client=ClientOptions(daemon=daemon.address))) as mine:
         mine.save(0, args=save(tree, custom_metadata={"model": "mlp"}))
         mine.wait_until_finished()
         assert describe(mine.restore(0)) == expected  # from memory
-    wait_for(lambda: DurableReader(str(durable)).steps("job") == [0], "step 0 persisted")
+    for folder in ("", "0", "0/default"):
+        assert sorted(os.listdir(durable / "job" / folder)) == \
+            sorted(os.listdir(tmp_path / "orbax" / folder)), folder
     assert tree_metadata(durable / "job" / "0" / "default") == \
         tree_metadata(tmp_path / "orbax" / "0" / "default")
     with ocp.CheckpointManager(durable / "job") as plain:

@@ -1,12 +1,12 @@
 """Orbax's options and policies mean the same with bubblesnap's manager: the same sequence of
 saves, side by side with Orbax's manager in one process, answers the same ``should_save``,
-``save``, ``all_steps``, ``latest_step`` and ``best_step`` after every step; step folders get
-Orbax's names; read-only managers save and delete nothing; options without meaning here are
-named in one warning, never a TypeError; and Orbax's own options object is accepted."""
+``save``, ``all_steps``, ``latest_step`` and ``best_step`` after every step, and leaves the
+same steps on disk, whatever the daemon keeps in memory (``--keep 1``); step folders get
+Orbax's names; read-only managers save and delete nothing; Orbax's own options object is
+accepted."""
 
 import dataclasses
 import datetime
-import logging
 import os
 
 import jax.numpy as jnp
@@ -14,7 +14,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions, ClientOptions
-from bubblesnap.testing import wait_for
 
 policies = ocp.checkpoint_managers
 STEPS = 10
@@ -48,7 +47,7 @@ CASES = {
 
 
 def history(manager, with_metrics: bool) -> list:
-    """What a loop sees of the manager, step by step."""
+    """What a loop sees of the manager, step by step, and the steps on disk at the end."""
     seen = []
     for step in range(STEPS):
         wanted = manager.should_save(step)
@@ -57,16 +56,17 @@ def history(manager, with_metrics: bool) -> list:
                              metrics=metrics)
         seen.append((step, wanted, saved, list(manager.all_steps()), manager.latest_step()))
     manager.wait_until_finished()
-    seen.append(("end", list(manager.all_steps()), manager.latest_step(), manager.best_step()))
+    seen.append(("end", list(manager.all_steps()), manager.latest_step(), manager.best_step(),
+                 sorted(os.listdir(manager.directory))))
     return seen
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
+    """A daemon that keeps one step a job in memory: the policies decide what is on disk."""
     from bubblesnap.testing import DaemonProcess
     durable = tmp_path_factory.mktemp("durable")
-    with DaemonProcess("--durable-dir", str(durable), "--durable-every-steps", "1",
-                       "--keep", str(STEPS)) as started:
+    with DaemonProcess("--durable-dir", str(durable), "--keep", "1") as started:
         started.durable = durable
         yield started
 
@@ -88,34 +88,24 @@ def test_options_and_policies_decide_as_orbax_decides(case, daemon, tmp_path):
         assert history(mine, with_metrics) == expected
 
 
-def test_orbax_options_object_and_folder_names(daemon, tmp_path):
-    """Orbax's own CheckpointManagerOptions (what a framework builds) is taken as is; the
-    daemon names step folders as Orbax does with step_prefix and a fixed length."""
+def test_orbax_options_object_and_folder_names(daemon, tmp_path, monkeypatch):
+    """Orbax's own CheckpointManagerOptions (what a framework builds) is taken as is (the
+    daemon from $BUBBLESNAP_DAEMON); the step folders are named as Orbax names them with a
+    step_prefix and a fixed length, and plain Orbax lists and restores them."""
     options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=5,
                                            max_to_keep=20, enable_async_checkpointing=False)
     with ocp.CheckpointManager(tmp_path / "names", options=options) as theirs:
         for step in range(3):
             theirs.save(step, args=ocp.args.StandardSave({"x": jnp.zeros(2)}))
+    monkeypatch.setenv("BUBBLESNAP_DAEMON", daemon.address)
     with CheckpointManager(daemon.durable / "names", options=options) as mine:
-        assert mine._options.client.daemon  # the default client options: $BUBBLESNAP_DAEMON
-    os.environ["BUBBLESNAP_DAEMON"] = daemon.address
-    try:
-        with CheckpointManager(daemon.durable / "names", options=options) as mine:
-            for step in range(3):
-                mine.save(step, args=ocp.args.StandardSave({"x": jnp.zeros(2)}))
-    finally:
-        del os.environ["BUBBLESNAP_DAEMON"]
-    orbax_names = set(os.listdir(tmp_path / "names"))
-
-    def written():
-        return {n for n in os.listdir(daemon.durable / "names") if not n.startswith(".")}
-    wait_for(lambda: written(), "a step persisted")
-    assert written() <= orbax_names and all(n.startswith("ckpt_000") for n in written())
-    # plain Orbax with the same naming lists and restores the daemon's steps
+        for step in range(3):
+            mine.save(step, args=ocp.args.StandardSave({"x": jnp.zeros(2)}))
+    assert sorted(os.listdir(daemon.durable / "names")) == \
+        sorted(os.listdir(tmp_path / "names")) == ["ckpt_00000", "ckpt_00001", "ckpt_00002"]
     with ocp.CheckpointManager(daemon.durable / "names", options=options) as reader:
-        step = reader.latest_step()
-        assert step is not None
-        assert reader.restore(step, args=ocp.args.StandardRestore({"x": jnp.zeros(2)}))
+        assert reader.all_steps() == [0, 1, 2]
+        assert reader.restore(2, args=ocp.args.StandardRestore({"x": jnp.zeros(2)}))
 
 
 def test_an_evaluator_restoring_an_older_step_leaves_the_trainer_s_steps(daemon):
@@ -137,48 +127,40 @@ def test_an_evaluator_restoring_an_older_step_leaves_the_trainer_s_steps(daemon)
         stale.close()
 
 
-def test_read_only_saves_and_deletes_nothing(daemon, caplog):
+def test_read_only_saves_and_deletes_nothing(daemon):
     with ours(daemon, "ro") as writer:
         writer.save(0, args=ocp.args.StandardSave({"x": jnp.zeros(2)}))
-    with caplog.at_level(logging.WARNING, logger="bubblesnap.client"):
-        with ours(daemon, "ro", read_only=True, save_interval_steps=0) as reader:
-            assert not reader.should_save(1)
-            assert reader.save(1, args=ocp.args.StandardSave({"x": jnp.ones(2)})) is False
-            reader.delete(0)
-            assert reader.all_steps() == [0]
-            assert reader.restore(0)["x"].tolist() == [0.0, 0.0]
-    assert "read only" in caplog.text
+    with ours(daemon, "ro", read_only=True, save_interval_steps=0) as reader:
+        assert not reader.should_save(1)
+        assert reader.save(1, args=ocp.args.StandardSave({"x": jnp.ones(2)})) is False
+        reader.delete(0)
+        assert reader.all_steps() == [0]
+        assert reader.restore(0)["x"].tolist() == [0.0, 0.0]
+    assert sorted(os.listdir(daemon.durable / "ro")) == ["0"]
 
 
-def test_options_without_meaning_are_named_in_one_warning(daemon, caplog):
-    with caplog.at_level(logging.WARNING, logger="bubblesnap.client"):
-        ours(daemon, "noop", todelete_subdir="trash", enable_background_delete=True,
-             cleanup_tmp_directories=True).close()
-    warnings = [r.getMessage() for r in caplog.records if "have no effect" in r.getMessage()]
-    assert len(warnings) == 1
-    for name in ("todelete_subdir", "enable_background_delete", "cleanup_tmp_directories"):
-        assert name in warnings[0]
-
-
-def test_every_orbax_option_is_one_of_ours():
-    """A new Orbax release that adds an option fails here, not in a user's constructor."""
-    theirs = {f.name for f in dataclasses.fields(ocp.CheckpointManagerOptions)}
-    mine = {f.name for f in dataclasses.fields(CheckpointManagerOptions)}
-    assert theirs <= mine
+def test_every_orbax_option_is_one_of_ours_with_its_default():
+    """bubblesnap's options are Orbax's dataclass with fields added: a framework that
+    builds either hands the manager the same meaning."""
+    assert issubclass(CheckpointManagerOptions, ocp.CheckpointManagerOptions)
+    theirs, mine = ocp.CheckpointManagerOptions(), CheckpointManagerOptions()
     for field in dataclasses.fields(ocp.CheckpointManagerOptions):
-        if field.default is not dataclasses.MISSING:
-            assert getattr(CheckpointManagerOptions(), field.name) == field.default, field.name
+        assert getattr(mine, field.name) == getattr(theirs, field.name), field.name
 
 
 @pytest.mark.parametrize("bad,match", [
-    ({"save_interval_steps": 0}, "save_interval_steps"),
-    ({"max_to_keep": -1}, "max_to_keep"),
-    ({"best_mode": "median"}, "best_mode"),
-    ({"step_prefix": "../up"}, "step prefix"),
-    ({"step_format_fixed_length": 0}, "step_format_fixed_length"),
-    ({"preservation_policy": policies.LatestN(1), "max_to_keep": 2}, "preservation_policy"),
     ({"record_bytes": 10}, "record_bytes"),
+    ({"memory_interval_steps": -1}, "memory_interval_steps"),
+    ({"client": "unix:///x"}, "client"),
 ])
 def test_bad_options_fail_where_they_are_written(bad, match):
     with pytest.raises(ValueError, match=match):
         CheckpointManagerOptions(**bad)
+
+
+def test_the_memory_interval_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("BUBBLESNAP_MEMORY_INTERVAL_STEPS", "4")
+    assert CheckpointManagerOptions().memory_interval_steps == 4
+    monkeypatch.setenv("BUBBLESNAP_MEMORY_INTERVAL_STEPS", "often")
+    with pytest.raises(ValueError, match="BUBBLESNAP_MEMORY_INTERVAL_STEPS"):
+        CheckpointManagerOptions()

@@ -1,7 +1,9 @@
 """``python -m bubblesnap.run train.py`` runs a program that builds Orbax's manager itself,
-unchanged, with bubblesnap's manager behind ``orbax.checkpoint.CheckpointManager``; the
-processes it starts inherit the switch; one log line says what was patched. Without the
-switch nothing changes."""
+unchanged, with bubblesnap's manager behind every name Orbax's is reached by
+(``orbax.checkpoint.CheckpointManager``, ``orbax.checkpoint.checkpoint_manager``'s,
+``checkpoint_managers``'); the processes it starts inherit the switch; one log line lists
+what was replaced, and one says where code inside Orbax built Orbax's own manager. Without
+the switch nothing changes."""
 
 import json
 import os
@@ -31,14 +33,15 @@ def test_bubblesnap_run_puts_its_manager_behind_orbax_in_an_unchanged_program(tm
     expected = answer(out)
 
     durable = tmp_path / "durable"
-    with DaemonProcess("--durable-dir", str(durable), "--durable-every-steps", "1",
-                       "--keep", "2") as daemon:
+    with DaemonProcess("--durable-dir", str(durable)) as daemon:
         env = {"BUBBLESNAP_DAEMON": daemon.address}
         directory = str(durable / "job")
         code, out, err = run("-m", "bubblesnap.run", SCRIPT, directory, "6", "2", env=env)
         assert code == -9 and "manager: bubblesnap.clients.jax.checkpoint_manager" in out
-        patched = [line for line in err.splitlines() if "CheckpointManager is now" in line]
+        patched = [line for line in err.splitlines() if "are now bubblesnap's" in line]
         assert len(patched) == 1 and "BUBBLESNAP_ORBAX" in patched[0]
+        for name in orbax_patch.NAMES:
+            assert f"{name}.CheckpointManager" in patched[0]
         code, out, _ = run("-m", "bubblesnap.run", "--daemon", daemon.address, SCRIPT,
                            directory, "6", env={})
         assert code == 0
@@ -63,9 +66,36 @@ def test_the_switch_is_inherited_and_off_by_default(tmp_path):
     assert code == 0 and out.strip() == "bubblesnap.clients.jax.checkpoint_manager"
 
 
+def test_every_name_of_orbax_s_manager_is_replaced_and_orbax_s_own_builds_are_told(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys, tempfile\n"
+        "from orbax.checkpoint.checkpoint_manager import CheckpointManager\n"
+        "from orbax.checkpoint import checkpoint_managers\n"
+        "from orbax.checkpoint.experimental.v1 import training\n"
+        "print(CheckpointManager.__module__, checkpoint_managers.CheckpointManager.__module__)\n"
+        "for _ in range(2):\n"
+        "    built = training.Checkpointer(tempfile.mkdtemp(dir=sys.argv[1]))\n"
+        "    print(type(built._manager).__module__)\n"
+        "from bubblesnap.clients.jax import CheckpointManagerOptions\n"
+        "print(CheckpointManagerOptions().memory_interval_steps)\n")
+    code, out, err = run("-m", "bubblesnap.run", "--memory-interval-steps", "3", str(probe),
+                         str(tmp_path), env={})
+    assert code == 0, err
+    ours = "bubblesnap.clients.jax.checkpoint_manager"
+    assert out.split() == [ours, ours, "orbax.checkpoint.checkpoint_manager",
+                           "orbax.checkpoint.checkpoint_manager", "3"]
+    told = [line for line in err.splitlines() if "built Orbax's own CheckpointManager" in line]
+    assert len(told) == 1 and "v1" in told[0] and "checkpointer.py:" in told[0]
+
+
 def test_bubblesnap_run_explains_itself():
     code, out, _ = run("-m", "bubblesnap.run", "--help", env={})
     assert code == 0 and "orbax.checkpoint.CheckpointManager" in out and "PYTHONPATH" in out
+    assert "--memory-interval-steps" in out and "--durable-dir" in out
+    code, _, err = run("-m", "bubblesnap.run", "--memory-interval-steps", "often", "x.py",
+                       env={})
+    assert code == 2 and "whole number of steps" in err
     code, _, err = run("-m", "bubblesnap.run", env={})
     assert code == 2 and "give the program to run" in err
 
@@ -93,8 +123,8 @@ def test_a_module_takes_its_own_flags_and_the_bootstrap_may_be_on_the_path_twice
 def test_a_daemon_started_with_the_switch_is_not_patched(tmp_path):
     path = os.pathsep.join(filter(None, [orbax_patch.bootstrap_path(),
                                          os.environ.get("PYTHONPATH")]))
-    with DaemonProcess("--durable-dir", str(tmp_path / "d"), "--durable-every-steps", "1",
+    with DaemonProcess("--durable-dir", str(tmp_path / "d"),
                        env={orbax_patch.ENV: "1", "PYTHONPATH": path}, log_level="INFO",
                        stderr=tmp_path / "daemon.log") as daemon:
         assert daemon.healthy()
-        assert "CheckpointManager is now" not in daemon.stderr_text()
+        assert "are now bubblesnap's" not in daemon.stderr_text()

@@ -53,7 +53,7 @@ def test_durable_writes_common_steps_and_keeps_whole_ones():
 @pytest.mark.parametrize("kwargs, words", [
     (dict(every_steps=-1), "DurableOptions.every_steps: --durable-every-steps must be >= 0"),
     (dict(keep=0), "DurableOptions.keep: --durable-keep must be at least 1"),
-    (dict(directory="/x"), "DurableOptions.directory: --durable-dir must be given with"),
+    (dict(write_batch_bytes=0), "DurableOptions.write_batch_bytes: --durable-write-batch"),
 ])
 def test_durable_options_name_the_option(kwargs, words):
     with pytest.raises(ValueError, match=words):

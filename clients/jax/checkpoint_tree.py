@@ -231,8 +231,8 @@ class RestorePlan:
         host = isinstance(leaf, (np.ndarray, np.number, np.bool_, bool, int, float,
                                  _SavedNumpy)) or \
             (restore_type is not None and restore_type is not jax.Array)
-        sharding = getattr(arg, "sharding", None) or getattr(leaf, "sharding", None) or \
-            self._fallback_sharding
+        sharding = getattr(arg, "sharding", None) or _mesh_sharding(arg) or \
+            getattr(leaf, "sharding", None) or self._fallback_sharding
         if isinstance(sharding, sharding_metadata.ShardingMetadata):
             sharding = sharding.to_jax_sharding()
         if saved.key_impl and isinstance(sharding, jax.sharding.NamedSharding):
@@ -252,6 +252,17 @@ class RestorePlan:
                 value = jax.random.wrap_key_data(value, impl=saved.key_impl)
             out.append(_as_target_type(value, leaf, arg))
         return jax.tree_util.tree_unflatten(self._treedef, out)
+
+
+def _mesh_sharding(arg):
+    """The sharding an ``ArrayRestoreArgs`` names by ``mesh`` and ``mesh_axes`` (Orbax's
+    older form), or None."""
+    mesh, axes = getattr(arg, "mesh", None), getattr(arg, "mesh_axes", None)
+    if mesh is None or axes is None:
+        return None
+    if not isinstance(axes, jax.sharding.PartitionSpec):
+        axes = jax.sharding.PartitionSpec(*axes)
+    return jax.sharding.NamedSharding(mesh, axes)
 
 
 def _key_axes(saved) -> int:

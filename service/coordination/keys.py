@@ -24,7 +24,9 @@ Everything of one group lives under its prefix (``--coordination-prefix``):
     published what it held when it took the position: a restore waits for
     every position held to be marked so before it picks a step.
 
-Numbers in keys are zero-padded so that etcd's byte order is numeric order.
+Numbers in keys are zero-padded so that etcd's byte order is numeric order. A job
+is one key part: a job named by a folder (a CheckpointManager's item, "/a/b/item")
+has its "/" and "%" escaped (``%2F``, ``%25``), other names are as they are.
 """
 
 import dataclasses
@@ -44,6 +46,15 @@ _WIDTH = 12  # digits of a padded number: steps up to 10**12
 
 def _num(value: int) -> str:
     return f"{value:0{_WIDTH}d}"
+
+
+def _part(job: str) -> str:
+    """``job`` as one key part (a folder's "/" and "%" escaped)."""
+    return job.replace("%", "%25").replace("/", "%2F")
+
+
+def _job(part: str) -> str:
+    return part.replace("%2F", "/").replace("%25", "%")
 
 
 def prefix_end(prefix: str) -> str:
@@ -67,7 +78,7 @@ class Keys:
         return f"{self.root}/names/{name}"
 
     def holdings(self, job: str = "") -> str:
-        return f"{self.root}/holdings/" + (f"{job}/" if job else "")
+        return f"{self.root}/holdings/" + (f"{_part(job)}/" if job else "")
 
     def rank_holdings(self, job: str, rank: int) -> str:
         return f"{self.holdings(job)}{_num(rank)}/"
@@ -76,7 +87,7 @@ class Keys:
         return f"{self.rank_holdings(job, rank)}{_num(step)}/{_num(index)}"
 
     def layouts(self, job: str = "") -> str:
-        return f"{self.root}/layouts/" + (f"{job}/" if job else "")
+        return f"{self.root}/layouts/" + (f"{_part(job)}/" if job else "")
 
     def layout(self, job: str, rank: int) -> str:
         return f"{self.layouts(job)}{_num(rank)}"
@@ -85,7 +96,7 @@ class Keys:
         return f"{self.root}/summary/"
 
     def summary(self, job: str) -> str:
-        return f"{self.summaries()}{job}"
+        return f"{self.summaries()}{_part(job)}"
 
     def readies(self) -> str:
         return f"{self.root}/ready/"
@@ -95,7 +106,7 @@ class Keys:
 
     def job_of(self, key: str, prefix: str) -> str:
         """The job a key under ``prefix`` (holdings/, layouts/, summary/) belongs to."""
-        return key[len(prefix):].split("/", 1)[0]
+        return _job(key[len(prefix):].split("/", 1)[0])
 
 
 def holding_value(h) -> bytes:

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from bubblesnap.service.durable import format as fmt
-from bubblesnap.service.durable import manager_files, orbax_layout
+from bubblesnap.service.durable import orbax_layout
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import FailedPrecondition
 
@@ -42,26 +42,25 @@ _WRITE_PIECE_BYTES = CHUNK_BYTES
 #: the caller's shardings, or as numpy without a target.
 _VALUE_TYPE = "jax.Array"
 _COMMIT_TEXT = "Checkpoint commit was successful to {}"
-#: The step record's folder is an item of a CheckpointManager's step (Orbax restores every
-#: folder of a step that has a handler): a PyTree checkpoint of one numpy array.
-_RECORD_VALUE_TYPE = "np.ndarray"
 
 
 @dataclasses.dataclass(frozen=True)
 class ArrayPart:
-    """What one rank writes of one array: ``regions`` are (box, array of the box);
-    ``item`` the folder of the step it goes in ("": the step's own)."""
+    """What one rank writes of one array: ``regions`` are (box, array of the box)."""
 
     param: str
     dtype: str
     shape: tuple[int, ...]
     write_shape: tuple[int, ...]
     regions: tuple[tuple[orbax_layout.Box, np.ndarray], ...]
-    item: str = ""
 
-    @property
-    def where(self) -> tuple[str, str]:
-        return self.item, self.param
+
+def chunk_grid(write_shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """The chunks an array whose write grid's cell is ``write_shape`` is written in (its
+    zarr chunk shape: Orbax's own chunk_byte_size cuts the largest axis first, to a chunk
+    of a few bytes for a prime length)."""
+    return orbax_layout.chunk_shape(write_shape, fmt.numpy_dtype(dtype).itemsize,
+                                    CHUNK_BYTES, CHUNK_LEAST_BYTES)
 
 
 def _orbax_modules():
@@ -78,11 +77,11 @@ def context():
     return ts_utils.get_ts_context(use_ocdbt=True)
 
 
-def write_parts(step_dir: str, rank: int, parts: list[ArrayPart], batch_bytes: int,
-                written=None) -> dict[tuple[str, str], tuple]:
-    """Writes ``parts`` into ``rank``'s database of the step (of each part's item);
-    returns each array's chunks, by (item, parameter), once every region is
-    durable, committed ``batch_bytes`` (DurableOptions.write_batch_bytes) at a time.
+def write_parts(folder: str, rank: int, parts: list[ArrayPart], batch_bytes: int,
+                written=None) -> dict[str, tuple]:
+    """Writes ``parts`` into ``rank``'s database of the checkpoint in ``folder``; returns
+    each array's chunks, by parameter, once every region is durable, committed
+    ``batch_bytes`` (DurableOptions.write_batch_bytes) at a time.
     FailedPrecondition, before anything is written, if a region is not
     whole chunks (another daemon could write into the same chunk).
     ``written(nbytes)`` hears each region as TensorStore took its bytes (from
@@ -91,20 +90,20 @@ def write_parts(step_dir: str, rank: int, parts: list[ArrayPart], batch_bytes: i
 
     specs, chunks = {}, {}
     for part in parts:
-        spec = _write_spec(step_dir, rank, part)
-        chunks[part.where] = tuple(spec.metadata.chunk_shape)
+        spec = _write_spec(folder, rank, part)
+        chunks[part.param] = tuple(spec.metadata.chunk_shape)
         for box, _ in part.regions:
-            if not orbax_layout.is_aligned(box, part.shape, chunks[part.where]):
+            if not orbax_layout.is_aligned(box, part.shape, chunks[part.param]):
                 raise FailedPrecondition(
                     f"region {box} of {part.param!r} is not whole chunks of "
-                    f"{chunks[part.where]}; not written")
-        specs[part.where] = spec
+                    f"{chunks[part.param]}; not written")
+        specs[part.param] = spec
     batch = _Batch(ts, context(), batch_bytes, written)
     for part in parts:
-        array = batch.open(specs[part.where].json)
+        array = batch.open(specs[part.param].json)
         itemsize = fmt.numpy_dtype(part.dtype).itemsize
         for box, data in part.regions:
-            for piece in orbax_layout.row_pieces(box, chunks[part.where], itemsize,
+            for piece in orbax_layout.row_pieces(box, chunks[part.param], itemsize,
                                                  _WRITE_PIECE_BYTES):
                 batch.write(array, piece, data[orbax_layout.rows_of(box, piece)])
     batch.commit()
@@ -145,16 +144,11 @@ class _Batch:
         self._txn, self._bytes, self._writes = self._ts.Transaction(), 0, []
 
 
-def _write_spec(step_dir: str, rank: int, part: ArrayPart):
+def _write_spec(folder: str, rank: int, part: ArrayPart):
     ts_utils, _ = _orbax_modules()
-    dtype = fmt.numpy_dtype(part.dtype)
     return ts_utils.ArrayWriteSpec(
-        f"{step_dir}/{part.item}" if part.item else step_dir, part.param,
-        global_shape=part.shape, dtype=dtype, use_ocdbt=True,
-        # Orbax writes in chunks of its write_shape; its own chunk_byte_size cuts the
-        # largest axis first, to a chunk of a few bytes for a prime length
-        write_shape=orbax_layout.chunk_shape(part.write_shape, dtype.itemsize,
-                                             CHUNK_BYTES, CHUNK_LEAST_BYTES),
+        folder, part.param, global_shape=part.shape, dtype=fmt.numpy_dtype(part.dtype),
+        use_ocdbt=True, write_shape=chunk_grid(part.write_shape, part.dtype),
         process_id=rank)
 
 
@@ -180,12 +174,9 @@ def read_box(array, box: orbax_layout.Box, into: np.ndarray):
     return ts.array(target, copy=False, write=True).write(region)
 
 
-def finalize(step_dir: str, written: dict[int, WrittenRank], finalizer: int,
-             record: dict | None = None, saved_items: str = "") -> None:
-    """Makes the step one Orbax checkpoint (one per item, for a CheckpointManager's step
-    with its ``record``): merges the ranks' databases, writes Orbax's metadata files,
-    then the completion marker (each file atomically). ``saved_items``: the folder
-    whose items a CheckpointManager saved with Orbax's own handlers, moved in.
+def finalize(step_dir: str, written: dict[int, WrittenRank], finalizer: int) -> None:
+    """Makes the step one Orbax checkpoint: merges the ranks' databases, writes Orbax's
+    metadata files, then the completion marker (each file atomically).
 
     ``written`` must be whole (policy.incomplete). Two daemons finalizing at
     once write the same keys and the same files: the second changes nothing.
@@ -194,39 +185,23 @@ def finalize(step_dir: str, written: dict[int, WrittenRank], finalizer: int,
     from etils import epath
 
     started = time.time_ns()
-    pytrees = {name for name, e in (record or {}).get("items", {}).items()
-               if e["kind"] == "pytree"}
-    for item in sorted({t.item for w in written.values() for t in w.tensors} | pytrees):
-        folder = f"{step_dir}/{item}" if item else step_dir
-        for rank in set(fmt.child_ranks(folder)) - set(written):
-            fmt.remove(fmt.child_path(folder, rank))  # an earlier run's, never to be merged
-        path = epath.Path(folder)
-        asyncio.run(ocdbt_utils.merge_ocdbt_per_process_files(
-            path, ts_context=ts_utils.get_ts_context(use_ocdbt=True), use_zarr3=False))
-        entry = (record or {}).get("items", {}).get(item)
-        value_type = _RECORD_VALUE_TYPE if item == orbax_layout.RECORD_ITEM else _VALUE_TYPE
-        chunks = manager_files.chunk_grids(written, item)
-        metadata = _tree_metadata(path, written, item, value_type) if entry is None else \
-            manager_files.item_metadata(entry, chunks, _empty_tree_metadata())
-        fmt.write_bytes(f"{folder}/_METADATA", json.dumps(metadata).encode())
-        if entry is not None:
-            manager_files.write_pytree_extras(folder, entry, chunks)
-    if record is not None:
-        manager_files.write_items(step_dir, record, saved_items)
+    for rank in set(fmt.child_ranks(step_dir)) - set(written):
+        fmt.remove(fmt.child_path(step_dir, rank))  # an earlier run's, never to be merged
+    path = epath.Path(step_dir)
+    asyncio.run(ocdbt_utils.merge_ocdbt_per_process_files(
+        path, ts_context=ts_utils.get_ts_context(use_ocdbt=True), use_zarr3=False))
+    fmt.write_bytes(f"{step_dir}/_METADATA", json.dumps(_tree_metadata(path, written)).encode())
     fmt.write_bytes(f"{step_dir}/_CHECKPOINT_METADATA",
-                    json.dumps(_step_metadata(started, record)).encode())
+                    json.dumps(_step_metadata(started)).encode())
     fmt.write_bytes(f"{step_dir}/commit_success.txt", _COMMIT_TEXT.format(step_dir).encode())
     world = next(iter(written.values())).world_size
     fmt.write_json(fmt.marker_path(step_dir), {
         "format": FORMAT, "world_size": world, "ranks": sorted(written),
-        "finalized_by": finalizer, "step": next(iter(written.values())).step,
-        "managed": record is not None and record.get("retention") == "manager"})
+        "finalized_by": finalizer, "step": next(iter(written.values())).step})
 
 
-def _tree_metadata(path, written: dict[int, WrittenRank], item: str = "",
-                   value_type: str = _VALUE_TYPE) -> dict:
-    """Orbax's ``_METADATA``: the tree of every leaf written in ``item``, each a jax.Array
-    (or ``value_type``)."""
+def _tree_metadata(path, written: dict[int, WrittenRank]) -> dict:
+    """Orbax's ``_METADATA``: the tree of every leaf written, each a jax.Array."""
     from orbax.checkpoint._src.metadata import tree as tree_metadata
     from orbax.checkpoint._src.serialization import types
 
@@ -234,20 +209,19 @@ def _tree_metadata(path, written: dict[int, WrittenRank], item: str = "",
     tree: dict = {}
     for w in written.values():
         for t in w.tensors:
-            if t.item != item or (t.job_wide and not t.regions):
-                continue  # another item's, or listed by a rank that copies none of it
-            key = t.key[1:] if item else t.key
+            if t.job_wide and not t.regions:
+                continue  # listed by a rank that copies none of it
             node = tree
-            for part in key[:-1]:
+            for part in t.key[:-1]:
                 node = node.setdefault(part, {})
-            node[key[-1]] = types.ParamInfo(
-                name=orbax_layout.param_name(key), parent_dir=path, ts_context=ctx,
-                value_typestr=value_type, write_shape=t.chunks)
+            node[t.key[-1]] = types.ParamInfo(
+                name=orbax_layout.param_name(t.key), parent_dir=path, ts_context=ctx,
+                value_typestr=_VALUE_TYPE, write_shape=t.chunks)
     return tree_metadata.InternalTreeMetadata.build(tree, use_ocdbt=True,
                                                     use_zarr3=False).to_json()
 
 
-def _empty_tree_metadata() -> dict:
+def empty_tree_metadata() -> dict:
     """Orbax's ``_METADATA`` with no leaves (what surrounds its ``tree_metadata``)."""
     from orbax.checkpoint._src.metadata import tree as tree_metadata
     from orbax.checkpoint._src.metadata.pytree_metadata_options import (
@@ -260,23 +234,12 @@ def _empty_tree_metadata() -> dict:
         pytree_metadata_options=PYTREE_METADATA_OPTIONS).to_json()
 
 
-def _step_metadata(started_ns: int, record: dict | None) -> dict:
-    """Orbax's ``_CHECKPOINT_METADATA``: the handler that reads the step (each item's,
-    with the metrics and custom metadata saved with it, for a CheckpointManager's)."""
+def _step_metadata(started_ns: int) -> dict:
+    """Orbax's ``_CHECKPOINT_METADATA``: the handler that reads the step."""
     ocp = fmt.orbax()
     from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
     from orbax.checkpoint._src.metadata import step_metadata_serialization
 
-    if record is None:
-        return step_metadata_serialization.serialize(checkpoint_metadata.StepMetadata(
-            item_handlers=ocp.StandardCheckpointHandler.typestr(),
-            init_timestamp_nsecs=started_ns, commit_timestamp_nsecs=time.time_ns()))
-    saved = int(float(record.get("time", 0)) * 1e9) or started_ns
     return step_metadata_serialization.serialize(checkpoint_metadata.StepMetadata(
-        item_handlers={**{name: e["handler"] for name, e in record["items"].items()},
-                       **{name: ocp.JsonCheckpointHandler.typestr()
-                          for name in manager_files.json_items(record)},
-                       orbax_layout.RECORD_ITEM: ocp.PyTreeCheckpointHandler.typestr()},
-        metrics=dict(record.get("metrics") or {}),
-        custom_metadata=dict(record.get("custom_metadata") or {}),
-        init_timestamp_nsecs=saved, commit_timestamp_nsecs=time.time_ns()))
+        item_handlers=ocp.StandardCheckpointHandler.typestr(),
+        init_timestamp_nsecs=started_ns, commit_timestamp_nsecs=time.time_ns()))

@@ -1,18 +1,15 @@
 """Finalizing a step the durable tier wrote, and giving it its folder.
 
-A step is written in ``<job>/.bubblesnap/partial/<step>/``. Once its sidecars
-make it whole, one daemon at a time (the one holding the folder's lock,
-``.bubblesnap/finalizing``, created exclusively; a lock older than
-:data:`STALE_LOCK_SECONDS` is taken over) finalizes it there (Orbax's merge
-and metadata, the completion marker last) and renames it to its folder:
-``step_<k>`` for bubblesnap's own clients, Orbax's name for a
-CheckpointManager's (its record's naming). A step finalized whose rename was
-cut short (the daemon died between the two) is renamed by any daemon that
-finds it (:meth:`Finalizer.publish_unpublished`, at start and every recheck).
-A step a CheckpointManager deleted after it was saved (a tombstone in
-``<job>/.bubblesnap/deleted/``) is discarded instead of published. A
-finalized step rewritten with another copy of a rank is taken back first
-(:func:`reopen`): the other ranks' writes stay.
+A step of bubblesnap's own clients is written in ``<job>/.bubblesnap/partial/<step>/``.
+Once its sidecars make it whole, one daemon at a time (the one holding the folder's
+lock, ``.bubblesnap/finalizing``, created exclusively; a lock older than
+:data:`STALE_LOCK_SECONDS` is taken over) finalizes it there (Orbax's merge and
+metadata, the completion marker last) and renames it to ``step_<k>``. A step
+finalized whose rename was cut short (the daemon died between the two) is renamed by
+any daemon that finds it (:meth:`Finalizer.publish_unpublished`, at start and every
+recheck). A finalized step rewritten with another copy of a rank is taken back first
+(:func:`reopen`): the other ranks' writes stay. (A CheckpointManager's steps are
+Orbax's to finalize: persist.py.)
 """
 
 import json
@@ -21,8 +18,7 @@ import os
 import time
 import uuid
 
-from bubblesnap import checkpoint_record
-from bubblesnap.service.durable import checkpoint, manager_files, policy
+from bubblesnap.service.durable import checkpoint, policy
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.errors import DaemonError
 
@@ -31,9 +27,9 @@ log = logging.getLogger("bubblesnap.daemon")
 #: A finalizer's lock this old is taken to be a dead daemon's (a finalize takes seconds).
 STALE_LOCK_SECONDS = 300.0
 _LOCK = "finalizing"
-#: A deleted step's tombstone is kept this long: longer than any write of the step takes.
-TOMBSTONE_SECONDS = 3600.0
-#: What finalizing adds to a folder of the step (its root, each item): taken back by reopen.
+#: The folder name of a step of bubblesnap's own clients.
+STEP_PREFIX = "step"
+#: What finalizing adds to the step's folder: taken back by reopen.
 _FINALIZED_FILES = ("manifest.ocdbt", "d", "_METADATA", "_sharding", "_strings.json",
                     "array_metadatas", "commit_success.txt", "_CHECKPOINT_METADATA")
 
@@ -57,35 +53,19 @@ class Finalizer:
         if not lock.take():
             return "another daemon is finalizing it"
         try:
-            record = manager_files.read_record(partial)
             if not fmt.is_finalized(partial):
                 written = self._reader.sidecars(job, step)
                 why = policy.incomplete(written)
-                if why is None and record is None and _is_managers(written):
-                    why = "its step record is not written yet"
                 if why is not None:
                     return why
-                if self._deleted(job, step, record):
-                    return None
-                checkpoint.finalize(partial, written, by_rank, record,
-                                    fmt.items_path(self.directory, job, step))
-            return self._publish(job, step, partial, record, lock)
+                checkpoint.finalize(partial, written, by_rank)
+            return self._publish(job, step, partial, lock)
         finally:
             lock.release()
 
     def publish_unpublished(self) -> None:
-        """Publishes every step finalized whose rename was cut short, of every job, and
-        removes the tombstones no write of their step can outlive any more."""
+        """Publishes every step finalized whose rename was cut short, of every job."""
         for job in fmt.jobs(self.directory):
-            tombstones = os.path.join(fmt.job_path(self.directory, job),
-                                      checkpoint_record.DELETED_DIR)
-            for name in _listdir(tombstones):
-                path = os.path.join(tombstones, name)
-                try:
-                    if time.time() - os.stat(path).st_mtime > TOMBSTONE_SECONDS:
-                        fmt.remove(path)
-                except FileNotFoundError:
-                    pass
             for step in fmt.partial_steps(self.directory, job):
                 partial = fmt.partial_path(self.directory, job, step)
                 if fmt.is_finalized(partial):
@@ -97,17 +77,11 @@ class Finalizer:
                         log.info("durable: step %d of %s, finalized, is not published yet: "
                                  "%s", step, job, why)
 
-    def _publish(self, job: str, step: int, partial: str, record, lock) -> str | None:
-        naming = (record or {}).get("naming") or {"prefix": "step"}
-        name = checkpoint_record.step_dir_name(step, naming.get("prefix"),
-                                               naming.get("fixed_length"))
-        target = os.path.join(fmt.job_path(self.directory, job), name)
-        if self._deleted(job, step, record):
-            return None
+    def _publish(self, job: str, step: int, partial: str, lock) -> str | None:
+        target = os.path.join(fmt.job_path(self.directory, job), f"{STEP_PREFIX}_{step}")
         why = fmt.publish(partial, target)
         if why is None:
             lock.moved_to(target)
-            fmt.remove(fmt.items_path(self.directory, job, step))  # copied in, if any
             log.info("durable: step %d of %s is one Orbax checkpoint, published as %s", step,
                      job, target)
         elif os.path.isdir(target):
@@ -115,39 +89,14 @@ class Finalizer:
             return None
         return why
 
-    def _deleted(self, job: str, step: int, record) -> bool:
-        """Whether a CheckpointManager deleted ``step`` after this copy was saved: then the
-        step is discarded (its partial folder removed). An older tombstone is removed."""
-        tombstone = os.path.join(fmt.job_path(self.directory, job),
-                                 checkpoint_record.DELETED_DIR, str(step))
-        try:
-            deleted_at = os.stat(tombstone).st_mtime
-        except FileNotFoundError:
-            return False
-        if record is not None and float(record.get("time", 0)) > deleted_at:
-            fmt.remove(tombstone)  # saved again since
-            return False
-        fmt.remove(fmt.partial_path(self.directory, job, step))
-        log.info("durable: step %d of %s was deleted by its manager; not published", step, job)
-        return True
-
 
 def reopen(step_dir: str) -> None:
     """Takes back a finalized step (in its partial folder) so a rank can be written again:
-    the marker first, then what finalizing added to its folder and each item's; the
-    other ranks' writes, the record and the items stay."""
+    the marker first, then what finalizing added to its folder; the other ranks' writes
+    stay."""
     fmt.remove(fmt.marker_path(step_dir))
-    items = [os.path.join(step_dir, n) for n in _listdir(step_dir)
-             if not n.startswith(fmt.CHILD_PREFIX)]  # a rank's database stays whole
-    for folder in [step_dir, *items]:
-        if os.path.isdir(folder):
-            for name in _FINALIZED_FILES:
-                fmt.remove(os.path.join(folder, name))
-
-
-def _is_managers(written) -> bool:
-    """Whether the sidecars are a CheckpointManager's step (its tensors are in items)."""
-    return any(t.item for w in written.values() for t in w.tensors)
+    for name in _FINALIZED_FILES:
+        fmt.remove(os.path.join(step_dir, name))
 
 
 class _Lock:
@@ -187,11 +136,4 @@ class _Lock:
         if self._held:
             fmt.remove(self._path)
             self._held = False
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 

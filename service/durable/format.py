@@ -1,22 +1,19 @@
 """The durable tier's files: one Orbax checkpoint per step, written by several daemons.
 
-A step is written in ``<directory>/<job>/.bubblesnap/partial/<step>/`` and,
-once whole and finalized, renamed to its folder: ``step_<step>`` for a job of
-bubblesnap's own clients, whose folder is one standard Orbax checkpoint of
-the job's global state (orbax_layout.py says where each tensor goes, and
-``orbax.checkpoint.StandardCheckpointer().restore(path, target)`` loads it
-with no daemon, in any topology); for a CheckpointManager's job (a layout
-with the step record, bubblesnap/checkpoint_record.py) the folder Orbax's
-CheckpointManager would write (``<prefix>_<step>`` or the bare number), an
-Orbax checkpoint per item in ``<item>/``. Plain Orbax never sees a step
-being written. Inside a step (and each item's folder):
+A step of one of bubblesnap's own jobs (``SnapshotClient``) is written in
+``<directory>/<job>/.bubblesnap/partial/<step>/`` and, once whole and finalized,
+renamed to ``step_<step>``: one standard Orbax checkpoint of the job's global state
+(orbax_layout.py says where each tensor goes, and
+``orbax.checkpoint.StandardCheckpointer().restore(path, target)`` loads it with no
+daemon, in any topology). Plain Orbax never sees a step being written. (A
+CheckpointManager's items are written where its manager says, and Orbax finalizes
+them: persist.py.) Inside a step:
 
 - ``ocdbt.process_<r>/``: the regions written for rank ``r`` by the daemon
   holding its copy (Orbax's per-process database, one per writer, so writers
   never share a file);
 - ``.bubblesnap/rank_<r>.json``: that write's sidecar (sidecar.py), written
-  atomically once its regions are durable (and ``.bubblesnap/record.json``,
-  the step record, by the daemon holding it);
+  atomically once its regions are durable;
 - once the sidecars make a whole step, the daemon that sees it finalizes:
   Orbax's merged ``manifest.ocdbt`` and ``d/``, ``_METADATA``,
   ``_CHECKPOINT_METADATA``, ``commit_success.txt``, and last
@@ -44,16 +41,19 @@ from bubblesnap.service.errors import DataLoss, NotFound
 _STEP_DIR = re.compile(r"(?:.+_)?(\d+)")
 _SIDECAR = re.compile(r"rank_(\d+)\.json")
 STATE_DIR = checkpoint_record.STATE_DIR
-MARKER = checkpoint_record.MARKER_FILE
-RECORD = checkpoint_record.RECORD_FILE
-#: Where a job's steps are written until they are whole, and where a CheckpointManager
-#: saves the items of its steps Orbax's own handlers write (copied into the step then).
-PARTIAL_DIR = checkpoint_record.PARTIAL_DIR
-ITEMS_DIR = checkpoint_record.ITEMS_DIR
+MARKER = "complete.json"
+#: Where a job's steps are written until they are whole.
+PARTIAL_DIR = f"{STATE_DIR}/partial"
 #: Orbax's prefix of a per-process OCDBT database (ocdbt_process_spec.PROCESS_PREFIX).
 CHILD_PREFIX = "ocdbt.process_"
 
+
 def job_path(directory: str, job: str) -> str:
+    """The folder of one of bubblesnap's own jobs (never a job named by a folder: a
+    CheckpointManager's, whose steps are its own)."""
+    if job.startswith("/"):
+        raise ValueError(f"job {job!r} is named by its folder; the durable tier does not "
+                         "write it by its own policy")
     return os.path.join(directory, job)
 
 
@@ -62,15 +62,12 @@ def partial_path(directory: str, job: str, step: int) -> str:
     return os.path.join(directory, job, PARTIAL_DIR, str(step))
 
 
-def items_path(directory: str, job: str, step: int) -> str:
-    """Where a CheckpointManager saved the step's items its Orbax handlers write."""
-    return os.path.join(directory, job, ITEMS_DIR, str(step))
-
-
 def finalized_steps(directory: str, job: str) -> dict[int, str]:
-    """step -> folder of every finalized step of ``job`` (marked whole; its name is
-    Orbax's for that job's naming). The folder's listing is read again only when it
-    changed (its mtime), each marker is looked at every time."""
+    """step -> folder of every finalized step of ``job`` (marked whole; none for a job
+    named by a folder). The folder's listing is read again only when it changed (its
+    mtime), each marker is looked at every time."""
+    if job.startswith("/"):
+        return {}
     root = job_path(directory, job)
     try:
         changed = os.stat(root).st_mtime_ns
@@ -112,6 +109,8 @@ def jobs(directory: str) -> list[str]:
 
 def partial_steps(directory: str, job: str) -> list[int]:
     """Steps being written (or finalized, not yet renamed), oldest first."""
+    if job.startswith("/"):
+        return []
     return sorted(int(n) for n in _listdir(os.path.join(job_path(directory, job), PARTIAL_DIR))
                   if n.isdigit())
 

@@ -5,10 +5,9 @@
   ``kernel``). A rank's own tensor (a pipeline stage's parameters) goes under
   ``rank_<r>/<name>``, except in a world of one rank, where the rank's state is
   the whole tree: a single-process job's checkpoint is exactly its state.
-- **Items.** A CheckpointManager's layout (one holding the step record,
+- **Items.** A CheckpointManager's item (a layout holding the item record,
   bubblesnap/checkpoint_record.py) names each tensor ``<item>/<path>``; the
-  item is a folder of the step (its own Orbax checkpoint), the record tensor
-  goes to the step's ``.bubblesnap`` folder. A key then starts with its item.
+  folder written is the item's own Orbax checkpoint, each tensor under its path.
 - **Parameter names.** Orbax stores each leaf under its keys joined by "."
   (``params.dense.kernel``); two leaves with one name would overwrite each
   other, so :func:`conflict` refuses them as it refuses a key under a leaf.
@@ -24,8 +23,6 @@
 import itertools
 import math
 
-from bubblesnap import checkpoint_record
-
 Box = tuple[tuple[int, int], ...]
 
 
@@ -37,17 +34,8 @@ def tree_key(name: str, rank: int, world_size: int, job_wide: bool) -> tuple[str
     return (f"rank_{rank}", *parts)
 
 
-#: The folder of a step the record tensor is written in.
-RECORD_ITEM = checkpoint_record.TENSOR.split("/")[0]
-
-
-def is_manager_layout(names) -> bool:
-    """Whether tensor ``names`` are a CheckpointManager's (they hold the step record)."""
-    return checkpoint_record.TENSOR in names
-
-
 def item_key(name: str, rank: int, world_size: int, job_wide: bool) -> tuple[str, ...]:
-    """The key of tensor ``name`` (``<item>/<path>``) of a CheckpointManager's step: the
+    """The key of tensor ``name`` (``<item>/<path>``) of a CheckpointManager's item: the
     item, then the path's keys (each unescaped: the client escapes "/" and "%" in a
     key as "%2F" and "%25"), a rank's own tensor under ``rank_<r>`` inside its item."""
     item, *path = name.split("/")

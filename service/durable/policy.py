@@ -16,10 +16,14 @@ class DurableOptions:
 
     Attributes:
       directory: where checkpoints go, a shared filesystem or a bucket mount
-        all hosts see (``--durable-dir``). Empty: no durable tier.
+        all hosts see (``--durable-dir``). Empty: no durable tier. A
+        CheckpointManager whose directory lies inside it has the steps its
+        policy keeps written there by the daemon (the Persist call); the
+        options below are the daemon's own policy, for bubblesnap's own clients.
       every_steps: write steps that are multiples of this
         (``--durable-every-steps``). Every daemon picks the same steps, so each
-        one is whole for the job. 0: off.
+        one is whole for the job. 0: off (a CheckpointManager's steps are still
+        written as its policy says).
       every_seconds: also write the next committed step once this long has
         passed since the last write (``--durable-every-seconds``). 0: off.
         Hosts decide independently, so a step chosen this way may be whole
@@ -52,10 +56,6 @@ class DurableOptions:
         require(self, "keep", self.keep >= 1, "at least 1", "--durable-keep")
         require(self, "write_batch_bytes", self.write_batch_bytes >= 1, "at least 1 byte",
                 "--durable-write-batch")
-        require(self, "directory", not self.directory or bool(self.every_steps or
-                                                               self.every_seconds),
-                "given with --durable-every-steps or --durable-every-seconds (how often to "
-                "write)", "--durable-dir")
 
     @property
     def enabled(self) -> bool:

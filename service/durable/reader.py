@@ -293,7 +293,7 @@ class DurableReader:
         """Each array of ``tensors`` opened once, the opens in flight together; by key.
         One context per call: a rewritten step must not be read from a stale cache."""
         ctx = checkpoint.context()
-        futures = {t.key: (t, checkpoint.open_array(*t.location(step_dir), ctx))
+        futures = {t.key: (t, checkpoint.open_array(step_dir, t.param, ctx))
                    for t in tensors}
         opened = {}
         for key, (tensor, future) in futures.items():

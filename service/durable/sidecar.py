@@ -1,9 +1,10 @@
 """What one daemon wrote into a step's checkpoint: the record of its sidecar. Pure.
 
 Each daemon writes the regions of the ranks its trainers committed, then
-``step_<k>/.bubblesnap/rank_<r>.json`` (format.py), which this module turns
-into :class:`WrittenRank` and back. The sidecars of a step say whether it is
-whole (policy.incomplete) and let a reader verify every region it reads.
+``.bubblesnap/rank_<r>.json`` in the folder written (format.py, persist.py), which
+this module turns into :class:`WrittenRank` and back. The sidecars of a step say
+whether it is whole (policy.incomplete) and let a reader verify every region it
+reads; in a CheckpointManager's item folder, that the rank's write is durable.
 """
 
 import dataclasses
@@ -20,9 +21,8 @@ Box = tuple[tuple[int, int], ...]
 @dataclasses.dataclass(frozen=True)
 class WrittenTensor:
     """A tensor as one rank wrote it: its regions and the xxh3 of each region's raw
-    C-order bytes; ``key`` is its place in the step (the item first, for a
-    CheckpointManager's step), ``chunks`` the zarr chunk shape of its array;
-    ``item``: the folder of the step its array is in ("": the step's own)."""
+    C-order bytes; ``key`` is its place in the checkpoint's tree, ``chunks`` the zarr
+    chunk shape of its array."""
 
     name: str
     dtype: str
@@ -32,13 +32,11 @@ class WrittenTensor:
     chunks: tuple[int, ...]
     regions: tuple[Box, ...]
     checksums: tuple[int, ...]
-    item: str = ""
 
-    def location(self, step_dir: str) -> tuple[str, str]:
-        """(the checkpoint folder, Orbax's parameter name) of its array."""
-        if not self.item:
-            return step_dir, orbax_layout.param_name(self.key)
-        return f"{step_dir}/{self.item}", orbax_layout.param_name(self.key[1:])
+    @property
+    def param(self) -> str:
+        """Orbax's parameter name of its array."""
+        return orbax_layout.param_name(self.key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +72,7 @@ class WrittenRank:
                              "job_wide": t.job_wide, "key": list(t.key),
                              "chunks": list(t.chunks),
                              "regions": [[list(pair) for pair in box] for box in t.regions],
-                             "checksums": list(t.checksums), "item": t.item}
+                             "checksums": list(t.checksums)}
                             for t in self.tensors]}
 
     @classmethod
@@ -87,13 +85,11 @@ class WrittenRank:
             bool(t["job_wide"]), tuple(str(k) for k in t["key"]),
             tuple(int(c) for c in t["chunks"]),
             tuple(tuple((int(a), int(b)) for a, b in box) for box in t["regions"]),
-            tuple(int(c) for c in t["checksums"]), str(t.get("item", "")))
+            tuple(int(c) for c in t["checksums"]))
             for t in data["tensors"])
         for t in tensors:
             if len(t.regions) != len(t.checksums) or t.dtype not in layout_lib.ITEMSIZE:
                 raise ValueError(f"tensor {t.name!r}: regions, checksums or dtype malformed")
-            if t.item and (t.key[:1] != (t.item,) or t.item in (".", "..") or "/" in t.item):
-                raise ValueError(f"tensor {t.name!r}: item {t.item!r} malformed")
         return cls(str(data["job"]), int(data["step"]), int(data["rank"]),
                    int(data["world_size"]), tuple(int(r) for r in data["replica_group"]),
                    tensors)

@@ -1,19 +1,26 @@
-"""Writing the durable tier: chosen committed steps into one Orbax checkpoint per step,
-in the background.
+"""Writing the durable tier, in the background: copies held in shared memory written as
+Orbax checkpoints.
 
-Each daemon writes the ranks its trainers committed (never the replicas it
-holds for peers): their regions, from the pinned shared-memory segment
-straight into the step's checkpoint (checkpoint.py), then a sidecar. The
-daemon that finds a step's sidecars whole finalizes it; any daemon retires
-steps older than the ``keep`` newest finalized ones. Writes that fall behind
-collapse into one waiting step of each rank (policy.step_to_write): the
-roundest, so every host writes common steps, or the newest when every rank
-of the job is on this daemon.
+Two kinds of write, one thread:
+
+- **Persist** (a CheckpointManager's item its policy keeps): the trainer names the
+  folder (persist.py); every copy asked for is written, in the order asked, none
+  skipped (a backlog makes the trainer's next save wait, as Orbax's does). Orbax, in
+  the trainer, finalizes the step.
+- **The daemon's own policy** (``--durable-every-steps``/``-seconds``, bubblesnap's own
+  clients): each daemon writes the ranks its trainers committed (never the replicas it
+  holds for peers) into the step's partial folder, then a sidecar; the daemon that finds
+  a step's sidecars whole finalizes it; any daemon retires steps older than the
+  ``keep`` newest finalized ones. Writes that fall behind collapse into one waiting step
+  of each rank (policy.step_to_write): the roundest, so every host writes common steps,
+  or the newest when every rank of the job is on this daemon.
+
+Every write reads the pinned copy straight from its segment, verified in memory before
+and after.
 """
 
 import dataclasses
 import logging
-import math
 import os
 import shutil
 import time
@@ -21,13 +28,14 @@ import time
 from bubblesnap import checkpoint_record
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.background import CoalescingWorker
-from bubblesnap.service.durable import checkpoint, finalizer, manager_files, orbax_layout, policy
+from bubblesnap.service.durable import checkpoint, copy_plan, finalizer, item_files, persist, policy
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.finalizer import Finalizer
 from bubblesnap.service.durable.reader import DurableReader
-from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
-from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition
+from bubblesnap.service.durable.sidecar import WrittenRank
+from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, shown
 from bubblesnap.service.progress import Progress
+from bubblesnap.service.store.layout import is_folder_job
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -39,9 +47,17 @@ _STOP_SECONDS = 30.0
 _RECHECK_SECONDS = 5.0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Persist:
+    """A copy to write into the folder its trainer named."""
+
+    pinned: object
+    folder: str
+
+
 class DurableWriter:
-    """Writes chosen steps on a background thread; finalizes whole steps; deletes what
-    the tier no longer keeps.
+    """Writes copies on a background thread; finalizes whole steps of the daemon's own
+    policy; deletes what that policy no longer keeps.
 
     ``job_layouts(job) -> {rank: Layout}``: every rank's layout this daemon
     knows (default: the ranks registered here). It picks the chunk grid of a
@@ -62,7 +78,7 @@ class DurableWriter:
         # (job, step, rank) written here, not final yet -> why the step is not whole
         self._unfinished: dict[tuple[str, int, int], str] = {}
         self._worker = CoalescingWorker("durable", self._write_batch, tick=self._recheck,
-                                        every_seconds=_RECHECK_SECONDS, discard=store.unpin)
+                                        every_seconds=_RECHECK_SECONDS, discard=self._discard)
         self._finalizer = Finalizer(options.directory, reader)
         os.makedirs(options.directory, exist_ok=True)
         fmt.orbax()  # JAX and Orbax take seconds to import: at startup, not in the first write
@@ -78,7 +94,10 @@ class DurableWriter:
                         "unfinished (no sidecar for this rank) and is not listed")
 
     def committed(self, job: str, rank: int, step: int) -> None:
-        """A trainer committed (job, rank, step) here; write it if the policy says so."""
+        """A trainer committed (job, rank, step) here; write it if the daemon's own policy
+        says so (never a job named by its folder: its manager says what persists)."""
+        if is_folder_job(job):
+            return
         since = time.monotonic() - self._last_write.get((job, rank), float("-inf"))
         if not policy.should_write(step, since, self.options):
             return
@@ -89,42 +108,124 @@ class DurableWriter:
         self._last_write[(job, rank)] = time.monotonic()
         self._worker.submit((job, rank), pinned)
 
+    def persist(self, job: str, rank: int, step: int, folder: str) -> None:
+        """Queues the write of ``rank``'s committed copy of ``step`` into ``folder``
+        (persist.py); FailedPrecondition for a folder outside the tier, NotFound for a
+        copy not held. The copy stays pinned until it is written."""
+        target = persist.check_target(self.options.directory, folder)
+        if not is_folder_job(job):
+            raise FailedPrecondition(
+                f"job {shown(job, 400)} is not a CheckpointManager's item (a job named by its "
+                "folder): its steps are written as --durable-every-steps/-seconds say")
+        pinned = self._store.pin(job, rank, step)
+        if checkpoint_record.TENSOR not in (t.name for t in pinned.layout.tensors):
+            self._store.unpin(pinned)
+            raise FailedPrecondition(f"job {shown(job, 400)} holds no item record "
+                                     f"({checkpoint_record.TENSOR!r}): not an item a "
+                                     "CheckpointManager saved")
+        self._worker.submit(("persist", job, rank), _Persist(pinned, target))
+
     def forget_after(self, job: str, step: int) -> None:
         """Drops queued writes of ``job``'s steps after ``step`` (an abandoned run's)."""
-        self._worker.drop(lambda key, pinned: key[0] != job or pinned.step <= step)
+        self._worker.drop(lambda key, item: key[0] != job or isinstance(item, _Persist)
+                          or item.step <= step)
 
     def discard_after(self, job: str, step: int) -> int:
-        """Deletes written steps of ``job`` newer than ``step`` (an abandoned run's), and
-        the items a manager saved for them."""
+        """Deletes written steps of ``job`` newer than ``step`` (an abandoned run's)."""
         dropped = 0
         for later in fmt.step_numbers(self.options.directory, job):
             if later > step:
                 _delete_step(fmt.step_path(self.options.directory, job, later))
-                fmt.remove(fmt.items_path(self.options.directory, job, later))
                 dropped += 1
         return dropped
 
     def _registered_layouts(self, job: str) -> dict:
         return {r.rank: r.layout for r in self._store.layouts(job)}
 
-    def _write_batch(self, batch: dict) -> None:
-        for (job, rank), copies in sorted(batch.items()):
-            every_rank_here = len(self._registered_layouts(job)) >= copies[-1].world_size
-            step = policy.step_to_write([pinned.step for pinned in copies], every_rank_here)
-            chosen = [p for p in copies if p.step == step][-1]  # the newest copy of it
-            for pinned in copies:
-                if pinned is not chosen or self._worker.stopping.is_set():
-                    self._store.unpin(pinned)
-            if self._worker.stopping.is_set():
-                continue
-            try:
-                with self._metrics.timed("persist"):
-                    self._write(chosen)
-            except Exception as err:
-                log.error("durable write of step %d of rank %d of %s failed: %s", step, rank,
-                          job, err, exc_info=not isinstance(err, DaemonError))
+    def _discard(self, item) -> None:
+        """A queued write that will not run: its copy is let go (and a Persist's trainer
+        told, so that it does not wait for a write that never comes)."""
+        if isinstance(item, _Persist):
+            self._store.unpin(item.pinned)
+            persist.mark_failed(item.folder, item.pinned.rank,
+                                "the daemon stopped before it wrote this copy")
+        else:
+            self._store.unpin(item)
 
-    def _write(self, pinned) -> None:
+    def _write_batch(self, batch: dict) -> None:
+        for key, items in sorted(batch.items(), key=lambda kv: str(kv[0])):
+            if key[0] == "persist":
+                for item in items:
+                    if self._worker.stopping.is_set():
+                        self._discard(item)
+                    else:
+                        self._persist(item)
+            else:
+                self._write_newest(items)
+
+    def _write_newest(self, copies: list) -> None:
+        """The daemon's own policy: one of a rank's waiting copies is written."""
+        job, rank = copies[-1].job, copies[-1].rank
+        every_rank_here = len(self._registered_layouts(job)) >= copies[-1].world_size
+        step = policy.step_to_write([pinned.step for pinned in copies], every_rank_here)
+        chosen = [p for p in copies if p.step == step][-1]  # the newest copy of it
+        for pinned in copies:
+            if pinned is not chosen or self._worker.stopping.is_set():
+                self._store.unpin(pinned)
+        if self._worker.stopping.is_set():
+            return
+        try:
+            with self._metrics.timed("persist"):
+                self._write_step(chosen)
+        except Exception as err:
+            log.error("durable write of step %d of rank %d of %s failed: %s", step, rank,
+                      job, err, exc_info=not isinstance(err, DaemonError))
+
+    # -- Persist: a CheckpointManager's item ---------------------------------------------
+
+    def _persist(self, item: _Persist) -> None:
+        pinned, folder = item.pinned, item.folder
+        started = time.perf_counter()
+        try:
+            with self._metrics.timed("persist"):
+                written = self._write_item(pinned, folder)
+            fmt.write_json(fmt.sidecar_path(folder, pinned.rank), written.to_json())
+            log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s",
+                     pinned.step, pinned.rank, pinned.job, pinned.layout.nbytes / 1e6,
+                     time.perf_counter() - started, folder)
+        except Exception as err:
+            log.error("durable write of step %d of rank %d of %s into %s failed: %s",
+                      pinned.step, pinned.rank, pinned.job, folder, err,
+                      exc_info=not isinstance(err, DaemonError))
+            try:
+                persist.mark_failed(folder, pinned.rank, f"{type(err).__name__}: {err}")
+            except OSError as mark_err:
+                log.error("durable: could not say so in %s: %s", folder, mark_err)
+        finally:
+            self._store.unpin(pinned)
+
+    def _write_item(self, pinned, folder: str) -> WrittenRank:
+        """Writes the copy into ``folder`` as its rank's process of Orbax's PyTree save;
+        the sidecar saying what it wrote."""
+        known = {r: lay for r, lay in self._job_layouts(pinned.job).items()
+                 if r != pinned.rank}
+        plan = copy_plan.plan(pinned, known, item=True)
+        persist.check_target(self.options.directory, folder)  # still inside the tier
+        _verify(pinned)
+        persist.prepare(folder, pinned.rank)
+        with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
+                                  pinned.layout.nbytes) as written:
+            chunks = checkpoint.write_parts(folder, pinned.rank, plan.parts,
+                                            self.options.write_batch_bytes, written)
+        _verify(pinned)  # the bytes did not change while TensorStore copied them
+        if plan.record is not None:
+            item_files.write(folder, plan.record, {**plan.grids, **chunks},
+                             checkpoint.empty_tree_metadata(), pinned.world_size)
+        return self._written(pinned, copy_plan.with_chunks(plan.tensors, chunks))
+
+    # -- the daemon's own policy: a step of bubblesnap's own clients ----------------------
+
+    def _write_step(self, pinned) -> None:
         job, rank, step = pinned.job, pinned.rank, pinned.step
         step_dir = fmt.partial_path(self.options.directory, job, step)
         started = time.perf_counter()
@@ -147,92 +248,27 @@ class DurableWriter:
 
     def _write_regions(self, step_dir: str, pinned) -> WrittenRank:
         """Writes the copy's regions (verified in memory before and after) into its
-        rank's database of the step (and, holding a CheckpointManager's step record,
-        the record and the scalars it holds); the sidecar that records them."""
-        parts, tensors, record = self._plan(pinned)
+        rank's database of the step; the sidecar that records them."""
+        known = {r: lay for r, lay in self._job_layouts(pinned.job).items()
+                 if r != pinned.rank}
+        plan = copy_plan.plan(pinned, known, item=False)
         _verify(pinned)
         fmt.remove_rank(step_dir, pinned.rank)  # an unfinished write, or another run's
         try:
             with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
                                       pinned.layout.nbytes) as written:
-                chunks = checkpoint.write_parts(step_dir, pinned.rank, parts,
+                chunks = checkpoint.write_parts(step_dir, pinned.rank, plan.parts,
                                                 self.options.write_batch_bytes, written)
             _verify(pinned)  # the bytes did not change while TensorStore copied them
-            if record is not None:
-                manager_files.write_record(step_dir, record)
         except BaseException:
             fmt.remove_rank(step_dir, pinned.rank)
             raise
+        return self._written(pinned, copy_plan.with_chunks(plan.tensors, chunks))
+
+    @staticmethod
+    def _written(pinned, tensors) -> WrittenRank:
         return WrittenRank(pinned.job, pinned.step, pinned.rank, pinned.world_size,
-                           tuple(pinned.group) or (pinned.rank,), tuple(
-                               dataclasses.replace(t, chunks=chunks.get(
-                                   (t.item, t.location("")[1]), ())) for t in tensors))
-
-    def _plan(self, pinned):
-        """What to write: an ArrayPart per tensor with regions here (numpy views of the
-        segment, no copy), the sidecar fields of every tensor and, for a
-        CheckpointManager's step whose record this copy holds, the record (its
-        scalars become parts too). FailedPrecondition for a state the checkpoint
-        cannot hold."""
-        layout, rank, world = pinned.layout, pinned.rank, pinned.world_size
-        known = {r: lay for r, lay in self._job_layouts(pinned.job).items() if r != rank}
-        managed = orbax_layout.is_manager_layout([t.name for t in layout.tensors])
-
-        def key_of(t, r):
-            if managed:
-                return orbax_layout.item_key(t.name, r, world, t.job_wide)
-            return orbax_layout.tree_key(t.name, r, world, t.job_wide)
-        leaves = [orbax_layout.leaf(key_of(t, r), r, t.job_wide)
-                  for r, lay in [(rank, layout), *known.items()] for t in lay.tensors]
-        why = orbax_layout.conflict(leaves)
-        if why is not None:
-            raise FailedPrecondition(f"the state's names cannot be one checkpoint: {why}; "
-                                     "not written")
-        views = {}
-        for t_index, s_index, offset, nbytes in pinned.slots:
-            views.setdefault(t_index, []).append((s_index, offset, nbytes))
-        parts, tensors, record = [], [], None
-        for t_index, tensor in enumerate(layout.tensors):
-            if math.prod(tensor.global_shape) == 0:
-                raise FailedPrecondition(f"tensor {tensor.name!r} has no elements (shape "
-                                         f"{tensor.global_shape}): Orbax cannot save it")
-            key = key_of(tensor, rank)
-            item = key[0] if managed else ""
-            if item == orbax_layout.RECORD_ITEM and tensor.name != checkpoint_record.TENSOR:
-                raise FailedPrecondition(f"tensor {tensor.name!r}: only the step record lives "
-                                         f"under {item}/; not written")
-            if item and item != orbax_layout.RECORD_ITEM:
-                try:  # the item becomes a folder of the step
-                    checkpoint_record.check_item_name(item)
-                except ValueError as err:
-                    raise FailedPrecondition(f"tensor {tensor.name!r}: {err}; not written") \
-                        from None
-            boxes = [s.index for s in tensor.shards]
-            if tensor.job_wide:
-                boxes += [s.index for lay in known.values() for t in lay.tensors
-                          if t.job_wide and t.name == tensor.name for s in t.shards]
-            dtype = fmt.numpy_dtype(tensor.dtype)
-            regions = tuple(
-                (tensor.shards[s].index, pinned.segment.view[offset:offset + nbytes].view(dtype)
-                 .reshape(tuple(b - a for a, b in tensor.shards[s].index)))
-                for s, offset, nbytes in views.get(t_index, ()))
-            if regions:
-                written = WrittenTensor(tensor.name, tensor.dtype, tensor.global_shape,
-                                        tensor.job_wide, key, (), (), (), item)
-                parts.append(checkpoint.ArrayPart(
-                    written.location("")[1], tensor.dtype, tensor.global_shape,
-                    orbax_layout.write_shape(tensor.global_shape, boxes), regions, item))
-                if managed and item == orbax_layout.RECORD_ITEM:
-                    record = manager_files.decode(regions[0][1])
-            tensors.append(WrittenTensor(
-                tensor.name, tensor.dtype, tensor.global_shape, tensor.job_wide, key, (),
-                tuple(s.index for s in tensor.shards),
-                tuple(c for slot, c in zip(pinned.slots, pinned.checksums, strict=True)
-                      if slot[0] == t_index), item))
-        if record is not None:
-            parts += [checkpoint.ArrayPart(param, array.dtype.name, (), (), (((), array),), item)
-                      for item, param, array in manager_files.scalars(record)]
-        return parts, tensors, record
+                           tuple(pinned.group) or (pinned.rank,), tuple(tensors))
 
     def _reopen(self, job: str, step: int, rank: int, partial: str) -> None:
         """A step finalized with another copy of this rank is taken back into its partial
@@ -269,15 +305,11 @@ class DurableWriter:
         self._finalizer.publish_unpublished()
 
     def _retire(self, job: str) -> None:
-        """Deletes steps (finished or not) older than the ``keep`` newest finalized ones,
-        but for the finalized steps of a CheckpointManager, which its preservation
-        policy retires."""
+        """Deletes steps (finished or not) older than the ``keep`` newest finalized ones."""
         directory = self.options.directory
         finalized = fmt.finalized_steps(directory, job)
         for step in policy.steps_to_retire(fmt.step_numbers(directory, job),
                                            self._reader.steps(job), self.options.keep):
-            if step in finalized and _managed(finalized[step]):
-                continue
             _delete_step(finalized.get(step) or fmt.partial_path(directory, job, step))
 
 
@@ -285,14 +317,6 @@ def _delete_step(step_dir: str) -> None:
     """The marker first: a step half deleted is never listed."""
     fmt.remove(fmt.marker_path(step_dir))
     shutil.rmtree(step_dir, ignore_errors=True)
-
-
-def _managed(step_dir: str) -> bool:
-    """Whether a finalized step is a CheckpointManager's, kept as its policy says."""
-    try:
-        return bool(fmt.read_json(fmt.marker_path(step_dir)).get("managed"))
-    except DaemonError:
-        return False
 
 
 def _verify(pinned) -> None:

@@ -11,6 +11,7 @@ import math
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service.bubbles.plans import BubbleEvent, check_seconds
+from bubblesnap.service.durable import persist as persist_lib
 from bubblesnap.service.errors import InvalidArgument
 from bubblesnap.service.peers import data_channel
 from bubblesnap.service.peers.addresses import check_address
@@ -87,6 +88,19 @@ def commit(request) -> tuple:
     check_count("checksums", len(request.checksums), MAX_SLOTS)
     return (*job_rank_step(request), tuple(request.checksums), usage(request.usage),
             optional_step(request, "next_step"), optional_step(request, "staged_as"))
+
+
+def persist(request) -> tuple[str, int, int, str]:
+    """(job, rank, step, folder) of a PersistRequest (the folder's place in the durable
+    tier is the writer's to check: durable/persist.py)."""
+    return (*job_rank_step(request), persist_lib.check_path(request.directory))
+
+
+def drop_after(request) -> tuple[str, int]:
+    """(job, step) of a DropAfterRequest (-1: every step)."""
+    if request.step != -1:
+        layout_lib.check_step(request.step)
+    return job(request.job), request.step
 
 
 def restore(request) -> tuple:
@@ -171,8 +185,9 @@ def slots_asked(request) -> tuple[int, ...]:
 
 
 def rollback(request) -> tuple[str, int, int]:
-    """(job, world size, step) of a RollbackRequest."""
-    layout_lib.check_step(request.step)
+    """(job, world size, step) of a RollbackRequest (step -1: every copy is dropped)."""
+    if request.step != -1:
+        layout_lib.check_step(request.step)
     return job(request.job), world(request.world_size), request.step
 
 

@@ -57,7 +57,7 @@ class PeerServicer:
     def Rollback(self, request, context):
         job, world, step = messages.rollback(request)
         self._store.resume(job, world, step)
-        return ppb.RollbackResponse(dropped_copies=self._restorer.roll_back_here(job, step))
+        return ppb.RollbackResponse(dropped_copies=self._restorer.rollbacks.here(job, step))
 
     @unary
     def AppendLogReplica(self, request, context):

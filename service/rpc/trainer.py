@@ -2,7 +2,7 @@
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service import answer_segment
-from bubblesnap.service.errors import DeadlineExceeded
+from bubblesnap.service.errors import DeadlineExceeded, FailedPrecondition, shown
 from bubblesnap.service.rpc import messages
 from bubblesnap.service.rpc.status_codes import late, streaming, unary
 
@@ -26,12 +26,14 @@ def _release_if_late(context, release) -> None:
 class DaemonServicer:
     """Each method converts its request, calls one method of a part, converts the answer.
 
-    ``token`` (``trainer_token.TrainerToken``) guards the calls that drop snapshots.
+    ``token`` (``trainer_token.TrainerToken``) guards the calls that drop snapshots;
+    ``durable``: the durable tier's writer (None: the daemon has none).
     """
 
     def __init__(self, store, layouts, plans, restorer, logs, status, metrics, token,
-                 heartbeat_path: str = ""):
+                 heartbeat_path: str = "", durable=None):
         self._token = token
+        self._durable = durable
         self._heartbeat_path = heartbeat_path
         self._store = store
         self._layouts = layouts  # peers.layouts.GroupLayouts
@@ -102,6 +104,22 @@ class DaemonServicer:
                 answer=messages.answer_form(request, several_segments))
         self.metrics.restores.labels(restored.source).inc()
         return messages.restored(restored)
+
+    @unary
+    def Persist(self, request, context):
+        job, rank, step, folder = messages.persist(request)
+        if self._durable is None:
+            raise FailedPrecondition(f"this daemon has no durable tier, so it cannot write "
+                                     f"{shown(folder, 400)}: start it with --durable-dir at "
+                                     "or above that folder")
+        self._durable.persist(job, rank, step, folder)
+        return pb.PersistResponse()
+
+    @unary
+    def DropAfter(self, request, context):
+        self._token.check(context, "DropAfter")
+        return pb.DropAfterResponse(dropped_copies=self._restorer.rollbacks.everywhere(
+            *messages.drop_after(request)))
 
     @unary
     def WaitCommitted(self, request, context):

@@ -279,7 +279,7 @@ def _stop(args: dict) -> int:
 
 def train(args: dict) -> dict:
     Manager, Options = _managers(args["manager"])
-    prefix = args.get("prefix", "")  # the folder's name is the daemon's job name
+    prefix = args.get("prefix", "")  # runs sharing a root keep apart
     results = {name: LOOPS[name](Manager, Options,
                                  os.path.join(args["root"], prefix + name), args)
                for name in args["loops"]}

@@ -1,0 +1,54 @@
+"""An abandoned run's copies dropped: here, at every peer, and from the durable tier.
+
+A job that goes back to a step (a restore that resumes it, a CheckpointManager that
+saves a step anew after a restart: the DropAfter call) makes every copy of a later step
+an abandoned run's: kept, it could be served as this run's, or mixed with this run's
+copies of the same step. They are dropped before the job goes on.
+"""
+
+import logging
+
+import grpc
+
+from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service.store.layout import is_folder_job
+
+log = logging.getLogger("bubblesnap.daemon")
+
+
+class Rollbacks:
+    """Drops a job's later copies; ``replicator``, ``writer`` and ``group`` may be None."""
+
+    def __init__(self, store, group=None, replicator=None, writer=None):
+        self._store, self._group = store, group
+        self._replicator, self._writer = replicator, writer
+
+    def here(self, job: str, step: int) -> int:
+        """Drops this daemon's copies of ``job`` after ``step``, and queued work on them;
+        the copies dropped."""
+        if self._replicator is not None:
+            self._replicator.forget_after(job, step)
+        if self._writer is not None:
+            self._writer.forget_after(job, step)
+        dropped = self._store.rollback(job, step)
+        if self._replicator is not None:
+            self._replicator.rolled_back(job)
+        return dropped
+
+    def everywhere(self, job: str, step: int, world_size: int = 0) -> int:
+        """Drops ``job``'s copies after ``step`` here, the durable tier's later steps of the
+        daemon's own policy, and asks every peer to drop theirs (the job resumes under
+        ``world_size`` ranks, 0: not said); the copies dropped here."""
+        dropped = self.here(job, step)
+        if self._writer is not None and not is_folder_job(job):
+            self._writer.discard_after(job, step)
+        if self._group is not None:
+            request = ppb.RollbackRequest(job=job, step=step, world_size=world_size)
+            for index in self._group.others():
+                try:
+                    self._group.call(index, "Rollback", request)
+                except grpc.RpcError as err:
+                    log.warning("peer %d did not drop the copies of %s after step %d: %s; a "
+                                "copy of a later step it holds may be from an abandoned run",
+                                index, job, step, err.code().name)
+        return dropped
