@@ -62,6 +62,7 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         # Made first: Orbax configures its handlers (the tier's hook) inside its __init__.
         self._tier = MemoryTier(directory, settings, multiprocessing.primary_host)
         self._seen_items: set[str] = set()
+        self._orbax_view = 0  # > 0 while Orbax's own code asks for its steps
         super().__init__(directory, checkpointers=checkpointers, options=options,
                          metadata=metadata, item_names=item_names, item_handlers=item_handlers,
                          logger=logger, handler_registry=handler_registry)
@@ -78,8 +79,8 @@ class CheckpointManager(orbax_manager.CheckpointManager):
     def all_steps(self, read: bool = False):
         """Orbax's steps, and the steps held in memory only (``memory_interval_steps``)."""
         steps = super().all_steps(read)
-        if self._memory_steps is None or self._tier.step is not None:
-            return steps  # Orbax's own save and restore ask for its steps
+        if self._memory_steps is None or self._orbax_view:
+            return steps  # Orbax's own decisions count the steps it saved
         return sorted(set(steps) | set(self._memory_steps.held()))
 
     def latest_step(self):
@@ -88,9 +89,18 @@ class CheckpointManager(orbax_manager.CheckpointManager):
 
     def should_save(self, step: int) -> bool:
         """Orbax's decision, or a step held in memory only is due."""
-        if super().should_save(step):
+        if self._policy_saves(step):
             return True
         return self._memory_steps is not None and self._memory_steps.due(step)
+
+    def _policy_saves(self, step: int) -> bool:
+        """Orbax's ``should_save``, deciding on the steps Orbax saved (it asks
+        ``latest_step``, which otherwise lists the steps held in memory only too)."""
+        self._orbax_view += 1
+        try:
+            return super().should_save(step)
+        finally:
+            self._orbax_view -= 1
 
     # -- save and restore -----------------------------------------------------------------
 
@@ -101,14 +111,16 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         ``memory_interval_steps`` says so)."""
         self._drop_abandoned(step, args, items)
         if self._memory_steps is not None and not force and self._memory_steps.due(step) \
-                and not super().should_save(step):
+                and not self._policy_saves(step):
             return self._memory_steps.save(step, args)
         self._tier.step = step
+        self._orbax_view += 1
         try:
             return super().save(step, items=items, save_kwargs=save_kwargs, metrics=metrics,
                                 force=force, args=args, custom_metadata=custom_metadata)
         finally:
             self._tier.step = None
+            self._orbax_view -= 1
 
     def restore(self, step, items=None, restore_kwargs=None, directory=None, args=None):
         """Orbax's restore, each pytree item from the fastest tier holding the step."""
@@ -120,11 +132,13 @@ class CheckpointManager(orbax_manager.CheckpointManager):
                 step not in super().all_steps() and step in self._memory_steps.held():
             return self._memory_steps.restore(step, args)
         self._tier.step = step
+        self._orbax_view += 1
         try:
             return super().restore(step, items=items, restore_kwargs=restore_kwargs,
                                    directory=directory, args=args)
         finally:
             self._tier.step = None
+            self._orbax_view -= 1
 
     def wait_until_finished(self):
         """Orbax's wait (every step the policy saved is on disk), and the steps held in

@@ -8,11 +8,10 @@ its other items (JSON, a data iterator's) by their own handlers into
 ``<directory>/.bubblesnap/memory/<step>/<item>``, beside a list of its items. Such a
 step is listed by ``all_steps``/``latest_step`` (and ``should_save`` says it is due)
 while the daemons hold every pytree item of it (their ``--keep`` newest steps of a
-job, this host's and its neighbours' memory), and ``restore`` gives it back from
-there; it is never written to the step folders, and Orbax's own listing
-(``ocp.CheckpointManager``, ``reload``'s disk view, ``metadata``, the preservation
-policies) does not see it. A step the daemons no longer hold loses its folder at the
-next such save.
+job, this host's and its neighbours' memory) and it is among the newest
+:data:`KEPT`, and ``restore`` gives it back from there; it is never written to the
+step folders, and Orbax's own listing (``ocp.CheckpointManager``, ``reload``'s disk
+view, ``metadata``, the preservation policies) does not see it.
 """
 
 import json
@@ -30,6 +29,11 @@ from bubblesnap.clients.results import RestoreError
 #: Where the other items of steps held in memory only go, in the manager's directory.
 FOLDER = os.path.join(checkpoint_record.STATE_DIR, "memory")
 _LIST = "items.json"
+#: The folders of steps held in memory only that are kept: the newest this many (more
+#: than the daemons keep in memory, --keep, unless it was raised; an older step's folder
+#: removed, the step is no longer listed). Counted, not asked: a save never waits for
+#: the daemon.
+KEPT = 16
 
 
 class MemorySteps:
@@ -83,7 +87,8 @@ class MemorySteps:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, _LIST), "w") as f:
                 json.dump(kinds, f)
-        self._forget_unheld(step)
+            for older in _numbers(self._folder)[:-KEPT]:
+                shutil.rmtree(os.path.join(self._folder, str(older)), ignore_errors=True)
         return True
 
     def restore(self, step: int, args):
@@ -126,15 +131,6 @@ class MemorySteps:
         except (OSError, ValueError):
             return None
         return found if isinstance(found, dict) else None
-
-    def _forget_unheld(self, newest: int) -> None:
-        """Removes the folders of steps the daemons no longer hold (their --keep)."""
-        if not self._tier.primary:
-            return
-        held = set(self.held())
-        for step in _numbers(self._folder):
-            if step < newest and step not in held:
-                shutil.rmtree(os.path.join(self._folder, str(step)), ignore_errors=True)
 
 
 _PYTREE_SAVES = (ocp.args.StandardSave, ocp.args.PyTreeSave)

@@ -21,8 +21,9 @@ from bubblesnap import checkpoint_record
 from bubblesnap.protos import daemon_pb2 as pb
 
 #: How often the folder is looked at: first soon (a small item is written in
-#: milliseconds), then less often.
-_FIRST_POLL, _MOST_POLL = 0.001, 0.02
+#: milliseconds), then every few: the step's finalizing, and the next save, wait for the
+#: answer (a look is one stat).
+_FIRST_POLL, _MOST_POLL = 0.0005, 0.002
 
 
 class PersistError(RuntimeError):
