@@ -214,8 +214,9 @@ class RestorePlan:
                 raise RestoreError(f"item {item!r} has no leaf {_path_key(keypath)} to restore "
                                    "into the target: restore into the structure it was saved "
                                    "with")
-            if saved_types and arg is None:
-                leaf = _as_saved(saved, leaf)
+            if saved_types and arg is None and (
+                    saved.is_array or saved.value_type in checkpoint_record.VALUE_TYPES):
+                leaf = _as_saved(saved, leaf)  # an empty node stays the target's
             wanted = self._want(saved, leaf, arg) if saved.is_array else None
             if wanted is not None:
                 self.wanted.append(wanted)
@@ -235,10 +236,6 @@ class RestorePlan:
             getattr(leaf, "sharding", None) or self._fallback_sharding
         if isinstance(sharding, sharding_metadata.ShardingMetadata):
             sharding = sharding.to_jax_sharding()
-        if saved.key_impl and isinstance(sharding, jax.sharding.NamedSharding):
-            trailing = [None] * (len(shape) - len(sharding.spec))  # the key data's own axes
-            sharding = jax.sharding.NamedSharding(
-                sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec, *trailing))
         name = checkpoint_record.tensor_name(self.item, saved.keys)
         return Wanted(name, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), host)
 
@@ -338,16 +335,19 @@ def _as_target_type(value, leaf, arg):
         value = value.astype(dtype)
     if leaf is None or empty_values.is_empty_container(leaf):
         return leaf
-    if restore_type in (int, float, bool) or (
+    # a scalar type (an IntEnum too) is applied to the value, as Orbax's scalar handler does
+    scalar_type = restore_type if isinstance(restore_type, type) and issubclass(
+        restore_type, (bool, int, float)) else None
+    if scalar_type is not None or (
             restore_type is None and isinstance(leaf, (bool, int, float, np.number, np.bool_))):
-        kind = restore_type or (type(leaf) if isinstance(leaf, (bool, int, float)) else None)
+        kind = scalar_type or (type(leaf) if isinstance(leaf, (bool, int, float)) else None)
         scalar = value.item() if isinstance(value, (jax.Array, np.ndarray)) else value
         return kind(scalar) if kind is not None else scalar
     if isinstance(leaf, str):
         return str(value)
     if restore_type is np.ndarray or (restore_type is None and
                                       isinstance(leaf, (np.ndarray, _SavedNumpy))):
-        return np.asarray(value)
+        return np.asarray(value, dtype=dtype)
     if isinstance(value, (bool, int, float)):  # a saved scalar into an array target
         sharding = getattr(arg, "sharding", None) or getattr(leaf, "sharding", None)
         array = np.asarray(value, dtype=getattr(leaf, "dtype", None))

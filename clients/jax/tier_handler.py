@@ -35,7 +35,11 @@ class TierHandler(async_checkpoint_handler.AsyncCheckpointHandler):
             future.result()
 
     def restore(self, directory, *args, **kwargs):
-        found = self._tier.restore_item(self._item, directory, _args(args, kwargs))
+        restore_args = _args(args, kwargs)
+        validate = getattr(self._inner, "_validate_restore_state", None)
+        if validate is not None and getattr(restore_args, "item", None) is not None:
+            validate(restore_args.item)  # a target Orbax refuses is refused, from any tier
+        found = self._tier.restore_item(self._item, directory, restore_args)
         if found is not None:
             return found.value
         return self._inner.restore(directory, *args, **kwargs)
