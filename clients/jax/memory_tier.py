@@ -210,7 +210,7 @@ class MemoryTier:
             return None
         job = self.job(item)
         client = self.client(job)
-        if wait and client.session.sick_for() and not client.session.answers(_PROBE_SECONDS):
+        if wait and not self._well(client.session):
             return None  # a save that waits must not wait for a sick daemon: Orbax writes
         result = client.snapshot_leaves(step, names, leaves, wait=wait)
         if not result.taken and _ALREADY_COMMITTED in result.reason:
@@ -222,6 +222,15 @@ class MemoryTier:
             return None
         self._remember(job, step, record)
         return client
+
+    @staticmethod
+    def _well(session) -> bool:
+        """Whether a daemon may be waited for: not stopped (the kernel says), and, when its
+        heartbeat went silent, answering (a dead daemon's heartbeat, replaced since)."""
+        beat = session.daemon_beat()
+        if beat is not None and beat.stopped:
+            return False
+        return not session.sick_for() or session.answers(_PROBE_SECONDS)
 
     def restore_item(self, item: str, directory, args) -> Found | None:
         """The item restored from the daemons' memory, or None (Orbax reads the folder)."""
@@ -258,7 +267,7 @@ class MemoryTier:
         save, or one of ours for a step held in memory only)."""
         for job in jobs:
             session = self.client(job).session
-            if session.quiet():
+            if not _reachable(session):
                 continue
             try:
                 session.call("DropAfter", pb.DropAfterRequest(job=job, step=step))
@@ -268,9 +277,9 @@ class MemoryTier:
                              "%s: %s", job, err.code().name, err.details())
 
     def committed(self, job: str) -> set[int]:
-        """The steps of ``job`` the daemons hold committed (none when not asked now)."""
+        """The steps of ``job`` the daemons hold committed (none when it does not answer)."""
         session = self.client(job).session
-        if session.quiet():
+        if not _reachable(session):
             return set()
         try:
             return {s.step for s in session.status().steps if s.committed}
@@ -324,6 +333,13 @@ class MemoryTier:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
+
+
+def _reachable(session) -> bool:
+    """Whether to call the daemon now: also while the session backs off from a failed
+    snapshot (a listing or a drop after a daemon's hiccup or restart must not pass over
+    what it holds), then once it answers a short probe."""
+    return not session.quiet() or session.answers(_PROBE_SECONDS)
 
 
 def _inside(path: str, root: str) -> bool:
