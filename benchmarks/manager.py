@@ -7,14 +7,21 @@ Usage: python benchmarks/manager.py [--json] [--quick] [--size-mb 64] [--steps 8
 The loop is a Flax ``TrainState`` (a Python-int step, Adam's moments, bf16-free
 float32 parameters of about ``--size-mb``) updated by one jitted step per
 iteration. Modes, interleaved round by round (bench_common.measure): ``none``
-(no checkpointing), ``bubblesnap`` (its manager, ``save`` every step,
-asynchronous), ``orbax`` (Orbax's manager, ``save`` every step, asynchronous,
-into a tmpfs folder, the fastest disk here), ``orbax_every_10`` (Orbax saving
-every tenth step, the cadence its cost makes users choose). Each times
-``--steps`` iterations after its manager saved once; it reports the median
-step time and the overhead over ``none``. Then the restore of the latest step:
-bubblesnap's manager from the daemon's memory against Orbax's from tmpfs, both
-into the state's shardings, compared bit for bit.
+(no checkpointing); ``memcpy`` (the bound: one plain copy of the state's bytes
+into a kept host buffer per step, what any snapshot must at least pay);
+``bubblesnap`` (its manager, ``save`` every step, asynchronous: every step on disk,
+written by the daemon from its memory while training goes on, a save waiting for
+the previous step's write as Orbax's does); ``bubblesnap_memory`` (its manager
+with ``memory_interval_steps=1``: every step into the daemon's memory, every tenth
+also on disk); ``bubblesnap_memory_only`` (every step into memory, none on disk after
+the first: the cost of the memory tier alone); ``orbax`` (Orbax's manager, ``save``
+every step, asynchronous) and
+``orbax_every_10`` (every tenth step, the cadence its cost makes users choose).
+Every folder is on tmpfs, the fastest disk here. Each mode times ``--steps``
+iterations after its manager saved once; it reports the median step time and the
+overhead over ``none``. Then the restore of the latest step: bubblesnap's manager
+from the daemon's memory against Orbax's from tmpfs, both into the state's
+shardings, compared bit for bit.
 """
 
 import argparse
@@ -25,12 +32,15 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common
 
 from bubblesnap.testing import DaemonProcess
 
-MODES = ["none", "bubblesnap", "orbax", "orbax_every_10"]
+MODES = ["none", "memcpy", "bubblesnap", "bubblesnap_memory", "bubblesnap_memory_only",
+         "orbax", "orbax_every_10"]
 
 
 class Bench:
@@ -52,12 +62,21 @@ class Bench:
         self.state, self._train_step = common.adam_train_state(params)
         self.state = self._train_step(self.state)
         self.state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.state))
+        self._buffer = np.empty(self.state_bytes, np.uint8)  # memcpy's, warm once used
         self.step = 0
-        options = CheckpointManagerOptions(max_to_keep=2,
-                                           client=ClientOptions(daemon=address))
+        client = ClientOptions(daemon=address)
         self.managers = {
-            "bubblesnap": CheckpointManager(os.path.join(root, "durable", "job"),
-                                            options=options),
+            "bubblesnap": CheckpointManager(os.path.join(root, "durable", "every"),
+                                            options=CheckpointManagerOptions(
+                                                max_to_keep=2, client=client)),
+            "bubblesnap_memory": CheckpointManager(
+                os.path.join(root, "durable", "memory"), options=CheckpointManagerOptions(
+                    max_to_keep=2, save_interval_steps=10, memory_interval_steps=1,
+                    client=client)),
+            "bubblesnap_memory_only": CheckpointManager(
+                os.path.join(root, "durable", "memory_only"), options=CheckpointManagerOptions(
+                    max_to_keep=2, save_interval_steps=1 << 40, memory_interval_steps=1,
+                    client=client)),
             "orbax": ocp.CheckpointManager(os.path.join(root, "orbax"),
                                            options=ocp.CheckpointManagerOptions(max_to_keep=2)),
             "orbax_every_10": ocp.CheckpointManager(
@@ -65,19 +84,22 @@ class Bench:
                     max_to_keep=2, save_interval_steps=10)),
         }
 
-    def _loop(self, manager) -> float:
+    def _loop(self, manager, copy=None) -> float:
         """Seconds per step over the run's steps (the manager saved once before)."""
         import jax
         args = self._ocp.args
-        if manager is not None:
+        if manager is not None:  # every mode starts from a step on disk, its write done
             self.step += 1
             manager.save(self.step, args=args.StandardSave(self.state), force=True)
+            manager.wait_until_finished()
         started = time.perf_counter()
         for _ in range(self._steps):
             self.state = self._train_step(self.state)
             self.step += 1
             if manager is not None:
                 manager.save(self.step, args=args.StandardSave(self.state))
+            if copy is not None:
+                copy(self.state)
         jax.block_until_ready(self.state)
         spent = (time.perf_counter() - started) / self._steps
         if manager is not None:
@@ -87,8 +109,26 @@ class Bench:
     def none(self) -> float:
         return self._loop(None)
 
+    def memcpy(self) -> float:
+        return self._loop(None, copy=self._copy)
+
+    def _copy(self, state) -> None:
+        """One plain copy of every array's bytes into the kept buffer."""
+        import jax
+        offset = 0
+        for leaf in jax.tree.leaves(state):
+            data = common.flat_bytes(jax.block_until_ready(leaf))
+            np.copyto(self._buffer[offset:offset + data.nbytes], data)
+            offset += data.nbytes
+
     def bubblesnap(self) -> float:
         return self._loop(self.managers["bubblesnap"])
+
+    def bubblesnap_memory(self) -> float:
+        return self._loop(self.managers["bubblesnap_memory"])
+
+    def bubblesnap_memory_only(self) -> float:
+        return self._loop(self.managers["bubblesnap_memory_only"])
 
     def orbax(self) -> float:
         return self._loop(self.managers["orbax"])
@@ -143,8 +183,7 @@ def main() -> int:
     common.exit_on_sigterm()
     root = tempfile.mkdtemp(dir="/dev/shm", prefix="bubblesnap-bench-manager-")
     daemon = DaemonProcess("--memory-budget", str(max(4 << 30, int(20 * args.size_mb * 1e6))),
-                           "--durable-dir", os.path.join(root, "durable"),
-                           "--durable-every-steps", "1000000", "--keep", "2")
+                           "--durable-dir", os.path.join(root, "durable"), "--keep", "2")
     bench = None
     try:
         bench = Bench(int(args.size_mb * 1e6), args.steps, daemon.address, root)
@@ -162,6 +201,10 @@ def main() -> int:
               "modes": {mode: {"median_step_ms": statistics.median(values) * 1e3,
                                "overhead": statistics.median(values) / base - 1}
                         for mode, values in seconds.items()},
+              "vs_memcpy": {mode: statistics.median(seconds[mode]) /
+                            statistics.median(seconds["memcpy"])
+                            for mode in ("bubblesnap", "bubblesnap_memory",
+                                         "bubblesnap_memory_only")},
               "restore": {"bubblesnap_ms": restore["bubblesnap"] * 1e3,
                           "orbax_ms": restore["orbax"] * 1e3,
                           "speedup": restore["orbax"] / restore["bubblesnap"]},

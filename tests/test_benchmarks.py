@@ -404,11 +404,18 @@ def check_group_scale(report: dict) -> None:
 
 
 def check_manager(report: dict) -> None:
-    assert list(report["modes"]) == ["none", "bubblesnap", "orbax", "orbax_every_10"]
+    bubblesnap = ["bubblesnap", "bubblesnap_memory", "bubblesnap_memory_only"]
+    assert list(report["modes"]) == ["none", "memcpy", *bubblesnap, "orbax", "orbax_every_10"]
     for mode, row in report["modes"].items():
         assert_finite(row, mode)
         assert row["median_step_ms"] > 0, mode
     assert report["modes"]["none"]["overhead"] == 0
+    # each bubblesnap mode's step time over the bound's, from the same rows
+    memcpy = report["modes"]["memcpy"]["median_step_ms"]
+    assert list(report["vs_memcpy"]) == bubblesnap
+    for mode in bubblesnap:
+        assert math.isclose(report["vs_memcpy"][mode],
+                            report["modes"][mode]["median_step_ms"] / memcpy), mode
     assert report["steps"] == 2 and report["rounds"] == 1 and report["state_mb"] > 0
     assert_finite(report["restore"], "restore")
     # both managers gave the saved TrainState back, bit for bit
