@@ -1,7 +1,8 @@
 """bubblesnap's CheckpointManager runs a loop written for Orbax's unchanged apart from the
-import (tests/programs/orbax_loop.py): save every step, SIGKILL, restore the latest, go on,
-in one process and in two under jax.distributed; the final state equals, bit for bit,
-that of the same loop with Orbax's manager run without a kill. Where the daemon cannot
+import (tests/programs/orbax_loop.py, the README's loop): save every step, SIGKILL, restore
+the latest, go on, in two processes under jax.distributed (one process, and this loop's
+kind among others: tests/test_orbax_loops.py); the final state equals, bit for bit, that
+of the same loop with Orbax's manager run without a kill. Where the daemon cannot
 write the steps (a directory outside its durable tier, no durable tier, no daemon) the
 manager works all the same, Orbax writing them, and one warning says why and what to do."""
 
@@ -31,8 +32,8 @@ def run_killed(processes: int, args: dict, env: dict | None = None) -> None:
     assert job.wait_crash() == [-9] * processes
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_an_orbax_loop_runs_unchanged_with_the_import_swapped(processes, tmp_path):
+def test_an_orbax_loop_runs_unchanged_with_the_import_swapped(tmp_path):
+    processes = 2
     reference = run(processes, {"manager": "orbax", "directory": str(tmp_path / "reference")})
     assert all(r["resumed_from"] is None and r["step"] == STEPS for r in reference)
 

@@ -6,60 +6,26 @@ step. An item record that is not one makes the daemon's write fail, saying why i
 folder, nothing else written, the copy in memory kept. The legacy ``items=`` API and a job
 saved with another record size work as in Orbax."""
 
-import dataclasses
-import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from etils import epath
 
 from bubblesnap import checkpoint_record
 from bubblesnap.clients import ClientOptions, Session
 from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.testing import wait_for
-
-
-class IteratorHandler(ocp.CheckpointHandler):
-    """A data iterator's position, one file per process, as Grain's handler writes it."""
-
-    def save(self, directory: epath.Path, args: "IteratorSave"):
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "process_0-of-1.json").write_text(json.dumps(args.position))
-
-    def restore(self, directory: epath.Path, args: "IteratorRestore | None" = None):
-        return json.loads((directory / "process_0-of-1.json").read_text())
-
-    def metadata(self, directory):
-        return None
-
-    def finalize(self, directory):
-        pass
-
-    def close(self):
-        pass
-
-
-@ocp.args.register_with_handler(IteratorHandler, for_save=True)
-@dataclasses.dataclass
-class IteratorSave(ocp.args.CheckpointArgs):
-    position: dict
-
-
-@ocp.args.register_with_handler(IteratorHandler, for_restore=True)
-@dataclasses.dataclass
-class IteratorRestore(ocp.args.CheckpointArgs):
-    pass
+from tests.programs.iterator_loop import PositionHandler, PositionRestore, PositionSave
 
 
 def save(manager, step: int, meta_size: int = 1) -> bool:
     state = {"w": jnp.arange(6.0) * step, "step": step}
     return manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        loader=IteratorSave({"next": step + 1, "shard": 3}),
+        loader=PositionSave(step + 1),
         bias=ocp.args.ArraySave(np.full((4,), step, np.float32)),
         meta=ocp.args.JsonSave({"notes": "x" * meta_size, "step": step})))
 
@@ -67,7 +33,7 @@ def save(manager, step: int, meta_size: int = 1) -> bool:
 def restore(manager, step: int):
     return manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore({"w": jnp.zeros(6), "step": 0}),
-        loader=IteratorRestore(), bias=ocp.args.ArrayRestore(),
+        loader=PositionRestore(), bias=ocp.args.ArrayRestore(),
         meta=ocp.args.JsonRestore()))
 
 
@@ -102,7 +68,7 @@ def test_items_of_other_handlers_are_theirs_in_the_same_step(start_daemon, tmp_p
     assert sorted(os.listdir(durable / "job" / "2")) == sorted(os.listdir(tmp_path / "orbax" /
                                                                            "2"))
     with ocp.CheckpointManager(durable / "job", item_names=names,
-                               item_handlers={"loader": IteratorHandler()}) as plain:
+                               item_handlers={"loader": PositionHandler()}) as plain:
         assert as_plain(restore(plain, 2)) == expected
     with CheckpointManager(durable / "job", item_names=names, options=options) as again:
         assert as_plain(restore(again, 2)) == expected  # a new run reads them back
