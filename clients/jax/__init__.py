@@ -1,7 +1,8 @@
 """The JAX client: snapshot pytrees of jax.Arrays into the local daemon and restore them.
 
 Public names: :class:`CheckpointManager` and :class:`CheckpointManagerOptions`
-(Orbax's CheckpointManager API over the daemon: change one import),
+(Orbax's CheckpointManager with the daemons' memory in front: change one import)
+and :class:`PersistError` (a step a daemon took and could not write),
 :class:`SnapshotClient`, :class:`Restored`, the pipeline
 bubble hooks :class:`BubbleSnapshotter` and :class:`BubbleSnapshotOptions`,
 the one-step undo of optimizer updates for data-parallel survivors
@@ -23,10 +24,11 @@ from bubblesnap.clients.jax.inverse_updates import (
     undo_or_restore,
     undo_sgd_momentum,
 )
+from bubblesnap.clients.jax.persist_future import PersistError
 from bubblesnap.clients.options import ClientOptions
 from bubblesnap.clients.results import LogError, RestoreError, SnapshotResult
 
 __all__ = ["BubbleSnapshotOptions", "BubbleSnapshotter", "CheckpointManager",
-           "CheckpointManagerOptions", "ClientOptions", "LogError",
+           "CheckpointManagerOptions", "ClientOptions", "LogError", "PersistError",
            "RestoreError", "Restored", "SnapshotClient", "SnapshotResult", "UndoCheck",
            "UndoDecision", "check_undo", "undo_adamw", "undo_or_restore", "undo_sgd_momentum"]
