@@ -72,9 +72,9 @@ def should_write(step: int, seconds_since_last: float, options: DurableOptions) 
 def step_to_write(waiting: list[int], every_rank_here: bool) -> int:
     """Which of a rank's waiting steps a write that fell behind writes (the others are
     skipped). When every rank of the job is on this daemon no other host has to write
-    the same step: the newest, the most progress kept (and the one a CheckpointManager's
-    policy keeps: an older one its manager deleted meanwhile would leave no step on
-    disk). Else the roundest, the step every host behind by any amount also picks."""
+    the same step: the newest, the most progress kept. Else the roundest, the step every
+    host behind by any amount also picks. (A CheckpointManager's steps are never
+    chosen here: each one its policy saves is written, in order, by Persist.)"""
     return max(waiting) if every_rank_here else group_view.roundest(waiting)
 
 
