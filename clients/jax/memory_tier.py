@@ -265,10 +265,8 @@ class MemoryTier:
         peers: an earlier run's, which this one is about to save anew (all processes of
         the job do it before any of them saves again: Orbax's barrier at the start of a
         save, or one of ours for a step held in memory only)."""
-        for job in jobs:
+        for job in jobs:  # asked even while a session backs off from a failed snapshot
             session = self.client(job).session
-            if not _reachable(session):
-                continue
             try:
                 session.call("DropAfter", pb.DropAfterRequest(job=job, step=step))
             except grpc.RpcError as err:
@@ -277,12 +275,12 @@ class MemoryTier:
                              "%s: %s", job, err.code().name, err.details())
 
     def committed(self, job: str) -> set[int]:
-        """The steps of ``job`` the daemons hold committed (none when it does not answer)."""
-        session = self.client(job).session
-        if not _reachable(session):
-            return set()
+        """The steps of ``job`` the daemons hold committed (none when it does not answer
+        within the call's deadline). Asked even while the session backs off from a failed
+        snapshot: a listing after a daemon's hiccup or restart must not pass over what it
+        holds."""
         try:
-            return {s.step for s in session.status().steps if s.committed}
+            return {s.step for s in self.client(job).session.status().steps if s.committed}
         except grpc.RpcError:
             return set()
 
@@ -333,13 +331,6 @@ class MemoryTier:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
-
-
-def _reachable(session) -> bool:
-    """Whether to call the daemon now: also while the session backs off from a failed
-    snapshot (a listing or a drop after a daemon's hiccup or restart must not pass over
-    what it holds), then once it answers a short probe."""
-    return not session.quiet() or session.answers(_PROBE_SECONDS)
 
 
 def _inside(path: str, root: str) -> bool:
