@@ -36,6 +36,9 @@ from bubblesnap.protos.checksum import checksum
 from bubblesnap.trainer_api import TOKEN_ENV, with_token
 
 log = logging.getLogger("bubblesnap.client")
+#: The longest a channel waits before dialling an away daemon again (gRPC's default is up
+#: to two minutes: the next snapshot after the daemon is back must reach it).
+REDIAL_SECONDS = 1.0
 
 
 def wait_mode(wait: bool | str) -> str:
@@ -74,7 +77,7 @@ class Session:
         self._channel = grpc.insecure_channel(options.daemon, options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)])
+            ("grpc.max_reconnect_backoff_ms", int(REDIAL_SECONDS * 1000))])
         self._stub = daemon_pb2_grpc.DaemonStub(with_token(
             self._channel, options.token or os.environ.get(TOKEN_ENV, "")))
         self._maps = SegmentMaps()
@@ -125,11 +128,15 @@ class Session:
         not known)."""
         return self._heartbeat.read()
 
-    def answers(self, timeout: float) -> bool:
+    def answers(self, timeout: float = REDIAL_SECONDS * 1.5) -> bool:
         """Whether the daemon answers a call within ``timeout`` seconds (a refusal is an
-        answer): a heartbeat that went silent may be a dead daemon's, replaced since."""
+        answer): a heartbeat that went silent may be a dead daemon's, replaced since.
+        The call waits for the channel to dial again: a daemon restarted at the same
+        address is reached only once the channel's back-off (up to ``REDIAL_SECONDS``,
+        plus gRPC's jitter of a fifth: the default timeout) is over."""
         try:
-            self._stub.Status(pb.StatusRequest(job=self.job), timeout=timeout)
+            self._stub.Status(pb.StatusRequest(job=self.job), timeout=timeout,
+                              wait_for_ready=True)
         except grpc.RpcError as err:
             return err.code() not in (grpc.StatusCode.UNAVAILABLE,
                                       grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -47,9 +47,6 @@ log = logging.getLogger("bubblesnap.client")
 STOCK_HANDLERS = (ocp.StandardCheckpointHandler, ocp.PyTreeCheckpointHandler)
 #: Records kept of the steps this process saved (a restore of them asks none of the daemon).
 _RECORDS_KEPT = 16
-#: How long a save that waits for its copy's commit asks a daemon whose heartbeat went
-#: silent whether it still answers (a restarted daemon does; a frozen one makes Orbax write).
-_PROBE_SECONDS = 0.5
 #: How the daemon refuses the snapshot of a step it holds committed already.
 _ALREADY_COMMITTED = "is already committed"
 #: How the daemon refuses a tensor asked with another size than it was saved with.
@@ -230,7 +227,7 @@ class MemoryTier:
         beat = session.daemon_beat()
         if beat is not None and beat.stopped:
             return False
-        return not session.sick_for() or session.answers(_PROBE_SECONDS)
+        return not session.sick_for() or session.answers()
 
     def restore_item(self, item: str, directory, args) -> Found | None:
         """The item restored from the daemons' memory, or None (Orbax reads the folder)."""
@@ -265,8 +262,10 @@ class MemoryTier:
         peers: an earlier run's, which this one is about to save anew (all processes of
         the job do it before any of them saves again: Orbax's barrier at the start of a
         save, or one of ours for a step held in memory only)."""
-        for job in jobs:  # asked even while a session backs off from a failed snapshot
+        for job in jobs:
             session = self.client(job).session
+            if not _reachable(session):
+                continue
             try:
                 session.call("DropAfter", pb.DropAfterRequest(job=job, step=step))
             except grpc.RpcError as err:
@@ -275,12 +274,12 @@ class MemoryTier:
                              "%s: %s", job, err.code().name, err.details())
 
     def committed(self, job: str) -> set[int]:
-        """The steps of ``job`` the daemons hold committed (none when it does not answer
-        within the call's deadline). Asked even while the session backs off from a failed
-        snapshot: a listing after a daemon's hiccup or restart must not pass over what it
-        holds."""
+        """The steps of ``job`` the daemons hold committed (none when it does not answer)."""
+        session = self.client(job).session
+        if not _reachable(session):
+            return set()
         try:
-            return {s.step for s in self.client(job).session.status().steps if s.committed}
+            return {s.step for s in session.status().steps if s.committed}
         except grpc.RpcError:
             return set()
 
@@ -331,6 +330,14 @@ class MemoryTier:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
+
+
+def _reachable(session) -> bool:
+    """Whether to call the daemon now: also while the session backs off from a failed
+    snapshot (a listing or a drop after a daemon's hiccup or restart must not pass over
+    what it holds), once it answers a probe that waits for the channel to dial again (a
+    plain call fails at once until then: UNAVAILABLE)."""
+    return not session.quiet() or session.answers()
 
 
 def _inside(path: str, root: str) -> bool:
