@@ -3,9 +3,16 @@
 #   make test       the test suite (what .ci/run runs): two workers, the ten slowest at the end
 #   make test-all   the same with the slow trials too (repeated failovers; a nightly run)
 #   make test-fast  pure and single-daemon tests, for daily work (no rings, no programs)
+#   make test-oldest  the fast tests on the oldest supported JAX, Flax and Orbax
 #   make stress     the fault-prone tests 10 times each beside a CPU hog on every core
 #                   (STRESS_RUNS=N, STRESS_ARGS="--runs 3 tests/x.py::test_y")
-PYTHON ?= python3
+# The newest JAX needs Python >= 3.12: the first of python3.12, python3.13 (on the PATH or
+# under pyenv) that runs, else python3 (3.10 or 3.11: the newest JAX for it, 0.10).
+PYTHON ?= $(shell for c in python3.12 python3.13 \
+	$$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9]*/bin/python 2>/dev/null) python3; \
+	do $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo $$c; break; }; \
+	done)
+PYTHON := $(or $(PYTHON),python3)
 VENV := .venv
 INSTALLED := $(VENV)/.installed
 # Tests that wait on daemon processes run side by side; the heaviest programs (examples,
@@ -13,12 +20,20 @@ INSTALLED := $(VENV)/.installed
 PYTEST := $(VENV)/bin/python -m pytest -n 2 --durations=10
 
 $(INSTALLED): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e ".[dev]"
 	touch $(INSTALLED)
 
-.PHONY: demo test test-all test-fast stress install
+# The oldest supported set (constraints/oldest.txt) in a venv of its own, on python3.
+OLDEST := .venv-oldest
+$(OLDEST)/.installed: pyproject.toml constraints/oldest.txt
+	python3 -m venv --clear $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet -e ".[dev]" -c constraints/oldest.txt
+	touch $@
+
+.PHONY: demo test test-all test-fast test-oldest stress install
 install: $(INSTALLED)
 
 demo: $(INSTALLED)
@@ -32,6 +47,9 @@ test-all: $(INSTALLED)
 
 test-fast: $(INSTALLED)
 	$(PYTEST) -m "not ring and not program"
+
+test-oldest: $(OLDEST)/.installed
+	$(OLDEST)/bin/python -m pytest -n 2 -m "not ring and not program"
 
 stress: $(INSTALLED)
 	$(VENV)/bin/python -m tests.stress $(STRESS_ARGS)

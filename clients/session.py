@@ -1,15 +1,13 @@
 """The framework-neutral core of a client: talk to the daemon, stage, commit, restore.
 
-The JAX and numpy clients turn their arrays into shard specs and host
-buffers and leave the rest to :class:`Session`; code that stages a step in
-pieces (``BubbleSnapshotter``, over several bubbles) uses its calls one by
-one: :meth:`Session.begin_async`, :meth:`Session.commit`,
-:meth:`Session.failed`. A session never lets a slow or missing daemon stall
-training: a snapshot that does not wait goes through the session's
-:class:`~bubblesnap.clients.save_lane.SaveLane` (the copy, never a round trip);
-every call has a deadline, a failure turns into "no snapshot this step" with
-the reason, and a snapshot that waits is not tried again for a while after a
-timeout instead of paying the deadline every step.
+The JAX and numpy clients turn their arrays into shard specs and host buffers and leave
+the rest to :class:`Session`; code that stages a step in pieces (``BubbleSnapshotter``,
+over several bubbles) uses its calls one by one: :meth:`Session.begin_async`,
+:meth:`Session.commit`, :meth:`Session.failed`. A session never lets a slow or missing
+daemon stall training: a snapshot that does not wait goes through the session's
+:class:`~bubblesnap.clients.save_lane.SaveLane` (the copy, never a round trip); every
+call has a deadline, a failure turns into "no snapshot this step" with the reason, and a
+snapshot that waits is not tried again for a while after a timeout.
 """
 
 import dataclasses
@@ -36,8 +34,7 @@ from bubblesnap.protos.checksum import checksum
 from bubblesnap.trainer_api import TOKEN_ENV, with_token
 
 log = logging.getLogger("bubblesnap.client")
-#: The longest a channel waits before dialling an away daemon again (gRPC's default is up
-#: to two minutes: the next snapshot after the daemon is back must reach it).
+#: The longest a channel waits to dial an away daemon again (gRPC's: up to two minutes).
 REDIAL_SECONDS = 1.0
 
 
@@ -71,9 +68,7 @@ class Session:
         self.options = options
         self._replica_group = tuple(sorted({rank, *replica_group})) if replica_group else ()
         self.copier = min(self._replica_group, default=rank)
-        # Answers carrying layouts or log pages may pass gRPC's default 4 MiB. A daemon
-        # that was away is dialled again within a second, not gRPC's default of up to
-        # two minutes: the next snapshot after it is back must reach it.
+        # Answers carrying layouts or log pages may pass gRPC's default 4 MiB.
         self._channel = grpc.insecure_channel(options.daemon, options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -129,11 +124,9 @@ class Session:
         return self._heartbeat.read()
 
     def answers(self, timeout: float = REDIAL_SECONDS * 1.5) -> bool:
-        """Whether the daemon answers a call within ``timeout`` seconds (a refusal is an
-        answer): a heartbeat that went silent may be a dead daemon's, replaced since.
-        The call waits for the channel to dial again: a daemon restarted at the same
-        address is reached only once the channel's back-off (up to ``REDIAL_SECONDS``,
-        plus gRPC's jitter of a fifth: the default timeout) is over."""
+        """Whether the daemon answers within ``timeout`` s (a refusal is an answer), waiting
+        for the channel to dial a restarted daemon again (after up to ``REDIAL_SECONDS``
+        and gRPC's jitter of a fifth)."""
         try:
             self._stub.Status(pb.StatusRequest(job=self.job), timeout=timeout,
                               wait_for_ready=True)

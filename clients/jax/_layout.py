@@ -9,8 +9,8 @@ import dataclasses
 
 import jax
 import numpy as np
-from orbax.checkpoint._src.serialization import replica_slices
 
+from bubblesnap.clients.jax import fetch_path
 from bubblesnap.protos import daemon_pb2 as pb
 
 #: A region of a tensor: (start, stop) per dimension, half-open.
@@ -85,8 +85,7 @@ def owned_indices(array) -> list[Index]:
         return [tuple((0, d) for d in array.shape)] if array.copied_here else []
     if isinstance(array, np.ndarray):
         return [tuple((0, d) for d in array.shape)]
-    slices = replica_slices.get_replica_slices(array, replica_id=0, use_replica_parallel=False)
-    return [normalize_index(rs.index, array.shape) for rs in slices.replica_slices]
+    return [normalize_index(s.index, array.shape) for s in fetch_path.replica_shards(array)]
 
 
 def is_job_wide(leaf, world_size: int) -> bool:

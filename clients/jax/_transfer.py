@@ -2,29 +2,25 @@
 
 import jax
 import numpy as np
-from orbax.checkpoint._src.serialization import replica_slices
 
 from bubblesnap.clients._shared_memory import as_bytes
+from bubblesnap.clients.jax import fetch_path
 from bubblesnap.clients.jax._layout import HostValue
-
-#: Orbax's multi-host rule, shared by both fetch paths and by ``_layout.owned_indices``:
-#: a process copies the shards its devices hold with this replica id.
-_REPLICA_ID = 0
 
 
 def fetch_to_host(leaves) -> list[np.ndarray]:
     """Host bytes of every staged shard of ``leaves``, in layout order.
 
-    Off the CPU backend this is Orbax's transfer path: every device-to-host
-    copy (into pinned host memory) starts before any is waited on, and numpy
-    arrays come back. On the CPU backend that path returns views of the
-    device buffers, and so does this, without Orbax's per-array bookkeeping
+    Off the CPU backend this is the chosen transfer path (fetch_path.py: Orbax's,
+    or JAX's public API): every device-to-host copy starts before any is waited
+    on, and numpy arrays come back. On the CPU backend that path returns views
+    of the device buffers, and so does this, without its per-array bookkeeping
     (~25 us per array: 2.7 ms for a 109-leaf pipeline stage, a fifth of its
-    bubble), taking the shards Orbax would choose, remembered per layout.
+    bubble), taking the same shards, remembered per layout.
     """
     arrays = [leaf for leaf in leaves if isinstance(leaf, jax.Array)]
     if any(d.platform != "cpu" for a in arrays for d in a.sharding.device_set):
-        return _fetch_through_orbax(leaves, arrays)
+        return _fetch_through_path(leaves, arrays)
     host = []
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
@@ -42,14 +38,12 @@ def _host_bytes(leaf) -> list[np.ndarray]:
     return [as_bytes(leaf)]
 
 
-def _fetch_through_orbax(leaves, arrays) -> list[np.ndarray]:
-    transferred = iter(replica_slices.transfer_arrays_to_host(
-        arrays, replica_id=_REPLICA_ID, use_replica_parallel=False,
-        enable_pinned_host_transfer=True))
+def _fetch_through_path(leaves, arrays) -> list[np.ndarray]:
+    transferred = iter(fetch_path.transfer(arrays))
     host = []
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
-            host.extend(as_bytes(rs.unsliced_data) for rs in next(transferred).replica_slices)
+            host.extend(as_bytes(copy) for copy in next(transferred))
         else:
             host.extend(_host_bytes(leaf))
     return host
@@ -59,18 +53,16 @@ _CHOICES: dict = {}
 
 
 def _orbax_choice(array: jax.Array) -> tuple[int, ...]:
-    """Positions in ``array.addressable_shards`` of the shards Orbax stages, in its order
-    (none when every replica-0 shard of the array lives in another process)."""
+    """Positions in ``array.addressable_shards`` of the shards the fetch path stages, in
+    its order (none when every replica-0 shard of the array lives in another process)."""
     key = (array.shape, array.dtype, array.sharding)
     choice = _CHOICES.get(key)
     if choice is None:
         shards = array.addressable_shards
         where = {(s.device, tuple(_slice_key(i) for i in s.index)): n
                  for n, s in enumerate(shards)}
-        chosen = replica_slices.get_replica_slices(array, replica_id=_REPLICA_ID,
-                                                   use_replica_parallel=False).replica_slices
-        choice = tuple(where[(rs.unsliced_data.device, tuple(_slice_key(i) for i in rs.index))]
-                       for rs in chosen)
+        choice = tuple(where[(s.device, tuple(_slice_key(i) for i in s.index))]
+                       for s in fetch_path.replica_shards(array))
         if len(_CHOICES) > 4096:
             _CHOICES.clear()
         _CHOICES[key] = choice
