@@ -11,11 +11,13 @@ Orbax's options stay Orbax's (bubblesnap's manager takes them as they are). One
 log line lists what was replaced and how to tell
 (``orbax.checkpoint.CheckpointManager.__module__``).
 
-Orbax's own modules keep Orbax's manager: a manager built by code inside Orbax
-(its v1 ``Checkpointer``, its emergency and replicator managers) is Orbax's
-class, and one log line per building module says so, with where; the modules
-that subclass Orbax's manager when imported (:data:`SUBCLASSING`) are imported
-first, so they subclass Orbax's.
+Orbax v1's ``training.Checkpointer`` (:data:`V1_NAMES`) becomes bubblesnap's
+(bubblesnap.clients.jax.training) the same way, when its module is imported; one log
+line says so. Orbax's other modules keep Orbax's manager: a manager built by code
+inside Orbax (its emergency and replicator managers) is Orbax's class, and one log
+line per building module says so, with where; the modules that subclass Orbax's
+manager when imported (:data:`SUBCLASSING`) are imported first, so they subclass
+Orbax's.
 
 ``python -m bubblesnap.run train.py`` installs it (bubblesnap/run.py); so does
 Python's start-up in any process whose environment has
@@ -42,6 +44,8 @@ NAMES = ("orbax.checkpoint", "orbax.checkpoint.checkpoint_manager",
          "orbax.checkpoint.checkpoint_managers")
 #: Orbax's modules that subclass its manager as they are imported.
 SUBCLASSING = ("orbax.checkpoint.experimental.emergency.checkpoint_manager",)
+#: The modules whose ``Checkpointer`` is Orbax v1's training Checkpointer, replaced.
+V1_NAMES = ("orbax.checkpoint.experimental.v1.training", "orbax.checkpoint.v1.training")
 
 log = logging.getLogger("bubblesnap.client")
 
@@ -57,10 +61,14 @@ def enabled(environ=os.environ) -> bool:
 
 
 def install() -> None:
-    """Puts bubblesnap's manager behind Orbax's public name: now, or when Orbax is imported."""
+    """Puts bubblesnap's manager behind Orbax's public names, and its v1 Checkpointer
+    behind Orbax v1's: now for what is imported, the rest when it is."""
     if _TARGET in sys.modules and hasattr(sys.modules[_TARGET], "CheckpointManager"):
         _patch()
-    elif not any(isinstance(finder, _OrbaxFinder) for finder in sys.meta_path):
+    for name in V1_NAMES:
+        if hasattr(sys.modules.get(name), "Checkpointer"):
+            _patch_v1(name)
+    if not any(isinstance(finder, _OrbaxFinder) for finder in sys.meta_path):
         sys.meta_path.insert(0, _OrbaxFinder())
 
 
@@ -77,6 +85,22 @@ def _patch() -> None:
     except Exception:  # the user's import of Orbax must not fail for it
         log.exception("bubblesnap: could not put its CheckpointManager behind Orbax's; "
                       "Orbax's own is used")
+
+
+def _patch_v1(name: str) -> None:
+    try:
+        from bubblesnap.clients.jax import training
+
+        module = sys.modules[name]
+        if module.Checkpointer is not training.Checkpointer and \
+                module.Checkpointer is training.Checkpointer.__mro__[1]:
+            module.Checkpointer = training.Checkpointer
+            log.warning("bubblesnap: %s.Checkpointer is now bubblesnap's "
+                        "(bubblesnap.clients.jax.training.Checkpointer) in process %d; unset "
+                        "%s to use Orbax's", name, os.getpid(), ENV)
+    except Exception:  # the user's import of Orbax must not fail for it
+        log.exception("bubblesnap: could not put its Checkpointer behind %s's; Orbax's own "
+                      "is used", name)
 
 
 def _swap() -> None:
@@ -119,6 +143,8 @@ def _dispatching(ours: type, original: type) -> type:
             caller = sys._getframe(1)
             module = caller.f_globals.get("__name__", "")
             if cls is CheckpointManager and module.startswith("orbax."):
+                if _building_ours(caller):
+                    return original(*args, **kwargs)  # replaced at once (training.py)
                 if module not in told:
                     told.add(module)
                     log.warning("bubblesnap: %s (%s:%d) built Orbax's own CheckpointManager: "
@@ -133,11 +159,20 @@ def _dispatching(ours: type, original: type) -> type:
     return CheckpointManager
 
 
+def _building_ours(frame) -> bool:
+    """Whether ``frame`` is Orbax v1's Checkpointer constructor running for bubblesnap's
+    subclass (which puts its own manager in place of the one Orbax builds)."""
+    training = sys.modules.get("bubblesnap.clients.jax.training")
+    return training is not None and isinstance(frame.f_locals.get("self"),
+                                               training.Checkpointer)
+
+
 class _OrbaxFinder(importlib.abc.MetaPathFinder):
-    """Finds ``orbax.checkpoint`` as the other finders do, and patches it once it ran."""
+    """Finds ``orbax.checkpoint`` and Orbax v1's training modules as the other finders do,
+    and patches each once it ran."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET:
+        if fullname != _TARGET and fullname not in V1_NAMES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -158,6 +193,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        if self._finder in sys.meta_path:
-            sys.meta_path.remove(self._finder)
-        _patch()
+        if module.__name__ in V1_NAMES:
+            _patch_v1(module.__name__)
+        else:
+            _patch()

@@ -66,7 +66,10 @@ def test_the_switch_is_inherited_and_off_by_default(tmp_path):
     assert code == 0 and out.strip() == "bubblesnap.clients.jax.checkpoint_manager"
 
 
-def test_every_name_of_orbax_s_manager_is_replaced_and_orbax_s_own_builds_are_told(tmp_path):
+def test_every_name_of_orbax_s_manager_and_v1_checkpointer_is_replaced(tmp_path):
+    """Orbax's manager names and Orbax v1's Checkpointer (imported after the switch) are
+    bubblesnap's, each said once; a manager built by code inside Orbax (here a module
+    named as Orbax's) is Orbax's own, and the log says where."""
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import sys, tempfile\n"
@@ -76,17 +79,23 @@ def test_every_name_of_orbax_s_manager_is_replaced_and_orbax_s_own_builds_are_to
         "print(CheckpointManager.__module__, checkpoint_managers.CheckpointManager.__module__)\n"
         "for _ in range(2):\n"
         "    built = training.Checkpointer(tempfile.mkdtemp(dir=sys.argv[1]))\n"
-        "    print(type(built._manager).__module__)\n"
+        "    print(type(built).__module__, type(built._manager).__module__)\n"
+        "inside = {'__name__': 'orbax.checkpoint.some_builder', 'M': CheckpointManager,\n"
+        "          'd': tempfile.mkdtemp(dir=sys.argv[1])}\n"
+        "exec('built = M(d)', inside)\n"
+        "print(type(inside['built']).__module__)\n"
         "from bubblesnap.clients.jax import CheckpointManagerOptions\n"
         "print(CheckpointManagerOptions().memory_interval_steps)\n")
     code, out, err = run("-m", "bubblesnap.run", "--memory-interval-steps", "3", str(probe),
                          str(tmp_path), env={})
     assert code == 0, err
-    ours = "bubblesnap.clients.jax.checkpoint_manager"
-    assert out.split() == [ours, ours, "orbax.checkpoint.checkpoint_manager",
+    ours, v1 = "bubblesnap.clients.jax.checkpoint_manager", "bubblesnap.clients.jax.training"
+    assert out.split() == [ours, ours, v1, ours, v1, ours,
                            "orbax.checkpoint.checkpoint_manager", "3"]
+    assert len([line for line in err.splitlines()
+                if "v1.training.Checkpointer is now bubblesnap's" in line]) == 1
     told = [line for line in err.splitlines() if "built Orbax's own CheckpointManager" in line]
-    assert len(told) == 1 and "v1" in told[0] and "checkpointer.py:" in told[0]
+    assert len(told) == 1 and "orbax.checkpoint.some_builder" in told[0]
 
 
 def test_bubblesnap_run_explains_itself():

@@ -1,9 +1,10 @@
 """The JAX client: snapshot pytrees of jax.Arrays into the local daemon and restore them.
 
 Public names: :class:`CheckpointManager` and :class:`CheckpointManagerOptions`
-(Orbax's CheckpointManager with the daemons' memory in front: change one import)
-and :class:`PersistError` (a step a daemon took and could not write),
-:class:`SnapshotClient`, :class:`Restored`, the pipeline
+(Orbax's CheckpointManager with the daemons' memory in front: change one import),
+the module ``bubblesnap.clients.jax.training`` (Orbax v1's ``training`` module, its
+``Checkpointer`` bubblesnap's), and :class:`PersistError` (a step a daemon took and
+could not write), :class:`SnapshotClient`, :class:`Restored`, the pipeline
 bubble hooks :class:`BubbleSnapshotter` and :class:`BubbleSnapshotOptions`,
 the one-step undo of optimizer updates for data-parallel survivors
 (:func:`undo_sgd_momentum`, :func:`undo_adamw`, :func:`check_undo` and its

@@ -113,6 +113,9 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         if self._memory_steps is not None and not force and self._memory_steps.due(step) \
                 and not self._policy_saves(step):
             return self._memory_steps.save(step, args)
+        handler = getattr(self._checkpointer, "handler", None)
+        if hasattr(handler, "_get_or_set_handler"):  # Orbax v1 brings one to every save
+            self._tier.install(handler)
         self._tier.step = step
         self._orbax_view += 1
         try:
@@ -139,6 +142,16 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         finally:
             self._tier.step = None
             self._orbax_view -= 1
+
+    def restore_from_memory(self, step: int, item: str, folder, args):
+        """``item`` of ``step`` from the daemons' memory as Orbax's ``args`` (of a pytree
+        item) restore it from ``folder``: a ``Found``, or None where memory does not give
+        exactly that (Orbax v1's loads, which do not go through the manager: training.py)."""
+        self._tier.step = step
+        try:
+            return self._tier.restore_item(item, folder, args)
+        finally:
+            self._tier.step = None
 
     def wait_until_finished(self):
         """Orbax's wait (every step the policy saved is on disk), and the steps held in

@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from bubblesnap import checkpoint_record
-from bubblesnap.clients.jax import item_restore
+from bubblesnap.clients.jax import item_restore, orbax_v1
 from bubblesnap.clients.jax.client import SnapshotClient
 from bubblesnap.clients.jax.item_snapshot import ItemSnapshots
 from bubblesnap.clients.jax.persist_future import PersistFuture
@@ -90,7 +90,11 @@ class MemoryTier:
     # -- in front of Orbax's composite handler ---------------------------------------------
 
     def install(self, composite) -> None:
-        """Hands out a TierHandler for each stock handler ``composite`` looks up."""
+        """Hands out a TierHandler for each stock handler ``composite`` looks up (once per
+        composite: Orbax v1 brings a composite of its own to every save)."""
+        if getattr(composite, "_bubblesnap_tier", None) is self:
+            return
+        composite._bubblesnap_tier = self
         lookup = composite._get_or_set_handler
 
         def get_or_set_handler(item_name, args):
@@ -98,7 +102,14 @@ class MemoryTier:
         composite._get_or_set_handler = get_or_set_handler
 
     def wrap(self, item: str, handler):
-        if not self.local or type(handler) not in STOCK_HANDLERS:
+        if not self.local:
+            return handler
+        v1 = orbax_v1.pytree_handler_of(handler)
+        if v1 is not None:  # Orbax v1's: its v0 core goes through the tier, v1 finalizes
+            if type(v1._handler_impl) is not TierHandler:
+                v1._handler_impl = TierHandler(self, item, v1._handler_impl)
+            return handler
+        if type(handler) not in STOCK_HANDLERS:
             return handler
         key = (item, id(handler))
         if key not in self._handlers:
@@ -175,7 +186,8 @@ class MemoryTier:
         if step is None:
             return None
         folder = os.fspath(getattr(directory, "path", directory))
-        persists = self._persists(folder)
+        # the daemon writes Orbax's OCDBT layout only: a handler told otherwise writes
+        persists = self._persists(folder) and getattr(handler, "_use_ocdbt", True)
         client = self._snapshot(item, handler, step, args, wait="rank" if persists else False)
         if client is None or not persists:
             return None

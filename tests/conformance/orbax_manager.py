@@ -84,6 +84,13 @@ def main(argv=None) -> int:
 
 def _run(args, source: str, work: str) -> int:
     shutil.copy(source, os.path.join(work, os.path.basename(source)))
+    return run_tests(args, os.path.basename(source), work,
+                     {"BUBBLESNAP_CONFORMANCE_ORBAX_SRC": os.path.dirname(source)})
+
+
+def run_tests(args, test_file: str, work: str, env: dict) -> int:
+    """Runs ``test_file`` (in ``work``) under the plugin, ``args.target`` against
+    ``args.keyword``; prints the failures and counts (``args.json``: one document)."""
     with open(os.path.join(work, "pytest.ini"), "w") as f:
         f.write("[pytest]\naddopts = -p no:cacheprovider\n")
     report = os.path.join(work, "report.jsonl")
@@ -95,11 +102,10 @@ def _run(args, source: str, work: str) -> int:
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
            "BUBBLESNAP_CONFORMANCE_TARGET": args.target,
            "BUBBLESNAP_CONFORMANCE_REPORT": report,
-           "BUBBLESNAP_CONFORMANCE_ORBAX_SRC": os.path.dirname(source),
-           "BUBBLESNAP_CONFORMANCE_DAEMON_FLAGS": args.daemon_flags}
+           "BUBBLESNAP_CONFORMANCE_DAEMON_FLAGS": args.daemon_flags, **env}
     command = [sys.executable, "-m", "pytest", "-q", "--import-mode=importlib",
                "-p", "tests.conformance.orbax_plugin", "-c", os.path.join(work, "pytest.ini"),
-               "--rootdir", work, os.path.basename(source)]
+               "--rootdir", work, test_file]
     if args.keyword:
         command += ["-k", args.keyword]
     proc = subprocess.run(command, cwd=work, env=env, stdout=subprocess.PIPE,

@@ -8,9 +8,11 @@ configured by the environment it sets:
   (``_src/testing/multiprocess_test.py``) are found there.
 - ``BUBBLESNAP_CONFORMANCE_TARGET``: ``bubblesnap`` binds
   ``orbax.checkpoint.checkpoint_manager.CheckpointManager`` and
-  ``CheckpointManagerOptions`` to bubblesnap's before the test file is imported (the
-  import swap the README describes) and starts a daemon per test, at its defaults, with
-  the test's temp folder as ``--durable-dir``; ``orbax`` runs plain Orbax.
+  ``CheckpointManagerOptions`` to bubblesnap's, and Orbax v1's
+  ``training.Checkpointer`` to bubblesnap's (bubblesnap.clients.jax.training), before
+  the test file is imported (the import swap the README describes) and starts a daemon
+  per test, at its defaults, with the test's temp folder as ``--durable-dir``;
+  ``orbax`` runs plain Orbax.
 - ``BUBBLESNAP_CONFORMANCE_REPORT``: a JSON lines file each test's outcome is appended to,
   with how its pytree items went: saved through the daemon or by Orbax itself,
   restored from the daemons' memory or read by Orbax.
@@ -40,16 +42,18 @@ def pytest_configure(config):
     from absl import flags
     flags.FLAGS(["pytest"], known_only=True)  # absltest reads --test_tmpdir ($TEST_TMPDIR)
 
-    source = os.environ["BUBBLESNAP_CONFORMANCE_ORBAX_SRC"]
-    extra = os.path.join(source, "_src", "testing")
-    if extra not in list(testing.__path__):
+    source = os.environ.get("BUBBLESNAP_CONFORMANCE_ORBAX_SRC")
+    extra = os.path.join(source, "_src", "testing") if source else None
+    if extra and extra not in list(testing.__path__):
         testing.__path__.append(extra)  # a namespace package: the source's modules after
     if TARGET == "bubblesnap":
         from orbax.checkpoint import checkpoint_manager
+        from orbax.checkpoint.experimental.v1 import training as orbax_training
 
-        from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions
+        from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions, training
         checkpoint_manager.CheckpointManager = CheckpointManager
         checkpoint_manager.CheckpointManagerOptions = CheckpointManagerOptions
+        orbax_training.Checkpointer = training.Checkpointer
         _count_tiers()
 
 

@@ -1,0 +1,65 @@
+"""Orbax v1's own Checkpointer tests, unchanged, against bubblesnap's v1 Checkpointer.
+
+Usage::
+
+    python -m tests.conformance.orbax_v1 [--target orbax] [-k EXPR] [--json]
+
+Orbax ships the bodies of its v1 ``training.Checkpointer`` tests in the wheel
+(``orbax.checkpoint.experimental.v1._src.training.checkpointer_test_base``); Orbax's
+own test file only subclasses them. This writes that file (the two test classes,
+nothing else) into a work folder and runs it as ``tests.conformance.orbax_manager`` runs
+the manager's: one process, 8 forced CPU devices, ``training.Checkpointer`` bound to
+bubblesnap's and a daemon per test (``tests/conformance/orbax_plugin.py``);
+``--target orbax`` runs plain Orbax the same way.
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+
+from tests.conformance.orbax_manager import run_tests
+
+TEST_FILE = "checkpointer_test.py"
+#: Orbax's test file: its test classes are those of the base, run as they are.
+TEST_TEXT = '''from absl.testing import absltest
+from orbax.checkpoint.experimental.v1._src.training import checkpointer_test_base
+
+
+class CheckpointerTest(checkpointer_test_base.CheckpointerTestBase.Test):
+  pass
+
+
+class DeprecationsTest(checkpointer_test_base.CheckpointerTestBase.DeprecationsTest):
+  pass
+
+
+if __name__ == '__main__':
+  absltest.main()
+'''
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\\n\\n")[0])
+    parser.add_argument("--target", choices=("bubblesnap", "orbax"), default="bubblesnap",
+                        help="whose Checkpointer the tests run against (default bubblesnap)")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k: some tests")
+    parser.add_argument("--daemon-flags", default="",
+                        help="extra flags for each test's daemon (default: none, its defaults)")
+    parser.add_argument("--work", default=None,
+                        help="the work folder (default: a fresh one, removed after)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args(argv)
+    work = args.work or tempfile.mkdtemp(prefix="bubblesnap-orbax-v1-conformance-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        with open(os.path.join(work, TEST_FILE), "w") as f:
+            f.write(TEST_TEXT)
+        return run_tests(args, TEST_FILE, work, {})
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
