@@ -12,12 +12,12 @@ log line lists what was replaced and how to tell
 (``orbax.checkpoint.CheckpointManager.__module__``).
 
 Orbax v1's ``training.Checkpointer`` (:data:`V1_NAMES`) becomes bubblesnap's
-(bubblesnap.clients.jax.training) the same way, when its module is imported; one log
-line says so. Orbax's other modules keep Orbax's manager: a manager built by code
-inside Orbax (its emergency and replicator managers) is Orbax's class, and one log
-line per building module says so, with where; the modules that subclass Orbax's
-manager when imported (:data:`SUBCLASSING`) are imported first, so they subclass
-Orbax's.
+(bubblesnap.clients.jax.training) the same way, when its module is imported, and
+Orbax's emergency ``CheckpointManager`` (:data:`EMERGENCY`) bubblesnap's
+(bubblesnap.clients.jax.emergency); one log line says each. A manager built by code
+inside Orbax (its replicator manager's) is Orbax's class, and one log line per
+building module says so, with where; the modules that subclass Orbax's manager when
+imported (:data:`SUBCLASSING`) are imported first, so they subclass Orbax's.
 
 ``python -m bubblesnap.run train.py`` installs it (bubblesnap/run.py); so does
 Python's start-up in any process whose environment has
@@ -42,8 +42,10 @@ _TARGET = "orbax.checkpoint"
 #: The modules whose ``CheckpointManager`` is Orbax's manager, replaced.
 NAMES = ("orbax.checkpoint", "orbax.checkpoint.checkpoint_manager",
          "orbax.checkpoint.checkpoint_managers")
+#: Orbax's emergency manager's module: its ``CheckpointManager`` is replaced too.
+EMERGENCY = "orbax.checkpoint.experimental.emergency.checkpoint_manager"
 #: Orbax's modules that subclass its manager as they are imported.
-SUBCLASSING = ("orbax.checkpoint.experimental.emergency.checkpoint_manager",)
+SUBCLASSING = (EMERGENCY,)
 #: The modules whose ``Checkpointer`` is Orbax v1's training Checkpointer, replaced.
 V1_NAMES = ("orbax.checkpoint.experimental.v1.training", "orbax.checkpoint.v1.training")
 
@@ -131,6 +133,22 @@ def _swap() -> None:
                 "unset %s to use Orbax's", ", ".join(replaced),
                 os.environ.get("BUBBLESNAP_DAEMON") or "at the default socket", os.getpid(),
                 ENV)
+    _swap_emergency()
+
+
+def _swap_emergency() -> None:
+    """Orbax's emergency manager becomes bubblesnap's (bubblesnap.clients.jax.emergency:
+    its local tier the daemons' memory), said once."""
+    module = sys.modules.get(EMERGENCY)
+    if module is None:
+        return  # not importable here (SUBCLASSING imported it where it is)
+    from bubblesnap.clients.jax import emergency
+
+    if module.CheckpointManager is emergency.CheckpointManager.__mro__[1]:
+        module.CheckpointManager = emergency.CheckpointManager
+        log.warning("bubblesnap: %s.CheckpointManager is now bubblesnap's "
+                    "(bubblesnap.clients.jax.emergency: its local tier the daemons' memory) in "
+                    "process %d; unset %s to use Orbax's", EMERGENCY, os.getpid(), ENV)
 
 
 def _dispatching(ours: type, original: type) -> type:

@@ -33,13 +33,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 PROGRAM_MODULES = {"test_benchmarks", "test_bubbles", "test_checkpoint_manager", "test_crash",
                    "test_data_parallel", "test_failover", "test_kill_matrix", "test_lossless",
                    "test_manager_reboot", "test_multihost", "test_orbax_loops",
-                   "test_orbax_patch", "test_orbax_v1", "test_parallel_replay"}
+                   "test_orbax_emergency", "test_orbax_patch", "test_orbax_v1",
+                   "test_parallel_replay"}
 #: Of those, the ones whose every test keeps both cores busy for tens of seconds (several
 #: JAX processes at once): with pytest-xdist they run one at a time, on one worker.
 HEAVY_MODULES = {"test_benchmarks", "test_bubbles", "test_failover", "test_lossless"}
 #: Modules whose tests share module-scoped fixtures that cost a minute (reference runs):
 #: their tests go to one worker together, so the fixtures run once.
-SHARED_FIXTURE_MODULES = {"test_orbax_loops", "test_orbax_v1"}
+SHARED_FIXTURE_MODULES = {"test_orbax_emergency", "test_orbax_loops", "test_orbax_v1"}
 RING_FIXTURES = {"start_ring", "start_etcd_ring", "etcd", "start_cluster"}
 #: The daemons a test started (``start_daemon``), for its report should it fail.
 DAEMONS_STARTED = pytest.StashKey[list]()
