@@ -67,9 +67,9 @@ def test_the_switch_is_inherited_and_off_by_default(tmp_path):
 
 
 def test_every_name_of_orbax_s_manager_and_v1_checkpointer_is_replaced(tmp_path):
-    """Orbax's manager names and Orbax v1's Checkpointer (imported after the switch) are
-    bubblesnap's, each said once; a manager built by code inside Orbax (here a module
-    named as Orbax's) is Orbax's own, and the log says where."""
+    """Orbax's manager names, Orbax v1's Checkpointer (imported after the switch) and its
+    emergency manager are bubblesnap's, each said once; a manager built by code inside
+    Orbax (here a module named as Orbax's) is Orbax's own, and the log says where."""
     probe = tmp_path / "probe.py"
     probe.write_text(
         "import sys, tempfile\n"
@@ -84,6 +84,8 @@ def test_every_name_of_orbax_s_manager_and_v1_checkpointer_is_replaced(tmp_path)
         "          'd': tempfile.mkdtemp(dir=sys.argv[1])}\n"
         "exec('built = M(d)', inside)\n"
         "print(type(inside['built']).__module__)\n"
+        "from orbax.checkpoint.experimental.emergency import checkpoint_manager as em\n"
+        "print(em.CheckpointManager.__module__)\n"
         "from bubblesnap.clients.jax import CheckpointManagerOptions\n"
         "print(CheckpointManagerOptions().memory_interval_steps)\n")
     code, out, err = run("-m", "bubblesnap.run", "--memory-interval-steps", "3", str(probe),
@@ -91,7 +93,10 @@ def test_every_name_of_orbax_s_manager_and_v1_checkpointer_is_replaced(tmp_path)
     assert code == 0, err
     ours, v1 = "bubblesnap.clients.jax.checkpoint_manager", "bubblesnap.clients.jax.training"
     assert out.split() == [ours, ours, v1, ours, v1, ours,
-                           "orbax.checkpoint.checkpoint_manager", "3"]
+                           "orbax.checkpoint.checkpoint_manager",
+                           "bubblesnap.clients.jax.emergency", "3"]
+    assert len([line for line in err.splitlines()
+                if "emergency.checkpoint_manager.CheckpointManager is now" in line]) == 1
     assert len([line for line in err.splitlines()
                 if "v1.training.Checkpointer is now bubblesnap's" in line]) == 1
     told = [line for line in err.splitlines() if "built Orbax's own CheckpointManager" in line]
