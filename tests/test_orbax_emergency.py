@@ -73,15 +73,15 @@ def test_the_emergency_loop_resumes_from_memory_bit_for_bit(by_orbax, daemon, du
 
 
 def test_two_processes_resume_by_two_and_by_one(tmp_path, daemon, durable):
-    """Two processes SIGKILLed after step KILL_AT: resumed by two, they end as Orbax's
-    unkilled two-process run; resumed by one, the state restored is the one the two
-    had, bit for bit."""
+    """Two processes of the unchanged loop under bubblesnap's switch, SIGKILLed after step
+    KILL_AT: resumed by two, they end as Orbax's unkilled two-process run; resumed by
+    one, the state restored is the one the two had, bit for bit."""
     reference = run(2, {"manager": "orbax", "root": str(tmp_path / "orbax")})
-    env = {"BUBBLESNAP_DAEMON": daemon.address}
+    env = switched_on(daemon.address)
     for resumed_by in (2, 1):
         root = durable / f"two-{resumed_by}"
-        run(2, {"manager": "bubblesnap", "root": str(root)}, env, kill=True)
-        resumed = run(resumed_by, {"manager": "bubblesnap", "root": str(root)}, env)
+        run(2, {"manager": "patched", "root": str(root)}, env, kill=True)
+        resumed = run(resumed_by, {"manager": "patched", "root": str(root)}, env)
         assert [r["resumed_from"] for r in resumed] == [KILL_AT] * resumed_by
         killed = (root / "killed.digest").read_text()
         assert [r["restored"] for r in resumed] == [killed] * resumed_by

@@ -72,10 +72,12 @@ def test_a_v1_loop_resumes_from_memory_bit_for_bit_as_with_orbax(by_orbax, daemo
 
 
 def test_two_processes_under_jax_distributed_resume_as_with_orbax(tmp_path, daemon, durable):
+    """Two processes of the unchanged loop under bubblesnap's switch, against Orbax's
+    two-process run."""
     reference = run(2, {"checkpointer": "orbax", "directory": str(tmp_path / "orbax")})
-    resumed = killed_and_resumed(2, {"checkpointer": "bubblesnap",
+    resumed = killed_and_resumed(2, {"checkpointer": "patched",
                                      "directory": str(durable / "two")},
-                                 {"BUBBLESNAP_DAEMON": daemon.address})
+                                 switched_on(daemon.address))
     assert [r["memory_loads"] for r in resumed] == [1, 1]
     assert [r["resumed_from"] for r in resumed] == [KILL_AT] * 2
     assert [{k: r[k] for k in ("digest", "position", "kept", "step")} for r in resumed] == \
