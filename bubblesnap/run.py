@@ -1,5 +1,6 @@
 """``python -m bubblesnap.run [options] train.py [args]``: run a program unchanged, with
-bubblesnap's CheckpointManager behind ``orbax.checkpoint.CheckpointManager``.
+bubblesnap's CheckpointManager behind ``orbax.checkpoint.CheckpointManager`` (and its v1
+Checkpointer and emergency manager behind Orbax's).
 
 For training code that builds Orbax's manager itself (inside a framework): the
 memory tier with no change to the code. The program runs in this process (as
@@ -23,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m bubblesnap.run",
         description="Run a Python program with bubblesnap's CheckpointManager behind "
                     "orbax.checkpoint.CheckpointManager (every name Orbax's manager is "
-                    "reached by, in the program and in the processes it starts). The steps "
+                    "reached by, in the program and in the processes it starts), its v1 "
+                    "Checkpointer behind Orbax v1's training.Checkpointer and its emergency "
+                    "manager behind Orbax's (the local tier: the daemons' memory). The steps "
                     "its policy keeps are written by the daemon when the checkpoint "
                     "directory lies inside the daemon's --durable-dir (else by Orbax, as "
                     "plain Orbax); restores come from the daemons' memory when they hold "
