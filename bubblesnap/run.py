@@ -14,14 +14,27 @@ import argparse
 import os
 import runpy
 import sys
+import textwrap
 
 from bubblesnap import orbax_patch
 from bubblesnap.orbax_patch import MEMORY_INTERVAL_ENV
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's, except that an option's name (``--durable-dir``) is never split at a
+    line's end: a reader searches the help for it."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text, width, indent):
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bubblesnap.run",
+        prog="python -m bubblesnap.run", formatter_class=_Formatter,
         description="Run a Python program with bubblesnap's CheckpointManager behind "
                     "orbax.checkpoint.CheckpointManager (every name Orbax's manager is "
                     "reached by, in the program and in the processes it starts), its v1 "

@@ -135,6 +135,19 @@ def daemon(start_daemon):
     return start_daemon()
 
 
+@pytest.fixture(scope="module")
+def module_durable(tmp_path_factory):
+    """A durable tier shared by a module's tests (their programs' folders inside it)."""
+    return tmp_path_factory.mktemp("durable")
+
+
+@pytest.fixture(scope="module")
+def module_daemon(module_durable):
+    """One daemon for a module's tests, its --durable-dir ``module_durable``."""
+    with DaemonProcess("--durable-dir", str(module_durable)) as started:
+        yield started
+
+
 @pytest.fixture
 def start_ring(start_daemon):
     """Starts a :class:`bubblesnap.testing.Ring` of daemons, stopped after the test."""

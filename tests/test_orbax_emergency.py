@@ -13,7 +13,6 @@ import os
 import pytest
 
 from bubblesnap.multihost import JaxJob
-from bubblesnap.testing import DaemonProcess
 from tests.helpers import ROOT
 from tests.test_manager_jobs import wait_held
 from tests.test_orbax_loops import switched_on
@@ -37,17 +36,6 @@ def final(results: list[dict]) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def durable(tmp_path_factory):
-    return tmp_path_factory.mktemp("durable")
-
-
-@pytest.fixture(scope="module")
-def daemon(durable):
-    with DaemonProcess("--durable-dir", str(durable)) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
 def by_orbax(tmp_path_factory):
     """The loop under Orbax's emergency manager, not killed (with one slice Orbax's
     would resume from the last persistent step: the state is a function of the step)."""
@@ -56,12 +44,14 @@ def by_orbax(tmp_path_factory):
     return ran
 
 
-@pytest.mark.parametrize("manager", ["bubblesnap", "patched"])
-def test_the_emergency_loop_resumes_from_memory_bit_for_bit(by_orbax, daemon, durable,
+# the unchanged loop in one process only with --all: make test runs it in two
+@pytest.mark.parametrize("manager", ["bubblesnap",
+                                     pytest.param("patched", marks=pytest.mark.slow)])
+def test_the_emergency_loop_resumes_from_memory_bit_for_bit(by_orbax, module_daemon, module_durable,
                                                              manager):
-    env = switched_on(daemon.address) if manager == "patched" else \
-        {"BUBBLESNAP_DAEMON": daemon.address}
-    args = {"manager": manager, "root": str(durable / manager)}
+    env = switched_on(module_daemon.address) if manager == "patched" else \
+        {"BUBBLESNAP_DAEMON": module_daemon.address}
+    args = {"manager": manager, "root": str(module_durable / manager)}
     run(1, args, env, kill=True)
     resumed = run(1, args, env)
     assert resumed[0]["resumed_from"] == KILL_AT  # the local step, from memory
@@ -69,13 +59,13 @@ def test_the_emergency_loop_resumes_from_memory_bit_for_bit(by_orbax, daemon, du
     assert set(by_orbax[0]["all_steps"]) <= set(resumed[0]["all_steps"])
 
 
-def test_two_processes_resume_by_two_and_by_one(daemon, durable):
+def test_two_processes_resume_by_two_and_by_one(module_daemon, module_durable):
     """Two processes of the unchanged loop under bubblesnap's switch, SIGKILLed after step
     KILL_AT and resumed by two and by one: the state restored is the one the two had,
     bit for bit (the rest of the run is the same computation as the one-process tests')."""
-    env = switched_on(daemon.address)
+    env = switched_on(module_daemon.address)
     for resumed_by in (2, 1):
-        root = durable / f"two-{resumed_by}"
+        root = module_durable / f"two-{resumed_by}"
         run(2, {"manager": "patched", "root": str(root)}, env, kill=True)
         resumed = run(resumed_by, {"manager": "patched", "root": str(root)}, env)
         assert [r["resumed_from"] for r in resumed] == [KILL_AT] * resumed_by

@@ -16,7 +16,6 @@ import pytest
 
 from bubblesnap import orbax_patch
 from bubblesnap.multihost import JaxJob
-from bubblesnap.testing import DaemonProcess
 from tests.helpers import ROOT
 
 LOOPS = str(ROOT / "tests" / "programs" / "orbax_loops.py") + ":train"
@@ -50,17 +49,6 @@ def without_resume(results: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def durable(tmp_path_factory):
-    return tmp_path_factory.mktemp("durable")
-
-
-@pytest.fixture(scope="module")
-def daemon(durable):
-    with DaemonProcess("--durable-dir", str(durable)) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The two-process loops run by Orbax without a kill."""
     root = tmp_path_factory.mktemp("reference")
@@ -79,26 +67,29 @@ def resumed_orbax(tmp_path_factory):
     return resumed
 
 
-def test_the_loops_users_have_resume_bit_for_bit_as_with_orbax(resumed_orbax, daemon, durable):
-    swapped = {"manager": "bubblesnap", "loops": ALL, "root": str(durable), "prefix": "s-"}
-    env = {"BUBBLESNAP_DAEMON": daemon.address}
+def test_the_loops_users_have_resume_bit_for_bit_as_with_orbax(resumed_orbax, module_daemon,
+                                                               module_durable):
+    swapped = {"manager": "bubblesnap", "loops": ALL, "root": str(module_durable), "prefix": "s-"}
+    env = {"BUBBLESNAP_DAEMON": module_daemon.address}
     run(1, swapped, env, kill=True)
     assert run(1, swapped, env) == resumed_orbax
 
 
 @pytest.mark.slow
-def test_the_loops_unchanged_resume_bit_for_bit_as_with_orbax(resumed_orbax, daemon, durable):
+def test_the_loops_unchanged_resume_bit_for_bit_as_with_orbax(resumed_orbax, module_daemon,
+                                                              module_durable):
     """The same with nothing changed (the ``BUBBLESNAP_ORBAX`` switch). Only with --all:
     the switch gives the very class the swapped import does, and make test resumes
     unchanged loops in test_a_run_switches_mid_way_and_keeps_its_history."""
-    unchanged = {"manager": "patched", "loops": ALL, "root": str(durable), "prefix": "u-"}
-    run(1, unchanged, switched_on(daemon.address), kill=True)
-    assert run(1, unchanged, switched_on(daemon.address)) == resumed_orbax
+    unchanged = {"manager": "patched", "loops": ALL, "root": str(module_durable), "prefix": "u-"}
+    run(1, unchanged, switched_on(module_daemon.address), kill=True)
+    assert run(1, unchanged, switched_on(module_daemon.address)) == resumed_orbax
 
 
-def test_two_processes_under_jax_distributed_resume_as_with_orbax(reference, daemon, durable):
-    args = {"manager": "bubblesnap", "loops": TWO, "root": str(durable), "prefix": "d-"}
-    env = {"BUBBLESNAP_DAEMON": daemon.address}
+def test_two_processes_under_jax_distributed_resume_as_with_orbax(reference, module_daemon,
+                                                                  module_durable):
+    args = {"manager": "bubblesnap", "loops": TWO, "root": str(module_durable), "prefix": "d-"}
+    env = {"BUBBLESNAP_DAEMON": module_daemon.address}
     run(2, args, env, kill=True)
     resumed = run(2, args, env)
     assert [{n: loop["resumed_from"] for n, loop in r.items()} for r in resumed] == \
@@ -106,16 +97,17 @@ def test_two_processes_under_jax_distributed_resume_as_with_orbax(reference, dae
     assert without_resume(resumed) == without_resume(reference)
 
 
-def test_a_run_switches_mid_way_and_keeps_its_history(resumed_orbax, daemon, durable):
+def test_a_run_switches_mid_way_and_keeps_its_history(resumed_orbax, module_daemon, module_durable):
     """Orbax's steps resumed, with nothing changed, by bubblesnap's manager in the same
     folder; then bubblesnap's steps (written by the daemon) resumed by plain Orbax."""
-    env = {"BUBBLESNAP_DAEMON": daemon.address}
-    orbax_first = {"manager": "orbax", "loops": ALL, "root": str(durable), "prefix": "o-"}
+    env = {"BUBBLESNAP_DAEMON": module_daemon.address}
+    orbax_first = {"manager": "orbax", "loops": ALL, "root": str(module_durable), "prefix": "o-"}
     run(1, orbax_first, kill=True)
     assert run(1, {**orbax_first, "manager": "patched"},
-               switched_on(daemon.address)) == resumed_orbax
+               switched_on(module_daemon.address)) == resumed_orbax
 
-    ours_first = {"manager": "bubblesnap", "loops": ALL, "root": str(durable), "prefix": "b-"}
+    ours_first = {"manager": "bubblesnap", "loops": ALL, "root": str(module_durable),
+                  "prefix": "b-"}
     run(1, ours_first, env, kill=True)  # each loop's last save finished: on disk
     by_orbax = run(1, {**ours_first, "manager": "orbax"})
     for name, loop in by_orbax[0].items():

@@ -12,7 +12,6 @@ by its own code.
 import pytest
 
 from bubblesnap.multihost import JaxJob
-from bubblesnap.testing import DaemonProcess
 from tests.helpers import ROOT
 from tests.test_orbax_loops import switched_on
 
@@ -40,17 +39,6 @@ def same_run(results: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def durable(tmp_path_factory):
-    return tmp_path_factory.mktemp("durable")
-
-
-@pytest.fixture(scope="module")
-def daemon(durable):
-    with DaemonProcess("--durable-dir", str(durable)) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
 def by_orbax(tmp_path_factory):
     """The loop under Orbax v1, not killed (its state, iterator and kept steps are a
     function of the step: what a run resumed from KILL_AT ends with)."""
@@ -60,26 +48,29 @@ def by_orbax(tmp_path_factory):
     return ran
 
 
-@pytest.mark.parametrize("checkpointer", ["bubblesnap", "patched"])
-def test_a_v1_loop_resumes_from_memory_bit_for_bit_as_with_orbax(by_orbax, daemon, durable,
-                                                                  checkpointer):
-    env = {"BUBBLESNAP_DAEMON": daemon.address}
+# the unchanged loop in one process only with --all: make test runs it in two
+@pytest.mark.parametrize("checkpointer", ["bubblesnap",
+                                     pytest.param("patched", marks=pytest.mark.slow)])
+def test_a_v1_loop_resumes_from_memory_bit_for_bit_as_with_orbax(by_orbax, module_daemon,
+                                                                 module_durable, checkpointer):
+    env = {"BUBBLESNAP_DAEMON": module_daemon.address}
     if checkpointer == "patched":
-        env = switched_on(daemon.address)
+        env = switched_on(module_daemon.address)
     resumed = killed_and_resumed(1, {"checkpointer": checkpointer,
-                                     "directory": str(durable / checkpointer)}, env)
+                                     "directory": str(module_durable / checkpointer)}, env)
     assert resumed[0]["resumed_from"] == KILL_AT  # its last checkpoint (EVERY divides it)
     assert resumed[0]["memory_loads"] == 1  # the state, from the daemon's memory
     assert same_run(resumed) == same_run(by_orbax)
 
 
-def test_two_processes_under_jax_distributed_resume_as_with_orbax(tmp_path, daemon, durable):
+def test_two_processes_under_jax_distributed_resume_as_with_orbax(tmp_path, module_daemon,
+                                                                  module_durable):
     """Two processes of the unchanged loop under bubblesnap's switch, against Orbax's
     two-process run."""
     reference = run(2, {"checkpointer": "orbax", "directory": str(tmp_path / "orbax")})
     resumed = killed_and_resumed(2, {"checkpointer": "patched",
-                                     "directory": str(durable / "two")},
-                                 switched_on(daemon.address))
+                                     "directory": str(module_durable / "two")},
+                                 switched_on(module_daemon.address))
     assert [r["memory_loads"] for r in resumed] == [1, 1]
     assert [r["resumed_from"] for r in resumed] == [KILL_AT] * 2
     assert [{k: r[k] for k in ("digest", "position", "kept", "step")} for r in resumed] == \

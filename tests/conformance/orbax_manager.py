@@ -60,14 +60,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--orbax-src", required=True,
                         help="a google/orbax source tree (the checkout's root)")
-    parser.add_argument("--target", choices=("bubblesnap", "orbax"), default="bubblesnap",
-                        help="whose manager the tests run against (default bubblesnap)")
-    parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k: some tests")
-    parser.add_argument("--daemon-flags", default="",
-                        help="extra flags for each test's daemon (default: none, its defaults)")
-    parser.add_argument("--work", default=None,
-                        help="the work folder (default: a fresh one, removed after)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    add_run_arguments(parser, "manager")
     args = parser.parse_args(argv)
     source = os.path.join(os.path.abspath(args.orbax_src), TEST_FILE)
     if not os.path.isfile(source):
@@ -80,6 +73,19 @@ def main(argv=None) -> int:
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """The options of a conformance run: whose ``what`` the tests run against, which
+    tests, each daemon's flags, the work folder, JSON output."""
+    parser.add_argument("--target", choices=("bubblesnap", "orbax"), default="bubblesnap",
+                        help=f"whose {what} the tests run against (default bubblesnap)")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k: some tests")
+    parser.add_argument("--daemon-flags", default="",
+                        help="extra flags for each test's daemon (default: none, its defaults)")
+    parser.add_argument("--work", default=None,
+                        help="the work folder (default: a fresh one, removed after)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
 def _run(args, source: str, work: str) -> int:

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 
-from tests.conformance.orbax_manager import run_tests
+from tests.conformance.orbax_manager import add_run_arguments, run_tests
 
 TEST_FILE = "checkpointer_test.py"
 #: Orbax's test file: its test classes are those of the base, run as they are.
@@ -41,14 +41,7 @@ if __name__ == '__main__':
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\\n\\n")[0])
-    parser.add_argument("--target", choices=("bubblesnap", "orbax"), default="bubblesnap",
-                        help="whose Checkpointer the tests run against (default bubblesnap)")
-    parser.add_argument("-k", dest="keyword", default=None, help="pytest's -k: some tests")
-    parser.add_argument("--daemon-flags", default="",
-                        help="extra flags for each test's daemon (default: none, its defaults)")
-    parser.add_argument("--work", default=None,
-                        help="the work folder (default: a fresh one, removed after)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    add_run_arguments(parser, "Checkpointer")
     args = parser.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="bubblesnap-orbax-v1-conformance-")
     os.makedirs(work, exist_ok=True)
