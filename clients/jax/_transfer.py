@@ -25,7 +25,7 @@ def fetch_to_host(leaves) -> list[np.ndarray]:
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
             shards = leaf.addressable_shards
-            host.extend(as_bytes(np.asarray(shards[i].data)) for i in _orbax_choice(leaf))
+            host.extend(as_bytes(np.asarray(shards[i].data)) for i in _replica_choice(leaf))
         else:
             host.extend(_host_bytes(leaf))
     return host
@@ -52,7 +52,7 @@ def _fetch_through_path(leaves, arrays) -> list[np.ndarray]:
 _CHOICES: dict = {}
 
 
-def _orbax_choice(array: jax.Array) -> tuple[int, ...]:
+def _replica_choice(array: jax.Array) -> tuple[int, ...]:
     """Positions in ``array.addressable_shards`` of the shards the fetch path stages, in
     its order (none when every replica-0 shard of the array lives in another process)."""
     key = (array.shape, array.dtype, array.sharding)

@@ -35,6 +35,7 @@ one warning says so. Each pytree item is a job of the daemon named by its whole
 folder: two managers never share one.
 """
 
+import contextlib
 import logging
 
 import orbax.checkpoint as ocp
@@ -96,11 +97,28 @@ class CheckpointManager(orbax_manager.CheckpointManager):
     def _policy_saves(self, step: int) -> bool:
         """Orbax's ``should_save``, deciding on the steps Orbax saved (it asks
         ``latest_step``, which otherwise lists the steps held in memory only too)."""
+        with self._orbax_deciding():
+            return super().should_save(step)
+
+    @contextlib.contextmanager
+    def _orbax_deciding(self):
+        """While Orbax's own code runs: ``all_steps`` lists the steps Orbax saved."""
         self._orbax_view += 1
         try:
-            return super().should_save(step)
+            yield
         finally:
             self._orbax_view -= 1
+
+    @contextlib.contextmanager
+    def _at_step(self, step: int):
+        """Orbax saves or restores ``step``: its handlers (the tier's) are told which, and
+        its own decisions see its own steps."""
+        self._tier.step = step
+        try:
+            with self._orbax_deciding():
+                yield
+        finally:
+            self._tier.step = None
 
     # -- save and restore -----------------------------------------------------------------
 
@@ -116,14 +134,9 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         handler = getattr(self._checkpointer, "handler", None)
         if hasattr(handler, "_get_or_set_handler"):  # Orbax v1 brings one to every save
             self._tier.install(handler)
-        self._tier.step = step
-        self._orbax_view += 1
-        try:
+        with self._at_step(step):
             return super().save(step, items=items, save_kwargs=save_kwargs, metrics=metrics,
                                 force=force, args=args, custom_metadata=custom_metadata)
-        finally:
-            self._tier.step = None
-            self._orbax_view -= 1
 
     def restore(self, step, items=None, restore_kwargs=None, directory=None, args=None):
         """Orbax's restore, each pytree item from the fastest tier holding the step."""
@@ -134,24 +147,16 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         if self._memory_steps is not None and directory is None and \
                 step not in super().all_steps() and step in self._memory_steps.held():
             return self._memory_steps.restore(step, args)
-        self._tier.step = step
-        self._orbax_view += 1
-        try:
+        with self._at_step(step):
             return super().restore(step, items=items, restore_kwargs=restore_kwargs,
                                    directory=directory, args=args)
-        finally:
-            self._tier.step = None
-            self._orbax_view -= 1
 
     def restore_from_memory(self, step: int, item: str, folder, args):
         """``item`` of ``step`` from the daemons' memory as Orbax's ``args`` (of a pytree
         item) restore it from ``folder``: a ``Found``, or None where memory does not give
         exactly that (Orbax v1's loads, which do not go through the manager: training.py)."""
-        self._tier.step = step
-        try:
+        with self._at_step(step):
             return self._tier.restore_item(item, folder, args)
-        finally:
-            self._tier.step = None
 
     def wait_until_finished(self):
         """Orbax's wait (every step the policy saved is on disk), and the steps held in

@@ -31,6 +31,7 @@ is not supported (a warning says so, and the interval is used).
 import dataclasses
 import logging
 
+import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as orbax_emergency
 
 from bubblesnap.clients.jax.checkpoint_manager import CheckpointManager as Manager
@@ -77,8 +78,6 @@ def _options(options, *, primary_host: int, local: bool = True,
     """bubblesnap's manager options for Orbax's emergency ``options``: its persistent
     options as Orbax turns them into a manager's, and the local interval as the interval
     of steps held in memory only."""
-    import orbax.checkpoint as ocp
-
     persistent = orbax_emergency._get_persistent_options(
         options, ocp.options.MultiprocessingOptions(
             primary_host=primary_host, barrier_sync_key_prefix=barrier_sync_key_prefix))

@@ -15,6 +15,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from bubblesnap.clients.jax.tier_handler import TierHandler
+
 _COMPATIBILITY = "orbax.checkpoint.experimental.v1._src.handlers.compatibility"
 _PYTREE = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler"
 _BASE = "orbax.checkpoint._src.handlers.base_pytree_checkpoint_handler"
@@ -33,7 +35,7 @@ def pytree_handler_of(handler):
     if type(inner) is not pytree.PyTreeHandler:
         return None
     core = type(getattr(inner, "_handler_impl", None))
-    if core.__module__ != _BASE and core.__name__ != "TierHandler":
+    if core.__module__ != _BASE and core is not TierHandler:
         return None
     return inner
 

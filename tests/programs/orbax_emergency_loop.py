@@ -23,17 +23,7 @@ import orbax.checkpoint as ocp
 from flax.training import train_state
 
 from bubblesnap.multihost import crash
-from tests.programs.orbax_loops import _batch, _mesh, _Mlp, _shard, digest
-
-
-def _emergency(name: str):
-    if name == "bubblesnap":
-        from bubblesnap.clients.jax import emergency
-        return emergency
-    from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
-    if name == "patched":
-        assert emergency.CheckpointManager.__module__.startswith("bubblesnap"), "switch off"
-    return emergency
+from tests.programs.orbax_loops import _batch, _mesh, _Mlp, _shard, chosen_module, digest
 
 
 @jax.jit
@@ -44,7 +34,9 @@ def _train_step(state, x):
 
 
 def train(args: dict) -> dict:
-    emergency = _emergency(args["manager"])
+    emergency = chosen_module(args["manager"], "bubblesnap.clients.jax.emergency",
+                              "orbax.checkpoint.experimental.emergency.checkpoint_manager",
+                              "CheckpointManager")
     mesh = _mesh()
     model = _Mlp()
     params = model.init(jax.random.PRNGKey(0), jnp.ones((1, 8)))["params"]

@@ -21,6 +21,7 @@ metadata it read back.
 """
 
 import hashlib
+import importlib
 import os
 
 import flax.linen as nn
@@ -48,6 +49,16 @@ def _managers(name: str):
                                                        ocp.CheckpointManagerOptions)
         assert CheckpointManager.__module__.startswith("bubblesnap"), "the switch is off"
     return CheckpointManager, CheckpointManagerOptions
+
+
+def chosen_module(name: str, ours: str, orbax: str, cls: str):
+    """The module a loop takes ``cls`` from: Orbax's ``orbax`` (for ``orbax``), bubblesnap's
+    ``ours`` (``bubblesnap``: the import swapped) or Orbax's in a process started with
+    bubblesnap's switch (``patched``: checked to hold bubblesnap's class)."""
+    module = importlib.import_module(ours if name == "bubblesnap" else orbax)
+    if name == "patched":
+        assert getattr(module, cls).__module__.startswith("bubblesnap"), "the switch is off"
+    return module
 
 
 def _mesh() -> Mesh:

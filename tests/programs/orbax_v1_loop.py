@@ -25,17 +25,7 @@ import optax
 from flax.training import train_state
 
 from bubblesnap.multihost import crash
-from tests.programs.orbax_loops import _batch, _mesh, _Mlp, _shard, digest
-
-
-def _training(name: str):
-    if name == "bubblesnap":
-        from bubblesnap.clients.jax import training
-        return training
-    from orbax.checkpoint.experimental.v1 import training
-    if name == "patched":
-        assert training.Checkpointer.__module__.startswith("bubblesnap"), "the switch is off"
-    return training
+from tests.programs.orbax_loops import _batch, _mesh, _Mlp, _shard, chosen_module, digest
 
 
 class DataIterator:
@@ -82,7 +72,8 @@ def _fresh_state():
 
 
 def train(args: dict) -> dict:
-    training = _training(args["checkpointer"])
+    training = chosen_module(args["checkpointer"], "bubblesnap.clients.jax.training",
+                             "orbax.checkpoint.experimental.v1.training", "Checkpointer")
     memory_loads = _count_memory_loads() if args["checkpointer"] != "orbax" else None
     state, iterator = _fresh_state(), DataIterator()
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
