@@ -132,6 +132,8 @@ def format_status(status) -> str:
              + (f" of {human_bytes(mem.log_budget_bytes)}" if mem.log_budget_bytes else "")]
     lines += _adoption_lines(status.adoption)
     lines += [in_flight_line(w) for w in status.in_flight]
+    if status.durable_error:
+        lines.append(f"durable tier {status.durable_directory}: {status.durable_error}")
     if not status.jobs:
         lines.append("no jobs registered")
     for job in status.jobs:

@@ -190,7 +190,10 @@ def add_parser(sub) -> None:
         "(loadable with orbax.checkpoint.StandardCheckpointer().restore(path), no daemon "
         "needed); the last resort of a restore.")
     durable.add_argument("--durable-dir", default=durable_d.directory, metavar="DIR",
-                         help="where to write (shared storage every host sees); empty: off")
+                         help="where to write (shared storage every host sees): a folder, "
+                         "s3://BUCKET/PREFIX (endpoint and keys from AWS_ENDPOINT_URL, "
+                         "AWS_ACCESS_KEY_ID, ... or IRSA) or gs://BUCKET/PREFIX (Google's "
+                         "application default credentials); empty: off")
     durable.add_argument("--durable-every-steps", type=int, default=durable_d.every_steps,
                          metavar="N",
                          help="bubblesnap's own clients: write steps that are multiples of N "

@@ -17,6 +17,7 @@ import sys
 from tqdm import tqdm
 
 from bubblesnap.service.durable import format as fmt
+from bubblesnap.service.durable import storage
 from bubblesnap.service.durable.reader import DurableReader
 from bubblesnap.service.errors import DaemonError
 from bubblesnap.service.store import regions
@@ -27,7 +28,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="list (and verify) the steps of a durable tier",
                        description=__doc__.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("directory", help="a daemon's --durable-dir")
+    p.add_argument("directory", help="a daemon's --durable-dir (a folder, s3://… or gs://…; "
+                   "the environment names the store's endpoint and keys)")
     p.add_argument("--job", action="append", default=[],
                    help="only this job (repeatable; default every job folder)")
     p.add_argument("--verify", action="store_true",
@@ -40,8 +42,7 @@ def add_parser(sub) -> None:
 
 def survey(directory: str, jobs: list[str] | None = None) -> list[dict]:
     """What the durable tier under ``directory`` holds: per job, per step, per rank."""
-    names = jobs or sorted(n for n in os.listdir(directory)
-                           if fmt.step_numbers(directory, n))
+    names = jobs or [n for n in fmt.jobs(directory) if fmt.step_numbers(directory, n)]
     reader = DurableReader(directory)
     found = []
     for job in names:
@@ -93,7 +94,12 @@ def verify(directory: str, jobs: list[dict], progress: bool) -> list[str]:
 
 
 def run(args) -> int:
-    if not os.path.isdir(args.directory):
+    try:
+        on_a_filesystem = storage.at(args.directory).renames  # (a prefix has no folder)
+    except ValueError as err:
+        print(f"bubblesnap inspect: {err}", file=sys.stderr)
+        return 1
+    if on_a_filesystem and not os.path.isdir(args.directory):
         print(f"bubblesnap inspect: {args.directory} is not a directory", file=sys.stderr)
         return 1
     jobs = survey(args.directory, args.job)

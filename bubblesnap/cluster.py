@@ -44,8 +44,8 @@ from bubblesnap.testing import DaemonProcess, EtcdServer, in_netns, wait_connect
 PEER_PORT = 7100
 #: The port of every host's metrics endpoint.
 METRICS_PORT = 9100
-#: The last octet of etcd's host and of the bridge (this process's side).
-_ETCD_OCTET, _BRIDGE_OCTET = 250, 254
+#: The last octet of etcd's host, the S3 server's and the bridge's (this process's side).
+_ETCD_OCTET, _S3_OCTET, _BRIDGE_OCTET = 250, 251, 254
 #: Clusters that may exist at once on one machine: one /24 of 198.18.0.0/15 each.
 _SLOTS = 512
 
@@ -121,6 +121,10 @@ class Cluster:
     with ``etcd=True``, coordinated by an etcd in a namespace of its own (``--group-size``
     ``size`` unless ``flags`` say otherwise; :meth:`add_host` adds a spare host).
 
+    With ``s3=True`` an S3 server (SeaweedFS, :class:`bubblesnap.object_stores.SeaweedS3`)
+    runs on a host of its own, ``"s3"`` to :meth:`partition` and :meth:`slow`; every
+    daemon's environment names it (its ``url`` is :attr:`s3`'s).
+
     ``rate`` and ``burst`` shape every host's link both ways (tbf; None: unshaped).
     ``directory`` keeps the daemons' logs (``host<i>.log``) and etcd's data (default:
     a temporary folder, removed on close). ``daemon_options`` go to every
@@ -129,7 +133,7 @@ class Cluster:
     """
 
     def __init__(self, size: int, *flags: str, rate: str | None = None, burst: str = "256kb",
-                 etcd: bool = False, directory: str | None = None,
+                 etcd: bool = False, s3: bool = False, directory: str | None = None,
                  connect_timeout: float = 120.0, **daemon_options):
         reason = unavailable()
         if reason:
@@ -147,11 +151,13 @@ class Cluster:
         self.hosts: list[Host] = []
         self.etcd: EtcdServer | None = None
         self._etcd_host: Host | None = None
+        self.s3 = None  # object_stores.SeaweedS3
+        self._s3_host: Host | None = None
         self._cleanup: list[int] = []  # the reaper's tokens for what close() removes
         self.bridge: str | None = None
         self._made: tuple = ([], [], [])  # namespaces, links, folders: what close() removes
         try:
-            self._make_network(size, etcd)
+            self._make_network(size, etcd, s3)
             for host in self.hosts:
                 self._start_daemon(host)
             wait_connected(self.daemons, connect_timeout)
@@ -161,7 +167,7 @@ class Cluster:
 
     # -- the network ---------------------------------------------------------------------
 
-    def _make_network(self, size: int, etcd: bool) -> None:
+    def _make_network(self, size: int, etcd: bool, s3: bool) -> None:
         with open(os.path.join(tempfile.gettempdir(), "bubblesnap-cluster.lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # two clusters made at once take two slots
             slot = self._free_slot()
@@ -170,9 +176,11 @@ class Cluster:
             _ip("ip", "link", "add", f"{self.tag}br", "type", "bridge")
             self.bridge = f"{self.tag}br"
         shms = [f"/dev/shm/bubblesnap-cluster-{self.tag}-{i}" for i in range(size)]
-        names = [f"{self.tag}-{i}" for i in range(size)] + ([f"{self.tag}-etcd"] if etcd else [])
+        names = [f"{self.tag}-{i}" for i in range(size)] + ([f"{self.tag}-etcd"] if etcd else []) \
+            + ([f"{self.tag}-s3"] if s3 else [])
         # should this process die before close(), its reaper removes the network
-        links = [f"{self.tag}h{i}" for i in range(size)] + ([f"{self.tag}he"] if etcd else [])
+        links = [f"{self.tag}h{i}" for i in range(size)] + ([f"{self.tag}he"] if etcd else []) \
+            + ([f"{self.tag}hs"] if s3 else [])
         self._made = (names, links, shms)  # made or half made
         self._cleanup.append(reaper.run_at_end(
             [["ip", "netns", "del", name] for name in names]
@@ -190,6 +198,13 @@ class Cluster:
                                               f"{self.subnet}.{_ETCD_OCTET}", f"{self.tag}he", "")
             self.etcd = EtcdServer(self.directory, host=self._etcd_host.address,
                                    netns=self._etcd_host.netns)
+        if s3:
+            from bubblesnap.object_stores import SeaweedS3
+
+            self._s3_host = self._make_host(-2, f"{self.tag}-s3", f"{self.subnet}.{_S3_OCTET}",
+                                            f"{self.tag}hs", "")
+            self.s3 = SeaweedS3(os.path.join(self.directory, "s3"),
+                                host=self._s3_host.address, netns=self._s3_host.netns)
 
     @staticmethod
     def _free_slot() -> int:
@@ -244,6 +259,8 @@ class Cluster:
         options = {"metrics": f"{host.address}:{METRICS_PORT}", "own_shm_dir": False,
                    "stderr": os.path.join(self.directory, f"host{host.index}.log"),
                    **self._options}
+        if self.s3 is not None:
+            options["env"] = {**self.s3.env, **options.get("env", {})}
         host.daemon = DaemonProcess(*where, "--shm-dir", host.shm_dir, *self._flags,
                                     name=f"host {host.index}", netns=host.netns, **options)
         return host.daemon
@@ -277,6 +294,10 @@ class Cluster:
         return index
 
     def _member(self, member: int | str) -> Host:
+        if member == "s3":
+            if self._s3_host is None:
+                raise ValueError("this cluster runs no S3 server (Cluster(..., s3=True))")
+            return self._s3_host
         if member == "etcd":
             if self._etcd_host is None:
                 raise ValueError("this cluster runs no etcd (Cluster(..., etcd=True))")
@@ -333,10 +354,10 @@ class Cluster:
         wait_connected(self.daemons, connect_timeout)
         return daemon
 
-    def slow(self, host: int, rate: str | None) -> None:
-        """Shapes the host's link both ways to ``rate`` (tbf: "100mbit"); None: back to
-        the cluster's own rate."""
-        self._shape(self.hosts[host], rate if rate is not None else self._rate)
+    def slow(self, host: int | str, rate: str | None) -> None:
+        """Shapes the host's link (or ``"s3"``'s, ``"etcd"``'s) both ways to ``rate``
+        (tbf: "100mbit"); None: back to the cluster's own rate."""
+        self._shape(self._member(host), rate if rate is not None else self._rate)
 
     # -- the end -------------------------------------------------------------------------
 
@@ -354,6 +375,8 @@ class Cluster:
                 host.daemon.stop(timeout=10)
         if self.etcd is not None:
             self.etcd.kill()
+        if self.s3 is not None:
+            self.s3.kill()
         names, links, shms = self._made
         for name in names:
             _ip("ip", "netns", "del", name, check=False)

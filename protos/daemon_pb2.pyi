@@ -441,18 +441,20 @@ class MemoryStatus(_message.Message):
     def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., warm_pool_bytes: _Optional[int] = ..., warm_segments_taken: _Optional[int] = ..., shm_filesystem: _Optional[str] = ..., shm_huge: _Optional[str] = ..., shm_page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("jobs", "memory", "adoption", "in_flight", "durable_directory")
+    __slots__ = ("jobs", "memory", "adoption", "in_flight", "durable_directory", "durable_error")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     ADOPTION_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DURABLE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_ERROR_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     memory: MemoryStatus
     adoption: Adoption
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
     durable_directory: str
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., adoption: _Optional[_Union[Adoption, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., durable_directory: _Optional[str] = ...) -> None: ...
+    durable_error: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., adoption: _Optional[_Union[Adoption, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., durable_directory: _Optional[str] = ..., durable_error: _Optional[str] = ...) -> None: ...
 
 class InFlight(_message.Message):
     __slots__ = ("kind", "job", "rank", "step", "done_bytes", "total_bytes", "seconds")

@@ -208,7 +208,7 @@ class Daemon:
         self._build_tiers()
         status = Status(self.store, self.plans, self.logs, self.restorer, self.layouts,
                         self.replicator, options.peers.replicas if self.group else 0,
-                        self.progress)
+                        self.progress, self.durable)
         self.metrics.watch(status.copies, self.group,
                            options.peers.copies_wanted if self.group else 1, self.data)
         self._server.add_service(

@@ -46,14 +46,16 @@ class DaemonStatus:
     adoption: Adoption = Adoption()
     in_flight: tuple[InFlight, ...] = ()
     durable_directory: str = ""
+    durable_error: str = ""
 
 
 class Status:
     """Answers Status for one job or all of them."""
 
     def __init__(self, store, plans, logs, restorer, layouts, replicator=None,
-                 replicas: int = 0, progress: Progress | None = None):
+                 replicas: int = 0, progress: Progress | None = None, durable=None):
         self._store = store
+        self._durable = durable  # the DurableWriter, for its trouble
         self._progress = progress or Progress()
         self._layouts = layouts
         self._plans = plans
@@ -68,7 +70,8 @@ class Status:
                             self._store.memory(), self._logs.bytes_held(),
                             self._logs.options.max_total_bytes, self._store.adoption,
                             tuple(self._progress.in_flight(job)),
-                            self._restorer.durable_directory)
+                            self._restorer.durable_directory,
+                            self._durable.trouble() if self._durable is not None else "")
 
     def wait_committed(self, job: str, step: int, timeout: float) -> tuple[bool, int]:
         """Waits up to ``timeout`` (capped) for ``step`` to be committed for the job;

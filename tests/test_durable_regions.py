@@ -24,10 +24,9 @@ from bubblesnap.clients import ClientOptions
 from bubblesnap.clients.session import Session
 from bubblesnap.multihost import JaxJob
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.service.durable import DurableReader, finalizer
+from bubblesnap.service.durable import DurableReader, finalizer, storage
 from bubblesnap.service.durable import checkpoint as durable_checkpoint
 from bubblesnap.service.durable import format as fmt
-from bubblesnap.service.durable import reader as durable_reader
 from bubblesnap.service.errors import DataLoss
 from bubblesnap.testing import wait_for
 from tests.helpers import ROOT
@@ -124,7 +123,7 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
     one_by_one = [reader.read_shards(JOB, 3, 0, [key])[0].tobytes() for key in every]
     sizes = sorted(len(b) for b in one_by_one)
     for window in (1, sizes[-1] + sizes[-2], 1 << 30):
-        monkeypatch.setattr(durable_reader, "READ_BYTES_IN_FLIGHT", window)
+        monkeypatch.setattr(storage.PosixStorage, "read_bytes_in_flight", window)
         with _reads_in_flight(monkeypatch) as seen:
             got = reader.read_shards(JOB, 3, 0, every)
         assert [g.tobytes() for g in got] == one_by_one

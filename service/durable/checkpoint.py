@@ -9,6 +9,11 @@ Orbax's finalize: ``merge_ocdbt_per_process_files``, then ``_METADATA``
 (``InternalTreeMetadata``) and ``_CHECKPOINT_METADATA`` (``StepMetadata``).
 No daemon shares a jax.distributed runtime with another, so these are the
 pieces of Orbax's save below the handler, not the handler itself.
+
+Orbax builds TensorStore specs for absolute paths and ``gs://`` only. A folder in an
+object store (storage.py) is named to Orbax by a stand-in absolute path, and the file
+kvstores of the spec Orbax builds are replaced by the storage's own (``_placed``): the
+same arrays, metadata and OCDBT databases, on S3 with its endpoint, or on GCS.
 """
 
 import asyncio
@@ -19,7 +24,7 @@ import time
 import numpy as np
 
 from bubblesnap.service.durable import format as fmt
-from bubblesnap.service.durable import orbax_layout
+from bubblesnap.service.durable import orbax_layout, storage
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import FailedPrecondition
 
@@ -42,6 +47,10 @@ _WRITE_PIECE_BYTES = CHUNK_BYTES
 #: the caller's shardings, or as numpy without a target.
 _VALUE_TYPE = "jax.Array"
 _COMMIT_TEXT = "Checkpoint commit was successful to {}"
+#: TensorStore's retries of an object store's requests (about 40 s in all).
+_RETRIES = {"max_retries": 8, "initial_delay": "0.2s", "max_delay": "8s"}
+#: The absolute path an object store's folder is named by to Orbax's spec builders.
+_STAND_IN = "/bubblesnap-object-store"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +81,15 @@ def _orbax_modules():
 
 
 def context():
-    """A TensorStore context as Orbax makes it for OCDBT (I/O threads, node cache)."""
+    """A TensorStore context as Orbax makes it for OCDBT (I/O threads, node cache), with
+    an object store's retries bounded as obstore's are (object_config): TensorStore's
+    own back off for minutes, holding the writer's thread on a store that is down."""
+    import tensorstore as ts
+
     ts_utils, _ = _orbax_modules()
-    return ts_utils.get_ts_context(use_ocdbt=True)
+    return ts.Context(ts.Context.Spec({name: _RETRIES for name in (
+        "s3_request_retries", "gcs_request_retries")}),
+        parent=ts_utils.get_ts_context(use_ocdbt=True))
 
 
 def write_parts(folder: str, rank: int, parts: list[ArrayPart], batch_bytes: int,
@@ -100,7 +115,7 @@ def write_parts(folder: str, rank: int, parts: list[ArrayPart], batch_bytes: int
         specs[part.param] = spec
     batch = _Batch(ts, context(), batch_bytes, written)
     for part in parts:
-        array = batch.open(specs[part.param].json)
+        array = batch.open(_placed(specs[part.param].json))
         itemsize = fmt.numpy_dtype(part.dtype).itemsize
         for box, data in part.regions:
             for piece in orbax_layout.row_pieces(box, chunks[part.param], itemsize,
@@ -147,7 +162,7 @@ class _Batch:
 def _write_spec(folder: str, rank: int, part: ArrayPart):
     ts_utils, _ = _orbax_modules()
     return ts_utils.ArrayWriteSpec(
-        folder, part.param, global_shape=part.shape, dtype=fmt.numpy_dtype(part.dtype),
+        _orbax_path(folder), part.param, global_shape=part.shape, dtype=fmt.numpy_dtype(part.dtype),
         use_ocdbt=True, write_shape=chunk_grid(part.write_shape, part.dtype),
         process_id=rank)
 
@@ -158,8 +173,9 @@ def open_array(step_dir: str, param: str, ctx):
     import tensorstore as ts
 
     ts_utils, _ = _orbax_modules()
-    spec = ts_utils.ArrayReadSpec(step_dir, param, use_zarr3=False, use_ocdbt=True)
-    return ts.open(ts.Spec(spec.json), open=True, context=ctx)
+    spec = ts_utils.ArrayReadSpec(_orbax_path(step_dir), param, use_zarr3=False,
+                                  use_ocdbt=True)
+    return ts.open(ts.Spec(_placed(spec.json)), open=True, context=ctx)
 
 
 def read_box(array, box: orbax_layout.Box, into: np.ndarray):
@@ -181,15 +197,13 @@ def finalize(step_dir: str, written: dict[int, WrittenRank], finalizer: int) -> 
     ``written`` must be whole (policy.incomplete). Two daemons finalizing at
     once write the same keys and the same files: the second changes nothing.
     """
-    ts_utils, ocdbt_utils = _orbax_modules()
     from etils import epath
 
     started = time.time_ns()
     for rank in set(fmt.child_ranks(step_dir)) - set(written):
         fmt.remove(fmt.child_path(step_dir, rank))  # an earlier run's, never to be merged
-    path = epath.Path(step_dir)
-    asyncio.run(ocdbt_utils.merge_ocdbt_per_process_files(
-        path, ts_context=ts_utils.get_ts_context(use_ocdbt=True), use_zarr3=False))
+    asyncio.run(_merge(step_dir, sorted(written)))
+    path = epath.Path(_orbax_path(step_dir))  # names the arrays' folder in the metadata
     fmt.write_bytes(f"{step_dir}/_METADATA", json.dumps(_tree_metadata(path, written)).encode())
     fmt.write_bytes(f"{step_dir}/_CHECKPOINT_METADATA",
                     json.dumps(_step_metadata(started)).encode())
@@ -198,6 +212,50 @@ def finalize(step_dir: str, written: dict[int, WrittenRank], finalizer: int) -> 
     fmt.write_json(fmt.marker_path(step_dir), {
         "format": FORMAT, "world_size": world, "ranks": sorted(written),
         "finalized_by": finalizer, "step": next(iter(written.values())).step})
+
+
+async def _merge(step_dir: str, ranks: list[int]) -> None:
+    """Orbax's ``merge_ocdbt_per_process_files`` over the databases of ``ranks``: the
+    step's root database made to reference every rank's keys (one atomic commit),
+    then its params checked as Orbax checks them."""
+    ts_utils, ocdbt_utils = _orbax_modules()
+    ctx = context()
+    children = [ts_utils.open_kv_store(_placed(ts_utils.build_kvstore_tspec(
+        _orbax_path(fmt.child_path(step_dir, rank)), use_ocdbt=True)), ctx) for rank in ranks]
+    parent = ts_utils.open_kv_store(_placed(ts_utils.build_kvstore_tspec(
+        _orbax_path(step_dir), use_ocdbt=True,
+        ocdbt_write_options=ts_utils.OcdbtKvStoreWriteOptions(
+            mode=ts_utils.OcdbtWriteMode.MERGE))), ctx)
+    *opened, root = await asyncio.gather(*children, parent)
+    import tensorstore as ts
+
+    txn = ts.Transaction(atomic=True)
+    await asyncio.gather(*(child.experimental_copy_range_to(root.with_transaction(txn))
+                           for child in opened))
+    await ocdbt_utils._validate_params(root.with_transaction(txn), use_zarr3=False)
+    await txn.commit_async()
+
+
+def _orbax_path(folder: str) -> str:
+    """The path Orbax's spec builders are given for ``folder``: itself, or for an object
+    store's folder its stand-in (``_placed`` swaps it back)."""
+    if not storage.is_url(folder):
+        return folder
+    return f"{_STAND_IN}/{folder.replace('://', '/', 1)}"
+
+
+def _placed(spec):
+    """``spec`` with each file kvstore of a stand-in path replaced by the object
+    store's kvstore of that folder."""
+    if isinstance(spec, list):
+        return [_placed(v) for v in spec]
+    if not isinstance(spec, dict):
+        return spec
+    path = spec.get("path", "")
+    if spec.get("driver") == "file" and path.startswith(_STAND_IN + "/"):
+        url = path[len(_STAND_IN) + 1:].replace("/", "://", 1)
+        return storage.at(url).kvstore(url)
+    return {key: _placed(value) for key, value in spec.items()}
 
 
 def _tree_metadata(path, written: dict[int, WrittenRank]) -> dict:

@@ -2,9 +2,11 @@
 
 A step of bubblesnap's own clients is written in ``<job>/.bubblesnap/partial/<step>/``.
 Once its sidecars make it whole, one daemon at a time (the one holding the folder's
-lock, ``.bubblesnap/finalizing``, created exclusively; a lock older than
-:data:`STALE_LOCK_SECONDS` is taken over) finalizes it there (Orbax's merge and
-metadata, the completion marker last) and renames it to ``step_<k>``. A step
+lock, ``.bubblesnap/finalizing``, created only if absent: ``O_EXCL`` on a filesystem,
+a conditional PUT on an object store; a lock older than :data:`STALE_LOCK_SECONDS`, by
+its mtime or the store's LastModified, is taken over) finalizes it there (Orbax's
+merge and metadata, the completion marker last) and renames it to ``step_<k>`` (on an
+object store it was written there: the marker publishes it). A step
 finalized whose rename was cut short (the daemon died between the two) is renamed by
 any daemon that finds it (:meth:`Finalizer.publish_unpublished`, at start and every
 recheck). A finalized step rewritten with another copy of a rank is taken back first
@@ -15,10 +17,11 @@ Orbax's to finalize: persist.py.)
 import json
 import logging
 import os
+import posixpath
 import time
 import uuid
 
-from bubblesnap.service.durable import checkpoint, policy
+from bubblesnap.service.durable import checkpoint, policy, storage
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.errors import DaemonError
 
@@ -27,8 +30,6 @@ log = logging.getLogger("bubblesnap.daemon")
 #: A finalizer's lock this old is taken to be a dead daemon's (a finalize takes seconds).
 STALE_LOCK_SECONDS = 300.0
 _LOCK = "finalizing"
-#: The folder name of a step of bubblesnap's own clients.
-STEP_PREFIX = "step"
 #: What finalizing adds to the step's folder: taken back by reopen.
 _FINALIZED_FILES = ("manifest.ocdbt", "d", "_METADATA", "_sharding", "_strings.json",
                     "array_metadatas", "commit_success.txt", "_CHECKPOINT_METADATA")
@@ -44,9 +45,10 @@ class Finalizer:
         """Finalizes and publishes ``step`` if it is whole: None once it has its folder
         (or was discarded), else why not yet."""
         partial = fmt.partial_path(self.directory, job, step)
-        if not os.path.isdir(partial):
+        if not storage.at(partial).holds_any(partial):
             return None
-        if step in fmt.finalized_steps(self.directory, job):
+        final = fmt.finalized_steps(self.directory, job).get(step)
+        if final is not None and final != partial:
             fmt.remove(partial)  # left by a daemon that died as another one published it
             return None
         lock = _Lock(partial)
@@ -78,13 +80,13 @@ class Finalizer:
                                  "%s", step, job, why)
 
     def _publish(self, job: str, step: int, partial: str, lock) -> str | None:
-        target = os.path.join(fmt.job_path(self.directory, job), f"{STEP_PREFIX}_{step}")
+        target = fmt.final_path(self.directory, job, step)
         why = fmt.publish(partial, target)
         if why is None:
             lock.moved_to(target)
             log.info("durable: step %d of %s is one Orbax checkpoint, published as %s", step,
                      job, target)
-        elif os.path.isdir(target):
+        elif storage.at(target).holds_any(target):
             log.warning("durable: step %d of %s stays unlisted: %s", step, job, why)
             return None
         return why
@@ -96,41 +98,37 @@ def reopen(step_dir: str) -> None:
     stay."""
     fmt.remove(fmt.marker_path(step_dir))
     for name in _FINALIZED_FILES:
-        fmt.remove(os.path.join(step_dir, name))
+        fmt.remove(posixpath.join(step_dir, name))
 
 
 class _Lock:
-    """The folder's finalizing lock: a file created exclusively, naming its holder."""
+    """The folder's finalizing lock: a file created only if absent, naming its holder."""
 
     def __init__(self, step_dir: str):
-        self._path = os.path.join(step_dir, fmt.STATE_DIR, _LOCK)
+        self._path = posixpath.join(step_dir, fmt.STATE_DIR, _LOCK)
+        self._storage = storage.at(step_dir)
         self._owner = f"{os.getpid()}-{uuid.uuid4().hex}"
         self._held = False
 
     def take(self) -> bool:
-        if not os.path.isdir(os.path.dirname(self._path)):
+        if not self._storage.holds_any(posixpath.dirname(self._path)):
             return False  # the folder is gone: nothing to finalize here
+        owner = json.dumps({"owner": self._owner}).encode()
         for _ in range(2):
-            try:
-                fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    age = time.time() - os.stat(self._path).st_mtime
-                except FileNotFoundError:
-                    continue  # released meanwhile
-                if age < STALE_LOCK_SECONDS:
-                    return False
-                fmt.remove(self._path)  # its holder died
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({"owner": self._owner}, f)
-            self._held = True
-            return True
+            if self._storage.create(self._path, owner):
+                self._held = True
+                return True
+            written = self._storage.modified(self._path)
+            if written is None:
+                continue  # released meanwhile
+            if time.time() - written < STALE_LOCK_SECONDS:
+                return False
+            fmt.remove(self._path)  # its holder died
         return False
 
     def moved_to(self, step_dir: str) -> None:
         """The folder was renamed: the lock went with it (released there)."""
-        self._path = os.path.join(step_dir, fmt.STATE_DIR, _LOCK)
+        self._path = posixpath.join(step_dir, fmt.STATE_DIR, _LOCK)
 
     def release(self) -> None:
         if self._held:

@@ -5,7 +5,10 @@ A step of one of bubblesnap's own jobs (``SnapshotClient``) is written in
 renamed to ``step_<step>``: one standard Orbax checkpoint of the job's global state
 (orbax_layout.py says where each tensor goes, and
 ``orbax.checkpoint.StandardCheckpointer().restore(path, target)`` loads it with no
-daemon, in any topology). Plain Orbax never sees a step being written. (A
+daemon, in any topology). Plain Orbax never sees a step being written. On an object
+store (storage.py: no rename) a step is written at its final name ``step_<step>`` and
+counts only once its marker is there; Orbax's own readers on GCS count only steps with
+``commit_success.txt``, written just before the marker. (A
 CheckpointManager's items are written where its manager says, and Orbax finalizes
 them: persist.py.) Inside a step:
 
@@ -25,17 +28,16 @@ does not need them.
 """
 
 import json
-import os
+import posixpath
 import re
-import shutil
 import time
-import uuid
 
 import numpy as np
 
 from bubblesnap import checkpoint_record
+from bubblesnap.service.durable import object_storage, storage
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
-from bubblesnap.service.errors import DataLoss, NotFound
+from bubblesnap.service.errors import DataLoss, NotFound, Unavailable
 
 #: A step folder's name: Orbax's ``<prefix>_<step>`` (zero padded or not) or the bare number.
 _STEP_DIR = re.compile(r"(?:.+_)?(\d+)")
@@ -46,6 +48,8 @@ MARKER = "complete.json"
 PARTIAL_DIR = f"{STATE_DIR}/partial"
 #: Orbax's prefix of a per-process OCDBT database (ocdbt_process_spec.PROCESS_PREFIX).
 CHILD_PREFIX = "ocdbt.process_"
+#: The folder name of a finalized step of bubblesnap's own clients: ``step_<k>``.
+STEP_PREFIX = "step"
 
 
 def job_path(directory: str, job: str) -> str:
@@ -54,34 +58,43 @@ def job_path(directory: str, job: str) -> str:
     if job.startswith("/"):
         raise ValueError(f"job {job!r} is named by its folder; the durable tier does not "
                          "write it by its own policy")
-    return os.path.join(directory, job)
+    return posixpath.join(directory, job)
+
+
+def final_path(directory: str, job: str, step: int) -> str:
+    """The folder ``step`` is published as."""
+    return posixpath.join(job_path(directory, job), f"{STEP_PREFIX}_{step}")
 
 
 def partial_path(directory: str, job: str, step: int) -> str:
-    """Where ``step`` is written until it is whole and finalized."""
-    return os.path.join(directory, job, PARTIAL_DIR, str(step))
+    """Where ``step`` is written until it is whole and finalized: a folder of its own
+    where the storage renames, else its final folder (listed once marked)."""
+    if not storage.at(directory).renames:
+        return final_path(directory, job, step)
+    return posixpath.join(directory, job, PARTIAL_DIR, str(step))
 
 
 def finalized_steps(directory: str, job: str) -> dict[int, str]:
     """step -> folder of every finalized step of ``job`` (marked whole; none for a job
-    named by a folder). The folder's listing is read again only when it changed (its
-    mtime), each marker is looked at every time."""
+    named by a folder). A POSIX folder's listing is read again only when it changed
+    (its mtime), an object store's every time; each marker is looked at every time."""
     if job.startswith("/"):
         return {}
     root = job_path(directory, job)
-    try:
-        changed = os.stat(root).st_mtime_ns
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
+    where = storage.at(root)
+    changed = where.stamp(root)
     cached = _LISTINGS.get(root)
-    if cached is None or cached[0] != changed or cached[0] >= cached[2] - _RACY_NS:
+    if changed is None or cached is None or cached[0] != changed \
+            or cached[0] >= cached[2] - _RACY_NS:
         listed_at = time.time_ns()
         names = {}
-        for name in _listdir(root):
+        for name in where.names(root):
             match = _STEP_DIR.fullmatch(name)
             if match:
-                names.setdefault(int(match[1]), []).append(os.path.join(root, name))
-        cached = _LISTINGS[root] = (changed, names, listed_at)
+                names.setdefault(int(match[1]), []).append(posixpath.join(root, name))
+        cached = (changed, names, listed_at)
+        if changed is not None:
+            _LISTINGS[root] = cached
         if len(_LISTINGS) > 4096:
             _LISTINGS.clear()
     found = {}
@@ -104,15 +117,22 @@ _RACY_NS = 2_000_000_000
 
 def jobs(directory: str) -> list[str]:
     """The jobs with a folder in the tier."""
-    return sorted(n for n in _listdir(directory) if os.path.isdir(os.path.join(directory, n)))
+    return sorted(storage.at(directory).names(directory, folders=True))
 
 
 def partial_steps(directory: str, job: str) -> list[int]:
-    """Steps being written (or finalized, not yet renamed), oldest first."""
+    """Steps being written (or finalized, not yet renamed), oldest first: on an object
+    store, the step folders not marked whole."""
     if job.startswith("/"):
         return []
-    return sorted(int(n) for n in _listdir(os.path.join(job_path(directory, job), PARTIAL_DIR))
-                  if n.isdigit())
+    root = job_path(directory, job)
+    where = storage.at(root)
+    if not where.renames:
+        return sorted(int(m[1]) for m in map(_STEP_DIR.fullmatch,
+                                             where.names(root, folders=True))
+                      if m and not is_finalized(posixpath.join(root, m[0])))
+    partial = posixpath.join(root, PARTIAL_DIR)
+    return sorted(int(n) for n in where.names(partial, folders=True) if n.isdigit())
 
 
 def step_path(directory: str, job: str, step: int) -> str:
@@ -127,14 +147,18 @@ def step_numbers(directory: str, job: str) -> list[int]:
 
 def publish(partial: str, target: str) -> str | None:
     """Renames a finalized step from where it was written to its folder ``target``;
-    None once it is there (also when another daemon put it there first), else why not."""
+    None once it is there (also when another daemon put it there first, or it was
+    written there: an object store), else why not."""
+    if partial == target:
+        return None
+    where = storage.at(target)
     try:
-        os.rename(partial, target)
+        where.rename(partial, target)
     except OSError as err:
         if is_finalized(target):  # another daemon finalized it first: ours is the same
             remove(partial)
             return None
-        if os.path.isdir(target):
+        if where.holds_any(target):
             return f"{target} exists and is not a step bubblesnap wrote"
         return f"renaming it to {target} failed: {err}"
     return None
@@ -142,21 +166,21 @@ def publish(partial: str, target: str) -> str | None:
 
 def child_path(step_dir: str, rank: int) -> str:
     """Where the regions written for ``rank`` go: Orbax's process database named by rank."""
-    return os.path.join(step_dir, f"{CHILD_PREFIX}{rank}")
+    return posixpath.join(step_dir, f"{CHILD_PREFIX}{rank}")
 
 
 def sidecar_path(step_dir: str, rank: int) -> str:
-    return os.path.join(step_dir, STATE_DIR, f"rank_{rank}.json")
+    return posixpath.join(step_dir, STATE_DIR, f"rank_{rank}.json")
 
 
 def marker_path(step_dir: str) -> str:
-    return os.path.join(step_dir, STATE_DIR, MARKER)
+    return posixpath.join(step_dir, STATE_DIR, MARKER)
 
 
 def written_ranks(step_dir: str) -> list[int]:
     """Ranks of a step whose sidecar is written (finished writes)."""
     return sorted(int(m[1]) for m in map(_SIDECAR.fullmatch,
-                                         _listdir(os.path.join(step_dir, STATE_DIR))) if m)
+                                         _listdir(posixpath.join(step_dir, STATE_DIR))) if m)
 
 
 def child_ranks(step_dir: str) -> list[int]:
@@ -168,28 +192,23 @@ def child_ranks(step_dir: str) -> list[int]:
 def read_json(path: str) -> dict:
     """A JSON file of the tier; NotFound when absent, DataLoss when unreadable."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(storage.at(path).read(path))
     except FileNotFoundError as err:
         raise NotFound(f"the durable tier has no {path}") from err
+    except object_storage.StoreError as err:
+        raise Unavailable(f"the durable tier did not answer for {path}: {err}") from err
     except (OSError, ValueError) as err:
         raise DataLoss(f"{path} is unreadable: {err}") from err
 
 
 def write_json(path: str, data: dict) -> None:
-    """Writes ``path`` atomically: a private temporary file, fsynced, then renamed, so
-    a reader (or a second daemon writing the same file) never sees half of it."""
+    """Writes ``path`` whole or not at all (storage.Storage.write), so a reader (or a
+    second daemon writing the same file) never sees half of it."""
     write_bytes(path, json.dumps(data).encode())
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    storage.at(path).write(path, data)
 
 
 def read_sidecar(step_dir: str, rank: int) -> WrittenRank:
@@ -202,7 +221,7 @@ def read_sidecar(step_dir: str, rank: int) -> WrittenRank:
 
 
 def is_finalized(step_dir: str) -> bool:
-    return os.path.exists(marker_path(step_dir))
+    return storage.at(step_dir).exists(marker_path(step_dir))
 
 
 def remove_rank(step_dir: str, rank: int) -> None:
@@ -213,13 +232,8 @@ def remove_rank(step_dir: str, rank: int) -> None:
 
 
 def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    """Removes a file, or a folder and all it holds."""
+    storage.at(path).remove(path)
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -239,7 +253,4 @@ def orbax():
 
 
 def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    return storage.at(path).names(path)

@@ -12,7 +12,7 @@ implementations, the same for every process, as Orbax checks them).
 
 import base64
 import json
-import os
+import posixpath
 
 import numpy as np
 
@@ -59,7 +59,7 @@ def write(folder: str, record: dict, grids: dict, template: dict, world_size: in
     leaves = checkpoint_record.leaves(item)
     metadata = {**template, "custom_metadata": item.get("custom_metadata"), "tree_metadata": {
         leaf.path_key: leaf.metadata(grids.get(leaf.param)) for leaf in leaves}}
-    fmt.write_bytes(os.path.join(folder, "_METADATA"), json.dumps(metadata).encode())
+    fmt.write_bytes(posixpath.join(folder, "_METADATA"), json.dumps(metadata).encode())
     strings, shardings, arrays = {}, {}, []
     for leaf in leaves:
         if leaf.value_type == "string":
@@ -72,10 +72,10 @@ def write(folder: str, record: dict, grids: dict, template: dict, world_size: in
                 "param_name": leaf.param, "write_shape": grid, "chunk_shape": grid,
                 "ext_metadata": {_KEY_IMPL: leaf.key_impl} if leaf.key_impl else None}})
     if strings:
-        fmt.write_json(os.path.join(folder, "_strings.json"), strings)
+        fmt.write_json(posixpath.join(folder, "_strings.json"), strings)
     if shardings:
-        fmt.write_json(os.path.join(folder, "_sharding"), shardings)
+        fmt.write_json(posixpath.join(folder, "_sharding"), shardings)
     if arrays:
         for process in range(world_size):
-            fmt.write_json(os.path.join(folder, "array_metadatas", f"process_{process}"),
+            fmt.write_json(posixpath.join(folder, "array_metadatas", f"process_{process}"),
                            {"array_metadatas": arrays})

@@ -69,6 +69,21 @@ def should_write(step: int, seconds_since_last: float, options: DurableOptions) 
     return bool(options.every_seconds) and seconds_since_last >= options.every_seconds
 
 
+#: After a write fails (the storage refused it or did not answer, past its client's own
+#: retries), the tier is not written again for this long, doubled for each failure in a
+#: row up to :data:`RETRY_MOST_SECONDS`: a store that is down or refuses the daemon's
+#: credentials is asked a few times a minute, not at every committed step.
+RETRY_FIRST_SECONDS = 2.0
+RETRY_MOST_SECONDS = 60.0
+
+
+def retry_after(failures_in_a_row: int) -> float:
+    """Seconds before the next write, after ``failures_in_a_row`` failed writes."""
+    if failures_in_a_row <= 0:
+        return 0.0
+    return min(RETRY_MOST_SECONDS, RETRY_FIRST_SECONDS * 2 ** (failures_in_a_row - 1))
+
+
 def step_to_write(waiting: list[int], every_rank_here: bool) -> int:
     """Which of a rank's waiting steps a write that fell behind writes (the others are
     skipped). When every rank of the job is on this daemon no other host has to write

@@ -9,25 +9,17 @@ import numpy as np
 
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service import phases, progress
-from bubblesnap.service.durable import checkpoint, orbax_layout
+from bubblesnap.service.durable import checkpoint, orbax_layout, storage
 from bubblesnap.service.durable import format as fmt
+from bubblesnap.service.durable.listing import Listings
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
 from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, NotFound
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store import regions
 
-#: Bytes of regions being read at once: TensorStore reads each chunk into buffers of its
-#: own (the file's bytes, then decoded) until it lands, so this bounds the daemon's memory
-#: beyond what it holds. A 1 GB restore on the 2-core dev VM, the reading daemon holding
-#: 2.05 GB: all at once, its peak RSS passed what it held by 1.62 GB. Every bound tried
-#: read as fast (624-674 ms a restore); the peak RSS was 2.70-2.81 GB with 256 MB in
-#: flight (64 MB pieces), and in 16 MiB pieces 2.64-2.65 GB with 128 MB, 2.47-2.56 GB
-#: with 64 MB, 2.43 GB with 32 MB (fewer cores busy: 1.75 against 1.9). Storage slower
-#: to answer than tmpfs may want more in flight (not measured: four chunks here).
-READ_BYTES_IN_FLIGHT = 64 << 20
 #: A region is read in pieces of whole chunks of at most this much (one chunk row at
 #: least): TensorStore would otherwise hold buffers for all of one shard of many GB at
-#: once, whatever ``READ_BYTES_IN_FLIGHT`` says. One chunk: 64 MB pieces with 64 MB in
+#: once, whatever ``read_bytes_in_flight`` says. One chunk: 64 MB pieces with 64 MB in
 #: flight read a region or two at a time (795 against 601 ms).
 READ_PIECE_BYTES = checkpoint.CHUNK_BYTES
 
@@ -50,11 +42,12 @@ class DurableReader:
 
     def __init__(self, directory: str):
         self.directory = directory
+        self._listings = Listings(directory)
 
     def steps(self, job: str, world_size: int | None = None) -> list[int]:
         """Finalized steps of ``job``, oldest first; with ``world_size``, only those
         written under it (a rank's copy means nothing under another)."""
-        found = fmt.finalized_steps(self.directory, job)
+        found = self._listed(job)
         if world_size is None:
             return sorted(found)
         return [step for step, path in sorted(found.items())
@@ -62,8 +55,7 @@ class DurableReader:
 
     def world_size(self, job: str, step: int | None = None) -> int:
         """The world size of ``step`` (default: the newest finalized step); 0: none."""
-        candidates = [step] if step is not None else \
-            reversed(sorted(fmt.finalized_steps(self.directory, job)))
+        candidates = [step] if step is not None else reversed(sorted(self._listed(job)))
         for candidate in candidates:
             size = self._marker_world(job, candidate)
             if size:
@@ -81,7 +73,7 @@ class DurableReader:
         """The bytes (C order, uint8) of the regions ``rank`` wrote, each named by
         (tensor index, region index), read from the step's checkpoint together (every
         array opened once, the reads in flight on TensorStore's threads, up to
-        ``READ_BYTES_IN_FLIGHT``) and each verified against its checksum (DataLoss if
+        the storage's ``read_bytes_in_flight``) and each verified against its checksum (DataLoss if
         not)."""
         step_dir = self._finalized(job, step)
         wanted = self._wanted(self._sidecar(job, step, rank), shards)
@@ -241,7 +233,7 @@ class DurableReader:
         against its checksum once it is whole; with ``into``, each read straight into its
         uint8 view there (returned). A region is read in pieces of whole chunks (at most
         ``READ_PIECE_BYTES``, a chunk row at least), on TensorStore's threads, up to
-        ``READ_BYTES_IN_FLIGHT`` of pieces at a time."""
+        the storage's ``read_bytes_in_flight`` of pieces at a time."""
         dtypes = [fmt.numpy_dtype(t.dtype) for t, _ in wanted]
         shapes = [tuple(b - a for a, b in t.regions[i]) for t, i in wanted]
         outs = into or [np.empty(shape, dtype) for shape, dtype in zip(shapes, dtypes,
@@ -257,11 +249,12 @@ class DurableReader:
                 rows = elements[orbax_layout.rows_of(box, piece)]
                 pieces.append((at, piece, rows.reshape(-1).view(np.uint8)))
         futures, in_flight = [], 0
+        most = storage.at(step_dir).read_bytes_in_flight
         out = []
         for number, (at, _, target) in enumerate(pieces):
             while len(futures) < len(pieces) and (
                     len(futures) == number or
-                    in_flight + pieces[len(futures)][2].nbytes <= READ_BYTES_IN_FLIGHT):
+                    in_flight + pieces[len(futures)][2].nbytes <= most):
                 first_at, box, bytes_view = pieces[len(futures)]
                 futures.append(checkpoint.read_box(arrays[wanted[first_at][0].key], box,
                                                    bytes_view))
@@ -304,6 +297,10 @@ class DurableReader:
                 raise DataLoss(f"{step_dir}: array {tensor.name!r} cannot be opened: "
                                f"{err}") from err
         return opened
+
+    def _listed(self, job: str) -> dict[int, str]:
+        """The finalized steps; none while the storage does not answer (listing.py)."""
+        return self._listings.finalized(job)
 
     def _finalized(self, job: str, step: int) -> str:
         step_dir = self._step_dir(job, step)

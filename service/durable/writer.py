@@ -21,19 +21,26 @@ and after.
 
 import dataclasses
 import logging
-import os
-import shutil
 import time
 
 from bubblesnap import checkpoint_record
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.background import CoalescingWorker
-from bubblesnap.service.durable import checkpoint, copy_plan, finalizer, item_files, persist, policy
+from bubblesnap.service.durable import (
+    checkpoint,
+    copy_plan,
+    finalizer,
+    item_files,
+    persist,
+    policy,
+    storage,
+)
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.finalizer import Finalizer
 from bubblesnap.service.durable.reader import DurableReader
 from bubblesnap.service.durable.sidecar import WrittenRank
-from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, shown
+from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, bounded, shown
+from bubblesnap.service.log_once import warn_once
 from bubblesnap.service.progress import Progress
 from bubblesnap.service.store.layout import is_folder_job
 
@@ -80,7 +87,14 @@ class DurableWriter:
         self._worker = CoalescingWorker("durable", self._write_batch, tick=self._recheck,
                                         every_seconds=_RECHECK_SECONDS, discard=self._discard)
         self._finalizer = Finalizer(options.directory, reader)
-        os.makedirs(options.directory, exist_ok=True)
+        # failed writes in a row, when the next may start, and why the last one failed
+        self._failures, self._retry_at, self._trouble = 0, 0.0, ""
+        where = storage.at(options.directory)
+        where.make_folder(options.directory)
+        try:
+            where.names(options.directory)  # a store that refuses us says so at start
+        except OSError as err:
+            self._failed(f"the durable tier {options.directory} cannot be listed: {err}")
         fmt.orbax()  # JAX and Orbax take seconds to import: at startup, not in the first write
         logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax logs every file at INFO
 
@@ -96,8 +110,8 @@ class DurableWriter:
     def committed(self, job: str, rank: int, step: int) -> None:
         """A trainer committed (job, rank, step) here; write it if the daemon's own policy
         says so (never a job named by its folder: its manager says what persists)."""
-        if is_folder_job(job):
-            return
+        if is_folder_job(job) or time.monotonic() < self._retry_at:
+            return  # (a tier that failed is not written again until its back-off ends)
         since = time.monotonic() - self._last_write.get((job, rank), float("-inf"))
         if not policy.should_write(step, since, self.options):
             return
@@ -178,8 +192,28 @@ class DurableWriter:
             with self._metrics.timed("persist"):
                 self._write_step(chosen)
         except Exception as err:
-            log.error("durable write of step %d of rank %d of %s failed: %s", step, rank,
-                      job, err, exc_info=not isinstance(err, DaemonError))
+            self._failed(f"writing step {step} of rank {rank} of {job} failed: "
+                         f"{type(err).__name__}: {err}", exc_info=not isinstance(
+                             err, (DaemonError, OSError, ValueError)))
+        else:
+            if self._failures:
+                log.warning("durable: writing again (step %d of rank %d of %s) after %d "
+                            "failed writes", step, rank, job, self._failures)
+            self._failures, self._trouble = 0, ""
+
+    def trouble(self) -> str:
+        """Why the tier's last write failed, while no write has succeeded since ("":
+        none); Status shows it."""
+        return self._trouble
+
+    def _failed(self, why: str, exc_info: bool = False) -> None:
+        """A write failed: said in the log and Status; the next waits out a back-off."""
+        self._failures += 1
+        wait = policy.retry_after(self._failures)
+        self._retry_at = time.monotonic() + wait
+        self._trouble = bounded(f"{why} ({self._failures} failed in a row; the next write "
+                                f"in {wait:.0f} s or later)", 1000)
+        log.error("durable: %s", self._trouble, exc_info=exc_info)
 
     # -- Persist: a CheckpointManager's item ---------------------------------------------
 
@@ -278,13 +312,14 @@ class DurableWriter:
             return
         log.warning("durable: step %d of %s was finalized with another copy of rank %d; it "
                     "is written again", step, job, rank)
-        if final is not None:
-            if os.path.isdir(partial):
+        if final is not None and final != partial:  # published by a rename
+            where = storage.at(partial)
+            if where.holds_any(partial):
                 _delete_step(final)  # a newer write of the step is under way already
             else:
                 fmt.remove(fmt.marker_path(final))  # unlisted first, then moved back
-                os.rename(final, partial)
-        finalizer.reopen(partial)
+                where.rename(final, partial)
+        finalizer.reopen(partial)  # the marker first: unlisted while written again
 
     def _finish(self, job: str, step: int, rank: int) -> None:
         """Finalizes the step if its sidecars are whole and gives it its folder; forgets
@@ -302,7 +337,11 @@ class DurableWriter:
     def _recheck(self) -> None:
         for job, step, rank in sorted(self._unfinished):
             self._finish(job, step, rank)
-        self._finalizer.publish_unpublished()
+        try:
+            self._finalizer.publish_unpublished()
+        except OSError as err:  # the storage is down: the writes say so, in Status too
+            warn_once(log, f"recheck {err}", "durable: steps left unpublished are not "
+                      "looked for: %s", err)
 
     def _retire(self, job: str) -> None:
         """Deletes steps (finished or not) older than the ``keep`` newest finalized ones."""
@@ -316,7 +355,7 @@ class DurableWriter:
 def _delete_step(step_dir: str) -> None:
     """The marker first: a step half deleted is never listed."""
     fmt.remove(fmt.marker_path(step_dir))
-    shutil.rmtree(step_dir, ignore_errors=True)
+    fmt.remove(step_dir)
 
 
 def _verify(pinned) -> None:

@@ -345,7 +345,7 @@ def daemon_status(status) -> pb.StatusResponse:
         in_flight=[pb.InFlight(kind=w.kind, job=w.job, rank=w.rank, step=w.step,
                                done_bytes=w.done_bytes, total_bytes=w.total_bytes,
                                seconds=w.seconds) for w in status.in_flight],
-        durable_directory=status.durable_directory)
+        durable_directory=status.durable_directory, durable_error=status.durable_error)
 
 
 def _adoption(found) -> pb.Adoption:
