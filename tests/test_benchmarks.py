@@ -21,13 +21,17 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 PROGRAMS = ("adoption", "datapath", "durable_write", "gpu", "group_scale", "load", "log_cost",
             "manager", "overhead", "plan_scale", "restore", "sick_daemon")
 #: Runs beyond each program's plain --quick: name -> (program, its extra flags).
-VARIANTS = {"overhead_link_rate": ("overhead", ("--link-rate", "1gbit"))}
+VARIANTS = {"overhead_link_rate": ("overhead", ("--link-rate", "1gbit")),
+            "durable_write_s3": ("durable_write", ("--store", "s3")),
+            "durable_write_gcs": ("durable_write", ("--store", "gcs"))}
 
 
 def variant_unavailable(name: str) -> str | None:
     """Why variant ``name`` cannot run here (one line), or None."""
+    if name != "overhead_link_rate":
+        return None  # the stores are the dev dependencies' servers
     from bubblesnap import cluster
-    return cluster.unavailable()  # every variant so far runs on a Cluster
+    return cluster.unavailable()
 
 
 @pytest.fixture(scope="module")
@@ -442,6 +446,35 @@ def check_durable_write(report: dict) -> None:
     assert_machine_memory(report)
 
 
+def check_durable_store(report: dict, ours_theirs: list[tuple[str, str]]) -> None:
+    """durable_write.py on an object store: each of ours against its baseline."""
+    modes = [mode for pair in ours_theirs for mode in pair]
+    assert_bandwidth_modes(report, tuple(modes))
+    least = 0.9 if ours_theirs[0][1] == "tensorstore_write" else 1.0
+    assert set(report["ratios"]) == {f"{a}_vs_{b}" for a, b in ours_theirs}
+    assert_finite(report["ratios"], "ratios")
+    assert report["meets_targets"] == {f"{name}_ge_{least}": value >= least
+                                       for name, value in report["ratios"].items()}
+    assert report["matches"] == {"durable_restore": True, ours_theirs[1][1]: True}
+    phases = report["durable_restore_phases_ms"]
+    assert {"call", "daemon.read", "daemon.verify"} <= set(phases)
+    assert_finite(phases, "durable_restore_phases_ms")
+    assert phases["daemon.read"] <= phases["call"]
+    assert_machine_memory(report)
+
+
+def check_durable_write_s3(report: dict) -> None:
+    assert report["storage"].startswith("SeaweedFS S3")
+    check_durable_store(report, [("durable_write", "tensorstore_write"),
+                                 ("durable_restore", "tensorstore_read")])
+
+
+def check_durable_write_gcs(report: dict) -> None:
+    assert report["storage"].startswith("fake-gcs-server")
+    check_durable_store(report, [("durable_write", "orbax_save"),
+                                 ("durable_restore", "orbax_restore")])
+
+
 def assert_machine_memory(report: dict) -> None:
     """The kernel's memory settings as this machine has them, the chosen one of a list."""
     memory = report["machine_memory"]
@@ -460,7 +493,9 @@ CHECKS = {"adoption": check_adoption, "datapath": check_datapath,
           "group_scale": check_group_scale, "load": check_load,
           "log_cost": check_log_cost, "manager": check_manager, "overhead": check_overhead,
           "plan_scale": check_plan_scale, "sick_daemon": check_sick_daemon,
-          "restore": check_restore, "overhead_link_rate": check_overhead_link_rate}
+          "restore": check_restore, "overhead_link_rate": check_overhead_link_rate,
+          "durable_write_s3": check_durable_write_s3,
+          "durable_write_gcs": check_durable_write_gcs}
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
@@ -480,7 +515,7 @@ def test_benchmark_variant_runs_quick(name, quick_runs):
 
 def test_every_benchmark_is_tested_and_none_shadows_an_installed_module():
     modules = {path.stem for path in BENCHMARKS.glob("*.py")}
-    assert modules == {*PROGRAMS, "bench_common"}
+    assert modules == {*PROGRAMS, "bench_common", "durable_store"}
     for name in modules:  # a script's folder comes first on sys.path when it runs
         assert name not in sys.stdlib_module_names, name
         assert importlib.util.find_spec(name) is None, name
