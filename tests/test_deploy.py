@@ -21,6 +21,7 @@ import yaml
 
 from bubblesnap import cli
 from bubblesnap.service import DiscoveryOptions
+from bubblesnap.service.durable import storage
 from bubblesnap.sizes import parse_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -135,6 +136,17 @@ def test_trainers_share_the_daemons_socket_and_segments_as_its_user():
     assert TRAINER["Pod"]["spec"]["nodeSelector"] == _pod(DAEMON["DaemonSet"])["nodeSelector"]
 
 
+def test_the_durable_tier_is_a_bucket_the_pods_reach_as_their_service_account():
+    args = cli.parser().parse_args(["daemon", *_daemon_args()])
+    assert storage.split_url(args.durable_dir)[0] == "s3" and args.durable_every_steps > 0
+    account = DAEMON["ServiceAccount"]
+    assert _pod(DAEMON["DaemonSet"])["serviceAccountName"] == account["metadata"]["name"]
+    assert account["metadata"]["namespace"] == DAEMON["DaemonSet"]["metadata"]["namespace"]
+    assert "eks.amazonaws.com/role-arn" in account["metadata"]["annotations"]  # IRSA
+    env = {e["name"] for e in _container(DAEMON["DaemonSet"])["env"]}
+    assert "AWS_REGION" in env and not env & {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+
+
 def test_the_peer_token_and_tls_come_from_secrets():
     args = cli.parser().parse_args(["daemon", *_daemon_args()])
     mounts = _mounts(DAEMON["DaemonSet"])
@@ -205,6 +217,7 @@ def test_the_systemd_unit_runs_the_daemon_with_its_flags():
             words.append(word.replace("%i", "alice"))
     args = cli.parser().parse_args(["daemon", *words])
     assert args.shm_dir == "/dev/shm/bubblesnap/alice"
+    assert storage.split_url(args.durable_dir)[0] == "s3" and "AWS_REGION" in env
     assert args.memory_budget == parse_bytes(env["BUBBLESNAP_MEMORY_BUDGET"])
     mount = (DEPLOY / "systemd" / "dev-shm-bubblesnap.mount").read_text()
     size = re.search(r"size=(\d+G)", mount).group(1)
