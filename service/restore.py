@@ -110,7 +110,9 @@ class Restorer:
                  world_size: int, asked, answer: region_plan.AnswerForm) -> Restored:
         with phases.timed("holdings"):
             holdings = self.holdings(job, answered=True)
-            durable = self.durable_steps(job)
+            # a durable tier that does not answer fails the restore (Unavailable): taken
+            # for empty, an older step would be chosen and the newer ones dropped
+            durable = self._durable.steps(job) if self._durable is not None else []
         world = world_size or self._world_size(job, holdings)
         layout_lib.check_rank(rank, world)
         group_asked = layout_lib.check_replica_group(rank, world, replica_group) \
@@ -220,8 +222,12 @@ class Restorer:
         return self._durable.directory if self._durable is not None else ""
 
     def durable_steps(self, job: str) -> list[int]:
-        """The steps the durable tier holds whole, of every epoch of the job."""
-        return self._durable.steps(job) if self._durable is not None else []
+        """The steps the durable tier holds whole, of every epoch of the job, as Status
+        shows them (none while it does not answer: the writer's failure says why)."""
+        try:
+            return self._durable.steps(job) if self._durable is not None else []
+        except Unavailable:
+            return []
 
     def corrupt_copies(self, job: str) -> list[CorruptCopy]:
         with self._lock:

@@ -2,16 +2,16 @@
 handlers of the manager's pytree items.
 
 Each pytree item of the manager is a job of the daemon named by the item's folder:
-``<the manager's directory, resolved>/<item>`` (two managers whose folders share
-their last name are two jobs). A save of an item (tier_handler.py) copies it into
-the daemon's memory and, when the manager's directory lies inside the daemon's
-durable tier, has the daemon write it into the item's folder of the step Orbax is
-saving (persist_future.py): the steps Orbax's policy keeps reach disk exactly as
-Orbax would write them, the writing done by the daemon. Outside the durable tier (or
-with no daemon) Orbax writes the item itself, as plain Orbax; the memory copy still
-serves restores. A restore reads the item from memory when the daemons hold the step
-and the arguments are ones memory gives exactly (item_restore.py), else Orbax reads
-the folder.
+``<the manager's directory, resolved>/<item>`` (two managers whose folders share their
+last name are two jobs; a directory in a bucket, ``gs://bucket/run``, names its jobs by
+its URL, and Orbax writes its steps there). A save of an item (tier_handler.py) copies
+it into the daemon's memory and, when the manager's directory lies inside the daemon's
+durable tier, has the daemon write it into the item's folder of the step Orbax is saving
+(persist_future.py): the steps Orbax's policy keeps reach disk exactly as Orbax would
+write them, the writing done by the daemon. Outside the durable tier (or with no daemon)
+Orbax writes the item itself, as plain Orbax; the memory copy still serves restores. A
+restore reads the item from memory when the daemons hold the step and the arguments are
+ones memory gives exactly (item_restore.py), else Orbax reads the folder.
 
 :meth:`install` puts the tier in front of Orbax's composite handler: its handler
 lookup (``_get_or_set_handler``, one private hook, present in every Orbax this project
@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import logging
 import os
+import posixpath
 import re
 
 import grpc
@@ -68,8 +69,8 @@ class MemoryTier:
 
     def __init__(self, directory, settings, primary_host: int | None):
         text = os.fspath(directory)
-        self.local = "://" not in text  # an object store's URL: Orbax alone, for now
-        self.root = os.path.realpath(text) if self.local else text
+        self.local = "://" not in text  # an object store's URL: Orbax writes every step
+        self.root = _root(text)
         self.settings = settings
         if primary_host is None:
             self._rank, self._world, self.primary = 0, 1, True
@@ -102,8 +103,6 @@ class MemoryTier:
         composite._get_or_set_handler = get_or_set_handler
 
     def wrap(self, item: str, handler):
-        if not self.local:
-            return handler
         v1 = orbax_v1.pytree_handler_of(handler)
         if v1 is not None:  # Orbax v1's: its v0 core goes through the tier, v1 finalizes
             if type(v1._handler_impl) is not TierHandler:
@@ -138,8 +137,9 @@ class MemoryTier:
         directory, or by Orbax (no daemon answering, none with a durable tier holding the
         directory)."""
         if not self.local:
-            self._warn("url", "bubblesnap: %s is not a local folder: Orbax saves and restores "
-                       "its steps itself (the daemons' memory is not used)", self.root)
+            self._warn("url", "bubblesnap: %s is a bucket: Orbax writes its steps there; the "
+                       "daemons' memory holds them for fast restores (the daemons write a "
+                       "manager's steps only into a local --durable-dir)", self.root)
             return
         durable = self._durable_tier()
         address = self.settings.client.daemon
@@ -165,8 +165,11 @@ class MemoryTier:
             if not client.session.quiet():
                 try:
                     answer = client.session.call("Status", pb.StatusRequest())
-                    self._durable = os.path.realpath(answer.durable_directory) \
-                        if answer.durable_directory else ""
+                    tier = answer.durable_directory
+                    # an object store's URL is no folder to resolve (and holds none of
+                    # this manager's local steps)
+                    self._durable = tier if "://" in tier or not tier else \
+                        os.path.realpath(tier)
                 except grpc.RpcError:
                     return None  # not known: asked again at the next save
         return self._durable
@@ -244,10 +247,10 @@ class MemoryTier:
     def restore_item(self, item: str, directory, args) -> Found | None:
         """The item restored from the daemons' memory, or None (Orbax reads the folder)."""
         step = self.step
-        if step is None or not self.local:
+        if step is None:
             return None
-        folder = os.path.realpath(os.fspath(directory))
-        job = self.job(item, os.path.dirname(os.path.dirname(folder)))
+        folder = _root(os.fspath(getattr(directory, "path", directory)))
+        job = self.job(item, posixpath.dirname(posixpath.dirname(folder)))
         record = self.record(job, step)
         if record is None:
             return None
@@ -352,6 +355,20 @@ def _reachable(session) -> bool:
     return not session.quiet() or session.answers()
 
 
+def _root(text: str) -> str:
+    """A manager's folder as its jobs are named: a local one resolved (symbolic links,
+    ``..``), a bucket's URL normalized (``gs://b/run/`` and ``gs://b//run`` are
+    ``gs://b/run``)."""
+    if "://" not in text:
+        return os.path.realpath(text)
+    scheme, rest = text.split("://", 1)
+    return f"{scheme}://" + posixpath.normpath(rest).lstrip("/")
+
+
 def _inside(path: str, root: str) -> bool:
+    """Whether the local folder ``path`` lies inside the folder ``root`` (never a bucket's:
+    the daemons write a manager's steps only into a local folder)."""
+    if "://" in root or "://" in path:
+        return False
     path = os.path.realpath(path)
     return os.path.commonpath([root, path]) == root

@@ -66,7 +66,10 @@ class Finalizer:
             lock.release()
 
     def publish_unpublished(self) -> None:
-        """Publishes every step finalized whose rename was cut short, of every job."""
+        """Publishes every step finalized whose rename was cut short, of every job (none on
+        an object store: a step is published where it is written)."""
+        if not storage.at(self.directory).renames:
+            return
         for job in fmt.jobs(self.directory):
             for step in fmt.partial_steps(self.directory, job):
                 partial = fmt.partial_path(self.directory, job, step)
@@ -131,7 +134,14 @@ class _Lock:
         self._path = posixpath.join(step_dir, fmt.STATE_DIR, _LOCK)
 
     def release(self) -> None:
+        """Removes the lock if it is still this holder's (one taken over as stale since
+        stays its new holder's)."""
         if self._held:
-            fmt.remove(self._path)
             self._held = False
+            try:
+                if json.loads(self._storage.read(self._path)).get("owner") != self._owner:
+                    return
+            except (OSError, ValueError):
+                return
+            fmt.remove(self._path)
 

@@ -38,6 +38,7 @@ from bubblesnap import checkpoint_record
 from bubblesnap.service.durable import object_storage, storage
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import DataLoss, NotFound, Unavailable
+from bubblesnap.service.store.layout import is_folder_job
 
 #: A step folder's name: Orbax's ``<prefix>_<step>`` (zero padded or not) or the bare number.
 _STEP_DIR = re.compile(r"(?:.+_)?(\d+)")
@@ -55,7 +56,7 @@ STEP_PREFIX = "step"
 def job_path(directory: str, job: str) -> str:
     """The folder of one of bubblesnap's own jobs (never a job named by a folder: a
     CheckpointManager's, whose steps are its own)."""
-    if job.startswith("/"):
+    if is_folder_job(job):
         raise ValueError(f"job {job!r} is named by its folder; the durable tier does not "
                          "write it by its own policy")
     return posixpath.join(directory, job)
@@ -78,7 +79,7 @@ def finalized_steps(directory: str, job: str) -> dict[int, str]:
     """step -> folder of every finalized step of ``job`` (marked whole; none for a job
     named by a folder). A POSIX folder's listing is read again only when it changed
     (its mtime), an object store's every time; each marker is looked at every time."""
-    if job.startswith("/"):
+    if is_folder_job(job):
         return {}
     root = job_path(directory, job)
     where = storage.at(root)
@@ -123,7 +124,7 @@ def jobs(directory: str) -> list[str]:
 def partial_steps(directory: str, job: str) -> list[int]:
     """Steps being written (or finalized, not yet renamed), oldest first: on an object
     store, the step folders not marked whole."""
-    if job.startswith("/"):
+    if is_folder_job(job):
         return []
     root = job_path(directory, job)
     where = storage.at(root)

@@ -126,9 +126,9 @@ class S3Storage(_Bucket):
 
         prefix = self._key(folder)
         listed = obstore.list_with_delimiter(self._store, prefix + "/" if prefix else None)
-        # A store may keep a "folder" whose objects are all deleted (SeaweedFS does):
-        # it is listed, and holds nothing.
-        found = {posixpath.basename(p.rstrip("/")) for p in listed["common_prefixes"]}
+        # (a store with folders, SeaweedFS, may list an empty one as its own prefix)
+        found = {posixpath.basename(p.rstrip("/")) for p in listed["common_prefixes"]
+                 if p.rstrip("/") != prefix}
         if not folders:
             found |= {posixpath.basename(o["path"]) for o in listed["objects"]}
         return sorted(found)
@@ -138,10 +138,24 @@ class S3Storage(_Bucket):
         import obstore
 
         key = self._key(path)
-        keys = [key] + [o["path"] for chunk in obstore.list(self._store, key + "/")
-                        for o in chunk]
+        keys = [o["path"] for chunk in obstore.list(self._store, key + "/") for o in chunk]
+        # A store that keeps folders (SeaweedFS) keeps them empty after their objects go,
+        # listed for ever: each is deleted by its key with a trailing slash, deepest first
+        # (S3 itself has none: deleting a key that is not there is no error).
+        folders = {posixpath.dirname(k) for k in keys}
+        folders = {f for k in folders for f in _parents(k, key)}
+        keys += [key] + [f"{f}/" for f in sorted(folders, key=len, reverse=True)]
         for start in range(0, len(keys), 1000):  # S3's DeleteObjects takes up to 1000
             obstore.delete(self._store, keys[start:start + 1000])
+
+
+def _parents(folder: str, top: str) -> list[str]:
+    """``folder`` and each folder above it up to ``top`` (both in)."""
+    found = []
+    while folder.startswith(top) and len(folder) >= len(top):
+        found.append(folder)
+        folder = posixpath.dirname(folder)
+    return found
 
 
 class GcsStorage(_Bucket):
@@ -203,5 +217,8 @@ class GcsStorage(_Bucket):
         found = self._fs.find(name) if self._fs.isdir(name) else []
         if self._fs.isfile(name):
             found.append(name)
-        if found:
-            self._fs.rm(found)
+        try:
+            if found:
+                self._fs.rm(found)
+        except FileNotFoundError:
+            pass  # another daemon removed them first (every daemon retires a job's steps)

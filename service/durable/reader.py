@@ -13,7 +13,13 @@ from bubblesnap.service.durable import checkpoint, orbax_layout, storage
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.listing import Listings
 from bubblesnap.service.durable.sidecar import WrittenRank, WrittenTensor
-from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, NotFound
+from bubblesnap.service.errors import (
+    DaemonError,
+    DataLoss,
+    FailedPrecondition,
+    NotFound,
+    Unavailable,
+)
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store import regions
 
@@ -266,6 +272,7 @@ class DurableReader:
                 done(target.nbytes)
             except Exception as err:  # TensorStore raises many types for damaged files
                 _settle(futures[number + 1:])
+                _unless_unanswered(step_dir, err)
                 raise DataLoss(f"{step_dir}: region {index} of {tensor.name!r} cannot be "
                                f"read: {err}") from err
             in_flight -= target.nbytes
@@ -294,6 +301,7 @@ class DurableReader:
                 with phases.timed("open"):
                     opened[key] = future.result()
             except Exception as err:
+                _unless_unanswered(step_dir, err)
                 raise DataLoss(f"{step_dir}: array {tensor.name!r} cannot be opened: "
                                f"{err}") from err
         return opened
@@ -331,6 +339,17 @@ def _world_of(step_dir: str) -> int:
         return int(fmt.read_json(fmt.marker_path(step_dir))["world_size"])
     except (DaemonError, KeyError, TypeError, ValueError):
         return 0
+
+
+#: TensorStore's words for a store that did not answer (not a damaged file).
+_UNANSWERED = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def _unless_unanswered(step_dir: str, err: Exception) -> None:
+    """Unavailable when ``err`` is an object store's silence, not damage: the copy is
+    not corrupt, the restore may be asked again."""
+    if not storage.at(step_dir).renames and str(err).startswith(_UNANSWERED):
+        raise Unavailable(f"{step_dir}: the store did not answer: {str(err)[:300]}") from err
 
 
 def _settle(futures) -> None:

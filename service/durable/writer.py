@@ -335,6 +335,8 @@ class DurableWriter:
             self._unfinished[(job, step, rank)] = why
 
     def _recheck(self) -> None:
+        if time.monotonic() < self._retry_at:
+            return  # the storage failed lately: its back-off holds the rechecks too
         for job, step, rank in sorted(self._unfinished):
             self._finish(job, step, rank)
         try:

@@ -18,6 +18,8 @@ _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: A CheckpointManager's item is a job named by its whole folder: "<the manager's
 #: directory, resolved>/<item>" (two managers of different folders are two jobs even when
 #: the folders share their last name). Still never a path: a Persist names where to write.
+#: A job named by a bucket's folder: a CheckpointManager's directory on object storage.
+_URL_JOB = re.compile(r"(gs|s3)://")
 _PATH_PART = re.compile(r"[^\x00-\x1f\x7f/]{1,255}")
 MAX_PATH_JOB = 4096
 _MAX_TENSOR_NAME = 1024
@@ -104,17 +106,19 @@ def _aligned(nbytes: int) -> int:
 
 def check_job_name(job: str) -> None:
     """A job is named by 1-128 characters from A-Z a-z 0-9 . _ - (starting with a letter or
-    digit), or, a CheckpointManager's item, by a normalized absolute path."""
+    digit), or, a CheckpointManager's item, by a normalized absolute path or a bucket's
+    (``gs://bucket/path``, ``s3://bucket/path``)."""
     if not job:
         raise InvalidArgument("job name is empty; pass the name the trainer registered")
-    if job.startswith("/"):
-        parts = job[1:].split("/")
+    if is_folder_job(job):
+        path = job.split("://", 1)[1] if _URL_JOB.match(job) else job[1:]
+        parts = path.split("/")
         if len(job) > MAX_PATH_JOB or not all(
                 _PATH_PART.fullmatch(p) and p not in (".", "..") for p in parts):
             raise InvalidArgument(
                 f"job name {shown(job)} is not allowed: a job named by a folder is a "
-                f"normalized absolute path of at most {MAX_PATH_JOB} characters (no empty, "
-                "'.' or '..' parts, no control characters)")
+                f"normalized absolute path or bucket URL of at most {MAX_PATH_JOB} characters "
+                "(no empty, '.' or '..' parts, no control characters)")
         return
     if not _JOB_NAME.fullmatch(job):
         raise InvalidArgument(
@@ -124,9 +128,10 @@ def check_job_name(job: str) -> None:
 
 
 def is_folder_job(job: str) -> bool:
-    """Whether ``job`` is named by a folder (a CheckpointManager's item, never written to
-    ``--durable-dir/<job>`` by the daemon's own policy: its manager says what persists)."""
-    return job.startswith("/")
+    """Whether ``job`` is named by a folder or a bucket's (a CheckpointManager's item, never
+    written to ``--durable-dir/<job>`` by the daemon's own policy: its manager says what
+    persists)."""
+    return job.startswith("/") or bool(_URL_JOB.match(job))
 
 
 def check_rank(rank: int, world_size: int | None = None) -> None:
