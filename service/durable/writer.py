@@ -196,10 +196,13 @@ class DurableWriter:
                          f"{type(err).__name__}: {err}", exc_info=not isinstance(
                              err, (DaemonError, OSError, ValueError)))
         else:
-            if self._failures:
-                log.warning("durable: writing again (step %d of rank %d of %s) after %d "
-                            "failed writes", step, rank, job, self._failures)
-            self._failures, self._trouble = 0, ""
+            self._recovered(f"step {step} of rank {rank} of {job} written")
+
+    def _recovered(self, what: str) -> None:
+        """The storage took a write (or a finalize) again: the failure is over."""
+        if self._failures:
+            log.warning("durable: %s after %d failed writes", what, self._failures)
+        self._failures, self._trouble = 0, ""
 
     def trouble(self) -> str:
         """Why the tier's last write failed, while no write has succeeded since ("":
@@ -329,7 +332,8 @@ class DurableWriter:
         except Exception as err:  # tried again at the next recheck
             why = f"finalizing failed: {err!r}"
         if why is None:
-            self._unfinished.pop((job, step, rank), None)
+            if self._unfinished.pop((job, step, rank), None) is not None:
+                self._recovered(f"step {step} of {job} finalized")
         elif self._unfinished.get((job, step, rank)) != why:  # each reason once
             log.info("durable: step %d of %s is not whole yet: %s", step, job, why)
             self._unfinished[(job, step, rank)] = why
@@ -349,8 +353,10 @@ class DurableWriter:
         """Deletes steps (finished or not) older than the ``keep`` newest finalized ones."""
         directory = self.options.directory
         finalized = fmt.finalized_steps(directory, job)
+        # (listed here, on the writer's thread, as long as the storage takes: the reader's
+        # listing is bounded for Status and restores, and gives up)
         for step in policy.steps_to_retire(fmt.step_numbers(directory, job),
-                                           self._reader.steps(job), self.options.keep):
+                                           sorted(finalized), self.options.keep):
             _delete_step(finalized.get(step) or fmt.partial_path(directory, job, step))
 
 
