@@ -85,21 +85,38 @@ def test_every_storage_keeps_the_same_contract(any_storage):
     assert where.kvstore(f"{root}/a")["path"].rstrip("/").endswith("a")
 
 
-def test_steps_are_written_at_their_name_marked_last_and_restored_from_the_store(
-        start_daemon, s3_server, s3_url, tmp_path):
-    flags = ("--durable-dir", s3_url, "--durable-every-steps", "2", "--durable-keep", "1")
-    daemon = start_daemon(*flags, env=s3_server.env)
+def five_steps_keeping_one(start_daemon, server, url):
+    """Steps 0-4 of job "dur" snapshotted into a daemon writing every second step to
+    ``url``, keeping one: returns once step 4 alone is there, steps 0 and 2 retired
+    (their marker first, then every object), nothing ever written under a temporary name
+    to be renamed. (daemon, its flags, the storage, the job's folder.)"""
+    flags = ("--durable-dir", url, "--durable-every-steps", "2", "--durable-keep", "1")
+    daemon = start_daemon(*flags, env=server.env)
     client = SnapshotClient("dur", options=ClientOptions(daemon=daemon.address))
     for step in range(5):
         assert client.snapshot(step, state_at(step, ROWS), wait=True).taken
     client.close()
-    store, job = storage.at(s3_url), f"{s3_url}/dur"
-    # --durable-keep 1 retires steps 0 and 2 (their marker first, then every object);
-    # nothing is ever written under a temporary name to be renamed
+    store, job = storage.at(url), f"{url}/dur"
     wait_for(lambda: durable_steps(daemon, "dur") == [4]
              and not store.holds_any(f"{job}/step_0") and not store.holds_any(f"{job}/step_2"),
-             "step 4 alone on S3", timeout=60)
+             f"step 4 alone in {url}", timeout=60)
     assert not store.holds_any(f"{job}/.bubblesnap")
+    return daemon, flags, store, job
+
+
+def assert_a_new_daemon_restores_step_4(start_daemon, server, flags) -> None:
+    """A new daemon (the host rebooted: nothing in memory) restores step 4 from the store
+    onto two devices instead of four."""
+    fresh = start_daemon(*flags, env=server.env)
+    restored = SnapshotClient("dur", options=ClientOptions(daemon=fresh.address)).restore(
+        other_target())
+    assert (restored.step, restored.source) == (4, "durable")
+    assert_state(restored.state, 4)
+
+
+def test_steps_are_written_at_their_name_marked_last_and_restored_from_the_store(
+        start_daemon, s3_server, s3_url, tmp_path):
+    daemon, flags, store, job = five_steps_keeping_one(start_daemon, s3_server, s3_url)
     assert store.exists(f"{job}/step_4/commit_success.txt")
     assert store.exists(f"{job}/step_4/.bubblesnap/complete.json")
 
@@ -107,14 +124,8 @@ def test_steps_are_written_at_their_name_marked_last_and_restored_from_the_store
     download(f"{job}/step_4", tmp_path / "step_4")
     assert_state(ocp.StandardCheckpointer().restore(tmp_path / "step_4", other_target()), 4)
 
-    # The host reboots: a new daemon, nothing in memory, restores from the store onto
-    # two devices instead of four.
     daemon.kill()
-    fresh = start_daemon(*flags, env=s3_server.env)
-    restored = SnapshotClient("dur", options=ClientOptions(daemon=fresh.address)).restore(
-        other_target())
-    assert (restored.step, restored.source) == (4, "durable")
-    assert_state(restored.state, 4)
+    assert_a_new_daemon_restores_step_4(start_daemon, s3_server, flags)
 
 
 def test_an_unmarked_step_is_not_listed_and_a_later_write_replaces_it(
@@ -266,25 +277,11 @@ def test_a_two_process_job_saved_to_s3_restores_onto_one_process_after_memory_is
 
 def test_on_gcs_plain_orbax_restores_a_step_in_place_and_a_new_daemon_from_the_store(
         start_daemon, gcs_server, gcs_url):
-    flags = ("--durable-dir", gcs_url, "--durable-every-steps", "2", "--durable-keep", "1")
-    daemon = start_daemon(*flags, env=gcs_server.env)
-    client = SnapshotClient("dur", options=ClientOptions(daemon=daemon.address))
-    for step in range(5):
-        assert client.snapshot(step, state_at(step, ROWS), wait=True).taken
-    client.close()
-    store, job = storage.at(gcs_url), f"{gcs_url}/dur"
-    wait_for(lambda: durable_steps(daemon, "dur") == [4]
-             and not store.holds_any(f"{job}/step_0") and not store.holds_any(f"{job}/step_2"),
-             "step 4 alone on GCS", timeout=60)
-    assert not store.holds_any(f"{job}/.bubblesnap")
+    daemon, flags, _, job = five_steps_keeping_one(start_daemon, gcs_server, gcs_url)
     # Orbax's own reader, on the gs:// path (its GCS TensorStore driver and gcsfs)
     assert_state(ocp.StandardCheckpointer().restore(f"{job}/step_4", other_target()), 4)
     daemon.kill()
-    fresh = start_daemon(*flags, env=gcs_server.env)
-    restored = SnapshotClient("dur", options=ClientOptions(daemon=fresh.address)).restore(
-        other_target())
-    assert (restored.step, restored.source) == (4, "durable")
-    assert_state(restored.state, 4)
+    assert_a_new_daemon_restores_step_4(start_daemon, gcs_server, flags)
 
 
 def test_a_host_cut_off_from_the_store_says_so_the_others_write_on_and_it_catches_up(

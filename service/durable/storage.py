@@ -65,7 +65,7 @@ class Storage:
     renames: bool = False
     #: Bytes a restore reads at once from this storage (reader.py): its memory beyond
     #: what the daemon holds, against the reads that keep the storage busy.
-    read_bytes_in_flight: int = 64 << 20
+    read_bytes_in_flight: int
 
     def read(self, path: str) -> bytes:
         """The file's bytes; FileNotFoundError when absent."""
