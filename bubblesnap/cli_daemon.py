@@ -13,6 +13,7 @@ from bubblesnap.trainer_api import TOKEN_ENV
 def add_parser(sub) -> None:
     """Adds ``bubblesnap daemon``: every flag takes its default from the options."""
     from bubblesnap.service import DaemonOptions, DiscoveryOptions
+    from bubblesnap.service.durable.policy import COMPRESSIONS
     d, found = DaemonOptions(), DiscoveryOptions()
     s, planner, peer, durable_d = d.store, d.bubbles.planner, d.peers, d.durable
     p = sub.add_parser(
@@ -210,6 +211,11 @@ def add_parser(sub) -> None:
                          "what bounds the memory a write takes beside what the daemon holds "
                          "(a few times this); raise it where each commit is slow, NFS or a "
                          f"bucket mount (default {human_bytes(durable_d.write_batch_bytes)})")
+    durable.add_argument("--durable-compression", choices=COMPRESSIONS,
+                         default=durable_d.compression,
+                         help="how chunks are stored: none, or zstd (Orbax's default: fewer "
+                         "bytes stored for the host's CPU on every write and restore; float "
+                         f"weights shrink little) (default {durable_d.compression})")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run_daemon)
 
@@ -313,7 +319,8 @@ def daemon_options(args):
         durable=DurableOptions(directory=args.durable_dir, every_steps=args.durable_every_steps,
                                every_seconds=args.durable_every_seconds,
                                keep=args.durable_keep,
-                               write_batch_bytes=args.durable_write_batch))
+                               write_batch_bytes=args.durable_write_batch,
+                               compression=args.durable_compression))
 
 
 def _run_daemon(args) -> int:

@@ -1,5 +1,6 @@
 """The durable tier writes standard Orbax checkpoints, loadable without the daemon."""
 
+import json
 import os
 import time
 
@@ -8,6 +9,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,9 +46,19 @@ def assert_state(restored, step):
         assert array.sharding.is_equivalent_to(other_shardings()[name], array.ndim), name
 
 
-def test_persisted_step_loads_with_plain_orbax_and_through_a_new_daemon(start_daemon, tmp_path):
+def compressors(step_dir) -> list:
+    """The zarr compressor of every array of a step's checkpoint."""
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{step_dir}/"}).result()
+    return [json.loads(kv.read(key).result().value)["compressor"]
+            for key in kv.list().result() if key.endswith(b".zarray")]
+
+
+@pytest.mark.parametrize("compression", ["", "zstd"])
+def test_persisted_step_loads_with_plain_orbax_and_through_a_new_daemon(start_daemon, tmp_path,
+                                                                        compression):
     durable = tmp_path / "durable"
-    flags = ("--durable-dir", str(durable), "--durable-every-steps", "2", "--durable-keep", "1")
+    flags = ("--durable-dir", str(durable), "--durable-every-steps", "2", "--durable-keep", "1",
+             *(("--durable-compression", compression) if compression else ()))
     daemon = start_daemon(*flags)
     client = SnapshotClient("dur", options=ClientOptions(daemon=daemon.address))
     for step in range(5):
@@ -62,8 +74,13 @@ def test_persisted_step_loads_with_plain_orbax_and_through_a_new_daemon(start_da
         assert time.monotonic() < deadline, durable_steps(daemon, "dur")
         time.sleep(0.2)
 
-    # No daemon involved: Orbax alone, into another sharding on other devices.
+    # Stored as asked (default: not compressed), said in the zarr metadata Orbax reads.
     path = durable / "dur" / "step_4"
+    written = compressors(path)
+    assert len(written) == len(state_at(4, ROWS))
+    assert all(c == ({"id": "zstd", "level": 1} if compression else None) for c in written)
+
+    # No daemon involved: Orbax alone, into another sharding on other devices.
     assert_state(ocp.StandardCheckpointer().restore(path, other_target()), 4)
 
     # The host dies; a new daemon on it has an empty memory and restores from disk.

@@ -51,6 +51,8 @@ _COMMIT_TEXT = "Checkpoint commit was successful to {}"
 _RETRIES = {"max_retries": 8, "initial_delay": "0.2s", "max_delay": "8s"}
 #: The absolute path an object store's folder is named by to Orbax's spec builders.
 _STAND_IN = "/bubblesnap-object-store"
+#: The zarr compressor of each ``DurableOptions.compression`` ("zstd": Orbax's own).
+COMPRESSORS = {"none": None, "zstd": {"id": "zstd", "level": 1}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +95,12 @@ def context():
 
 
 def write_parts(folder: str, rank: int, parts: list[ArrayPart], batch_bytes: int,
-                written=None) -> dict[str, tuple]:
+                written=None, *, compression: str = "none") -> dict[str, tuple]:
     """Writes ``parts`` into ``rank``'s database of the checkpoint in ``folder``; returns
     each array's chunks, by parameter, once every region is durable, committed
-    ``batch_bytes`` (DurableOptions.write_batch_bytes) at a time.
+    ``batch_bytes`` (DurableOptions.write_batch_bytes) at a time, each chunk
+    compressed as ``compression`` says (a key of :data:`COMPRESSORS`; the zarr
+    metadata records it, so Orbax reads either).
     FailedPrecondition, before anything is written, if a region is not
     whole chunks (another daemon could write into the same chunk).
     ``written(nbytes)`` hears each region as TensorStore took its bytes (from
@@ -112,10 +116,11 @@ def write_parts(folder: str, rank: int, parts: list[ArrayPart], batch_bytes: int
                 raise FailedPrecondition(
                     f"region {box} of {part.param!r} is not whole chunks of "
                     f"{chunks[part.param]}; not written")
-        specs[part.param] = spec
+        specs[part.param] = spec.json | {"metadata": {**spec.json["metadata"],
+                                                      "compressor": COMPRESSORS[compression]}}
     batch = _Batch(ts, context(), batch_bytes, written)
     for part in parts:
-        array = batch.open(_placed(specs[part.param].json))
+        array = batch.open(_placed(specs[part.param]))
         itemsize = fmt.numpy_dtype(part.dtype).itemsize
         for box, data in part.regions:
             for piece in orbax_layout.row_pieces(box, chunks[part.param], itemsize,

@@ -9,6 +9,9 @@ from bubblesnap.service.durable.sidecar import WrittenRank
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.store import regions
 
+#: The values of DurableOptions.compression (checkpoint.COMPRESSORS: their zarr codecs).
+COMPRESSIONS = ("none", "zstd")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DurableOptions:
@@ -41,6 +44,15 @@ class DurableOptions:
         disk). Default 32 MiB: on the dev VM's tmpfs a 1 GB step wrote as fast
         as Orbax's save (benchmarks/durable_write.py), the daemon's anonymous
         memory up by 32-132 MB, against 314-1109 MB and 0.48-0.84x with 256 MiB.
+      compression: how each chunk is stored (``--durable-compression``):
+        "none", or "zstd" (level 1, Orbax's default). The zarr metadata says
+        which, so Orbax and bubblesnap read either. Default "none": trained
+        float weights shrink little (a 256 MiB float32 state to 92 % with
+        zstd) for the host's CPU, which a daemon shares with the trainer's
+        input pipeline; on the dev VM zstd made the write of that state to
+        tmpfs 2.9x and its read 2.9x as long, and restores from SeaweedFS S3
+        1.3x as long (benchmarks/durable_write.py). Choose "zstd" where
+        stored bytes cost more than the cores.
     """
 
     directory: str = ""
@@ -48,6 +60,7 @@ class DurableOptions:
     every_seconds: float = 0.0
     keep: int = 2
     write_batch_bytes: int = 32 << 20
+    compression: str = "none"
 
     def __post_init__(self):
         require(self, "every_steps", self.every_steps >= 0, ">= 0", "--durable-every-steps")
@@ -56,6 +69,8 @@ class DurableOptions:
         require(self, "keep", self.keep >= 1, "at least 1", "--durable-keep")
         require(self, "write_batch_bytes", self.write_batch_bytes >= 1, "at least 1 byte",
                 "--durable-write-batch")
+        require(self, "compression", self.compression in COMPRESSIONS,
+                f"one of {', '.join(COMPRESSIONS)}", "--durable-compression")
 
     @property
     def enabled(self) -> bool:

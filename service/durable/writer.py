@@ -253,7 +253,8 @@ class DurableWriter:
         with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
                                   pinned.layout.nbytes) as written:
             chunks = checkpoint.write_parts(folder, pinned.rank, plan.parts,
-                                            self.options.write_batch_bytes, written)
+                                            self.options.write_batch_bytes, written,
+                                            compression=self.options.compression)
         _verify(pinned)  # the bytes did not change while TensorStore copied them
         if plan.record is not None:
             item_files.write(folder, plan.record, {**plan.grids, **chunks},
@@ -295,7 +296,8 @@ class DurableWriter:
             with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
                                       pinned.layout.nbytes) as written:
                 chunks = checkpoint.write_parts(step_dir, pinned.rank, plan.parts,
-                                                self.options.write_batch_bytes, written)
+                                                self.options.write_batch_bytes, written,
+                                            compression=self.options.compression)
             _verify(pinned)  # the bytes did not change while TensorStore copied them
         except BaseException:
             fmt.remove_rank(step_dir, pinned.rank)
