@@ -188,8 +188,7 @@ def run(args, state, state_bytes: int, budget: int) -> dict:
     url = args.durable_url
     try:
         if args.store:
-            from bubblesnap import object_stores
-            from bubblesnap.testing import reaped_tempdir
+            from bubblesnap.testing import object_stores, reaped_tempdir
 
             folder = reaped_tempdir(f"bubblesnap-bench-{args.store}-", "/dev/shm")
             if args.store == "s3":

@@ -66,9 +66,9 @@ import urllib.request
 
 import bench_common as common
 
-from bubblesnap import cluster as cluster_module
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.testing import Ring
+from bubblesnap.testing import cluster as cluster_module
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
                        "pipeline_gpt.py")

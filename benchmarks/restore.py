@@ -204,7 +204,7 @@ from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.peers import data_channel
 from bubblesnap.service.store import persistence
 from bubblesnap.service.store.layout import build_layout
-from bubblesnap.sockets import recv_exact
+from bubblesnap.shared.sockets import recv_exact
 from bubblesnap.testing import DaemonProcess, free_port, reaped_tempdir, wait_for
 
 MODES = ("raw_tcp", "raw_tcp_parallel", "peer_transfer", "restore_local",

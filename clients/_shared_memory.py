@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from bubblesnap import heartbeat_file, page_faults
+from bubblesnap.shared import heartbeat_file, page_faults
 
 _MAX_MAPPINGS = 6
 
@@ -128,7 +128,7 @@ def _mapping_workers() -> ThreadPoolExecutor | None:
 
 
 class Heartbeat:
-    """The heartbeat a daemon writes into shared memory (``bubblesnap.heartbeat_file``),
+    """The heartbeat a daemon writes into shared memory (``bubblesnap.shared.heartbeat_file``),
     read without a call."""
 
     def __init__(self, path: str):

@@ -8,8 +8,8 @@ of deep inside a training step.
 import dataclasses
 import os
 
-from bubblesnap.options import is_number, require
-from bubblesnap.trainer_api import DAEMON_ENV, DEFAULT_ADDRESS, TOKEN_ENV
+from bubblesnap.shared.options import is_number, require
+from bubblesnap.shared.trainer_api import DAEMON_ENV, DEFAULT_ADDRESS, TOKEN_ENV
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

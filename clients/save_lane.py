@@ -16,7 +16,7 @@ whatever the daemon is doing:
 - A save that finds the lane busy (the last commit or hand-over not answered yet)
   waits for it while the daemon runs, as Orbax's manager waits for its previous save
   (a daemon behind, not sick). Whether it runs is read off its heartbeat file
-  (``bubblesnap.heartbeat_file``): where this process sees the daemon's process, the
+  (``bubblesnap.shared.heartbeat_file``): where this process sees the daemon's process, the
   kernel says whether it is stopped or dead; elsewhere a clock older than
   ``ClientOptions.sick_after_seconds`` says it is frozen. A sick daemon's save is
   skipped at once, "no snapshot this step". With no heartbeat to read, the wait ends

@@ -31,7 +31,7 @@ from bubblesnap.clients.staging import PendingStaging, Staging
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.trainer_api import TOKEN_ENV, with_token
+from bubblesnap.shared.trainer_api import TOKEN_ENV, with_token
 
 log = logging.getLogger("bubblesnap.client")
 #: The longest a channel waits to dial an away daemon again (gRPC's: up to two minutes).

@@ -77,7 +77,7 @@ import sys
 import tempfile
 import time
 
-from bubblesnap.sockets import recv_exact
+from bubblesnap.shared.sockets import recv_exact
 
 JOB = "data-parallel"
 WORLD = 2

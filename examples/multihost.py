@@ -118,7 +118,7 @@ def train_job(args: dict) -> dict:
     import jax
 
     from bubblesnap.clients.jax import ClientOptions, SnapshotClient
-    from bubblesnap.multihost import event
+    from bubblesnap.testing.multihost import event
 
     rank, world = jax.process_index(), jax.process_count()
     shardings, init, train_step, batch = build(tuple(args["mesh"]))
@@ -161,8 +161,8 @@ def train_job(args: dict) -> dict:
 # -- the parent: a daemon, the job, the kill, the resumed job -----------------------------
 
 def run(args) -> dict:
-    from bubblesnap.multihost import JaxJob
     from bubblesnap.testing import DaemonProcess
+    from bubblesnap.testing.multihost import JaxJob
 
     resume_mesh = tuple(int(n) for n in args.resume_mesh.split("x"))
     with DaemonProcess("--memory-budget", "1GiB", own_shm_dir=True) as daemon, \

@@ -12,7 +12,6 @@ from concurrent import futures
 
 import grpc
 
-from bubblesnap.options import require
 from bubblesnap.protos import daemon_pb2, peer_pb2
 from bubblesnap.service.bubbles import BubbleOptions, BubblePlans
 from bubblesnap.service.coordination.etcd_group import EtcdGroup
@@ -42,7 +41,8 @@ from bubblesnap.service.rpc.trainer_token import TrainerToken
 from bubblesnap.service.status import Status
 from bubblesnap.service.store import SnapshotStore, StoreOptions, pages
 from bubblesnap.service.store.segments import leftover_bytes, shm_free_bytes
-from bubblesnap.trainer_api import DEFAULT_ADDRESS, TOKEN_ENV, socket_path
+from bubblesnap.shared.options import require
+from bubblesnap.shared.trainer_api import DEFAULT_ADDRESS, TOKEN_ENV, socket_path
 
 log = logging.getLogger("bubblesnap.daemon")
 

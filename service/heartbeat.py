@@ -6,7 +6,7 @@ dead one (skip the snapshot at once: training never waits on a sick daemon).
 Asking the daemon would be a call that a frozen daemon never answers; reading a
 file it writes costs nothing. The lock file of the daemon's segment directory
 (held with ``flock`` for the daemon's whole life, readable by the trainers that
-map its segments) carries it, laid out as ``bubblesnap.heartbeat_file`` says:
+map its segments) carries it, laid out as ``bubblesnap.shared.heartbeat_file`` says:
 the daemon's clock, and its pid and start time, by which a trainer that sees
 its process asks the kernel whether it is stopped.
 """
@@ -16,7 +16,7 @@ import os
 import threading
 import time
 
-from bubblesnap import heartbeat_file
+from bubblesnap.shared import heartbeat_file
 
 log = logging.getLogger("bubblesnap.daemon")
 

@@ -27,9 +27,9 @@ import logging
 import re
 import threading
 
-from bubblesnap.options import require
+from bubblesnap.service import checks
 from bubblesnap.service.errors import InvalidArgument, ResourceExhausted, shown
-from bubblesnap.service.store import layout as layout_lib
+from bubblesnap.shared.options import require
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -119,7 +119,7 @@ class TrainingLogs:
             budget, flag = o.max_total_bytes, "--log-budget"
         limit = min(record, budget - _cost(b""))
         for step, payload in records:
-            layout_lib.check_step(step)
+            checks.check_step(step)
             if len(payload) > limit:
                 raise InvalidArgument(
                     f"the record of step {step} in log {stream or 'training'!r} has "

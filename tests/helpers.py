@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.service.store.layout import ITEMSIZE
+from bubblesnap.service.checks import ITEMSIZE
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,7 @@ def variant_unavailable(name: str) -> str | None:
     """Why variant ``name`` cannot run here (one line), or None."""
     if name != "overhead_link_rate":
         return None  # the stores are the dev dependencies' servers
-    from bubblesnap import cluster
+    from bubblesnap.testing import cluster
     return cluster.unavailable()
 
 

@@ -15,8 +15,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions, ClientOptions
-from bubblesnap.multihost import JaxJob
 from bubblesnap.testing import DaemonProcess
+from bubblesnap.testing.multihost import JaxJob
 
 LOOP = os.path.join(os.path.dirname(__file__), "programs", "orbax_loop.py") + ":train"
 STEPS, KILL_AT = 8, 4

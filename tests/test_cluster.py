@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bubblesnap import cluster as cluster_module
+from bubblesnap.testing import cluster as cluster_module
 from bubblesnap.testing import wait_for
 
 

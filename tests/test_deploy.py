@@ -22,7 +22,7 @@ import yaml
 from bubblesnap import cli
 from bubblesnap.service import DiscoveryOptions
 from bubblesnap.service.durable import storage
-from bubblesnap.sizes import parse_bytes
+from bubblesnap.shared.sizes import parse_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -187,7 +187,7 @@ def test_what_the_dockerfile_copies_builds_the_package_with_its_entrypoint(tmp_p
                     str(source)], check=True, capture_output=True, timeout=300)
     [wheel] = (tmp_path / "wheel").glob("bubblesnap-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("bubblesnap/cli.py", "bubblesnap/service/daemon.py",
+    for module in ("bubblesnap/cli/status_command.py", "bubblesnap/service/daemon.py",
                    "bubblesnap/service/peers/discovery.py", "bubblesnap/protos/daemon_pb2.py",
                    "bubblesnap/clients/numpy_client.py", "bubblesnap/clients/jax/client.py"):
         assert module in names

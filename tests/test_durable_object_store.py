@@ -15,12 +15,12 @@ import pytest
 
 from bubblesnap.clients import RestoreError
 from bubblesnap.clients.jax import ClientOptions, SnapshotClient
-from bubblesnap.object_stores import S3_KEYS, SeaweedS3
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable import storage
 from bubblesnap.service.durable.reader import DurableReader
 from bubblesnap.testing import wait_for
+from bubblesnap.testing.object_stores import S3_KEYS, SeaweedS3
 from tests import test_multihost as multihost
 from tests.programs.trainer import state_at
 from tests.test_durable import assert_state, other_target

@@ -22,13 +22,13 @@ import tensorstore as ts
 
 from bubblesnap.clients import ClientOptions
 from bubblesnap.clients.session import Session
-from bubblesnap.multihost import JaxJob
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.durable import DurableReader, finalizer, storage
 from bubblesnap.service.durable import checkpoint as durable_checkpoint
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.errors import DataLoss
 from bubblesnap.testing import wait_for
+from bubblesnap.testing.multihost import JaxJob
 from tests.helpers import ROOT
 from tests.programs.regions_state import JOB, WORLD, global_state, rank_specs
 

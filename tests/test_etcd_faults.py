@@ -19,11 +19,11 @@ from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import Etcd3Exception
 
 from bubblesnap.clients import NumpyClient
-from bubblesnap.history import History, violations
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.coordination import keys as keys_lib
 from bubblesnap.service.coordination.etcd_kv import EtcdKV, EtcdUnavailable, parse_endpoints
 from bubblesnap.testing import free_port, wait_connected, wait_for
+from bubblesnap.testing.history import History, violations
 from tests import test_peers
 from tests.test_etcd import keys, slots
 from tests.test_network_faults import FLAGS, JOB, Training, assert_recovers, digest, options

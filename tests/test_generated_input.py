@@ -24,7 +24,7 @@ from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.protos import peer_pb2_grpc
-from bubblesnap.service.store.layout import ITEMSIZE, MAX_RANKS, MAX_SLOTS, MAX_TENSORS
+from bubblesnap.service.checks import ITEMSIZE, MAX_RANKS, MAX_SLOTS, MAX_TENSORS
 from tests.helpers import tensor_spec
 
 #: Hypothesis examples per barrage; each sends one to four calls.

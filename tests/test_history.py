@@ -3,7 +3,7 @@ that keeps it passes."""
 
 import pytest
 
-from bubblesnap.history import History, violations
+from bubblesnap.testing.history import History, violations
 
 
 def history_to(step: int, at: float = 10.0) -> History:

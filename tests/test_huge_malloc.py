@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from bubblesnap import huge_malloc
-from bubblesnap.huge_malloc import environment
+from bubblesnap.cli import huge_malloc
+from bubblesnap.cli.huge_malloc import environment
 
 ON = "glibc.malloc.hugetlb=1"
 

@@ -8,8 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service.checks import ITEMSIZE, check_job_name
 from bubblesnap.service.errors import InvalidArgument
-from bubblesnap.service.store.layout import ITEMSIZE, build_layout, check_job_name
+from bubblesnap.service.store.layout import build_layout
 
 
 @st.composite

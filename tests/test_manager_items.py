@@ -13,10 +13,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from bubblesnap import checkpoint_record
 from bubblesnap.clients import ClientOptions, Session
 from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.shared import checkpoint_record
 from bubblesnap.testing import wait_for
 from tests.programs.iterator_loop import PositionHandler, PositionRestore, PositionSave
 

@@ -9,8 +9,8 @@ import shutil
 
 import orbax.checkpoint as ocp
 
-from bubblesnap.multihost import JaxJob
 from bubblesnap.testing import DaemonProcess
+from bubblesnap.testing.multihost import JaxJob
 from tests.helpers import ROOT
 
 LOOP = str(ROOT / "tests" / "programs" / "iterator_loop.py") + ":train"

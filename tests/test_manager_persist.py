@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions, ClientOptions
-from bubblesnap.clients.jax.persist_future import PersistError
+from bubblesnap.clients.jax.tier.persist_future import PersistError
 from bubblesnap.testing import DaemonProcess
 
 

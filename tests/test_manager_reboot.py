@@ -7,8 +7,8 @@ With no daemon at all the same holds: Orbax reads the steps."""
 import os
 import shutil
 
-from bubblesnap.multihost import JaxJob
 from bubblesnap.testing import DaemonProcess
+from bubblesnap.testing.multihost import JaxJob
 from tests.helpers import ROOT
 
 PROGRAM = str(ROOT / "tests" / "programs" / "orbax_loops.py")

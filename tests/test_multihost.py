@@ -1,7 +1,7 @@
 """Multi-host JAX: real processes under ``jax.distributed`` (2 CPU devices each), real daemons.
 
 Each job runs ``tests/programs/multihost_cases.py`` in N processes
-(``bubblesnap.multihost.JaxJob``). A job is trained a few steps, every
+(``bubblesnap.testing.multihost.JaxJob``). A job is trained a few steps, every
 process is SIGKILLed, and new processes (as many, fewer or more, on
 another mesh or with other partition specs) restore it and compare every
 local shard with the step's values.
@@ -16,9 +16,9 @@ import pytest
 from bubblesnap.clients import ClientOptions, NumpyClient, RestoreError
 from bubblesnap.clients._regions import in_request_order
 from bubblesnap.clients.results import RawStep
-from bubblesnap.multihost import JaxJob
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.testing import DaemonProcess, Ring
+from bubblesnap.testing.multihost import JaxJob
 from tests.helpers import run_example
 
 CASES = str(Path(__file__).resolve().parent / "programs" / "multihost_cases.py")

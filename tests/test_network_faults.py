@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from bubblesnap.clients import ClientOptions, NumpyClient
-from bubblesnap.history import History, violations
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.testing import wait_for
+from bubblesnap.testing.history import History, violations
 
 JOB = "net"
 #: Faster than the default 5 s, so that a fault is found within a test's few seconds.

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from bubblesnap import cli, cli_daemon
+from bubblesnap import cli
+from bubblesnap.cli import daemon_command
 from bubblesnap.service import (
     BubbleOptions,
     CoordinationOptions,
@@ -67,24 +68,24 @@ def test_bad_options_are_refused_naming_the_option(options, kwargs, words):
 
 def test_the_daemon_flags_default_to_the_options_defaults():
     args = cli.parser().parse_args(["daemon"])
-    assert cli_daemon.daemon_options(args) == DaemonOptions()
+    assert daemon_command.daemon_options(args) == DaemonOptions()
 
 
 def test_the_durable_write_batch_is_a_size():
     flags = ["daemon", "--durable-dir", "/ckpt", "--durable-every-steps", "10",
              "--durable-write-batch", "256MiB"]
-    options = cli_daemon.daemon_options(cli.parser().parse_args(flags)).durable
+    options = daemon_command.daemon_options(cli.parser().parse_args(flags)).durable
     assert options.write_batch_bytes == 256 << 20 != DurableOptions().write_batch_bytes
     with pytest.raises(SystemExit):  # argparse's usage error: not a size
         cli.parser().parse_args([*flags[:-1], "lots"])
     with pytest.raises(ValueError, match="--durable-write-batch"):
-        cli_daemon.daemon_options(cli.parser().parse_args([*flags[:-1], "0"]))
+        daemon_command.daemon_options(cli.parser().parse_args([*flags[:-1], "0"]))
 
 
 def test_spreading_restores_over_holders_can_be_turned_off():
     flags = ["daemon", "--peers", "127.0.0.1:1,127.0.0.1:2", "--no-spread-restores"]
-    assert not cli_daemon.daemon_options(cli.parser().parse_args(flags)).peers.spread_restores
-    assert cli_daemon.daemon_options(cli.parser().parse_args(flags[:3])).peers.spread_restores
+    assert not daemon_command.daemon_options(cli.parser().parse_args(flags)).peers.spread_restores
+    assert daemon_command.daemon_options(cli.parser().parse_args(flags[:3])).peers.spread_restores
 
 
 def test_a_group_is_named_as_its_etcd_keys_are():

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from bubblesnap.multihost import JaxJob
+from bubblesnap.testing.multihost import JaxJob
 from tests.helpers import ROOT
 from tests.test_manager_jobs import wait_held
 from tests.test_orbax_loops import switched_on

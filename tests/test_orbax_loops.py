@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from bubblesnap import orbax_patch
-from bubblesnap.multihost import JaxJob
+from bubblesnap.run import orbax_patch
+from bubblesnap.testing.multihost import JaxJob
 from tests.helpers import ROOT
 
 LOOPS = str(ROOT / "tests" / "programs" / "orbax_loops.py") + ":train"

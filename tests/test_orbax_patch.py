@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from bubblesnap import orbax_patch
+from bubblesnap.run import orbax_patch
 from bubblesnap.testing import DaemonProcess
 from tests.helpers import ROOT
 
@@ -37,7 +37,7 @@ def test_bubblesnap_run_puts_its_manager_behind_orbax_in_an_unchanged_program(tm
         env = {"BUBBLESNAP_DAEMON": daemon.address}
         directory = str(durable / "job")
         code, out, err = run("-m", "bubblesnap.run", SCRIPT, directory, "6", "2", env=env)
-        assert code == -9 and "manager: bubblesnap.clients.jax.checkpoint_manager" in out
+        assert code == -9 and "manager: bubblesnap.clients.jax.manager.checkpoint_manager" in out
         patched = [line for line in err.splitlines() if "are now bubblesnap's" in line]
         assert len(patched) == 1 and "BUBBLESNAP_ORBAX" in patched[0]
         for name in orbax_patch.NAMES:
@@ -57,13 +57,13 @@ def test_the_switch_is_inherited_and_off_by_default(tmp_path):
     code, out, _ = run("-c", probe, env={"PYTHONPATH": path})
     assert code == 0 and out.strip().startswith("orbax.")  # on the path, switch off
     code, out, _ = run("-c", probe, env={"PYTHONPATH": path, orbax_patch.ENV: "1"})
-    assert code == 0 and out.strip() == "bubblesnap.clients.jax.checkpoint_manager"
+    assert code == 0 and out.strip() == "bubblesnap.clients.jax.manager.checkpoint_manager"
     # a process the program starts (a launcher's worker) is patched too
     child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {probe!r}])"
     script = tmp_path / "launcher.py"
     script.write_text(child)
     code, out, _ = run("-m", "bubblesnap.run", str(script), env={})
-    assert code == 0 and out.strip() == "bubblesnap.clients.jax.checkpoint_manager"
+    assert code == 0 and out.strip() == "bubblesnap.clients.jax.manager.checkpoint_manager"
 
 
 def test_every_name_of_orbax_s_manager_and_v1_checkpointer_is_replaced(tmp_path):
@@ -91,7 +91,8 @@ def test_every_name_of_orbax_s_manager_and_v1_checkpointer_is_replaced(tmp_path)
     code, out, err = run("-m", "bubblesnap.run", "--memory-interval-steps", "3", str(probe),
                          str(tmp_path), env={})
     assert code == 0, err
-    ours, v1 = "bubblesnap.clients.jax.checkpoint_manager", "bubblesnap.clients.jax.training"
+    ours = "bubblesnap.clients.jax.manager.checkpoint_manager"
+    v1 = "bubblesnap.clients.jax.training"
     assert out.split() == [ours, ours, v1, ours, v1, ours,
                            "orbax.checkpoint.checkpoint_manager",
                            "bubblesnap.clients.jax.emergency", "3"]
@@ -123,7 +124,8 @@ def test_a_module_takes_its_own_flags_and_the_bootstrap_may_be_on_the_path_twice
     code, out, err = run("-m", "bubblesnap.run", "-m", "flagged", "--config", "x.yml", "-v",
                          env=env)
     assert code == 0, err
-    assert out.strip() == "['--config', 'x.yml', '-v'] bubblesnap.clients.jax.checkpoint_manager"
+    assert out.strip() == ("['--config', 'x.yml', '-v'] "
+                           "bubblesnap.clients.jax.manager.checkpoint_manager")
     link = tmp_path / "bootstrap-link"
     link.symlink_to(orbax_patch.bootstrap_path())
     twice = os.pathsep.join(filter(None, [orbax_patch.bootstrap_path(), str(link),
@@ -131,7 +133,7 @@ def test_a_module_takes_its_own_flags_and_the_bootstrap_may_be_on_the_path_twice
     code, out, err = run("-c", "import orbax.checkpoint as o; print(o.CheckpointManager."
                          "__module__)", env={"PYTHONPATH": twice, orbax_patch.ENV: "1"})
     assert code == 0 and "Error in sitecustomize" not in err
-    assert out.strip() == "bubblesnap.clients.jax.checkpoint_manager"
+    assert out.strip() == "bubblesnap.clients.jax.manager.checkpoint_manager"
 
 
 def test_a_daemon_started_with_the_switch_is_not_patched(tmp_path):

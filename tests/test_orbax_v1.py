@@ -11,7 +11,7 @@ by its own code.
 
 import pytest
 
-from bubblesnap.multihost import JaxJob
+from bubblesnap.testing.multihost import JaxJob
 from tests.helpers import ROOT
 from tests.test_orbax_loops import switched_on
 

@@ -1,4 +1,4 @@
-"""bubblesnap.page_faults: a mapping's pages faulted in ahead, in pieces on threads."""
+"""bubblesnap.shared.page_faults: a mapping's pages faulted in ahead, in pieces on threads."""
 
 import mmap
 import os
@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from bubblesnap import page_faults
+from bubblesnap.shared import page_faults
 from tests.helpers import mapped_bytes
 
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
-from bubblesnap import checkpoint_record
 from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions, ClientOptions
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.shared import checkpoint_record
 from bubblesnap.testing import wait_for
 
 ITEM = "default"

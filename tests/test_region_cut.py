@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.service import region_cut
-from bubblesnap.service.region_plan import Piece
+from bubblesnap.service.restore import region_cut
+from bubblesnap.service.restore.region_plan import Piece
 from bubblesnap.service.store import regions
 
 

@@ -10,7 +10,7 @@ import pytest
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.errors import FailedPrecondition
-from bubblesnap.service.region_plan import Asked, plan
+from bubblesnap.service.restore.region_plan import Asked, plan
 from bubblesnap.service.store.layout import build_layout
 from bubblesnap.testing import wait_for
 

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from bubblesnap.cli import format_status
+from bubblesnap.cli.status_command import format_status
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.testing import Ring, wait_for

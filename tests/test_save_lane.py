@@ -11,9 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from bubblesnap import heartbeat_file
 from bubblesnap.clients import ClientOptions, NumpyClient
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.shared import heartbeat_file
 from bubblesnap.testing import wait_for
 from tests.helpers import register, tensor_spec
 

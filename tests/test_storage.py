@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from bubblesnap.service.durable import checkpoint, object_config, policy, storage
+from bubblesnap.service.durable import checkpoint, policy, storage
+from bubblesnap.service.durable.storage import object_config
 
 
 def test_a_path_names_a_folder_or_a_bucket():

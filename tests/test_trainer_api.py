@@ -21,8 +21,8 @@ from bubblesnap.clients import ClientOptions, NumpyClient, RestoreError
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import daemon_pb2_grpc
 from bubblesnap.service import DaemonOptions
+from bubblesnap.shared.trainer_api import DEFAULT_ADDRESS, TOKEN_ENV, socket_path
 from bubblesnap.testing import DAEMON_SERVICE, DaemonError, wait_for
-from bubblesnap.trainer_api import DEFAULT_ADDRESS, TOKEN_ENV, socket_path
 from tests.helpers import register
 
 X = {"x": np.arange(256, dtype=np.float32)}

@@ -15,7 +15,6 @@ one-step undo of optimizer updates for data-parallel survivors
 :class:`LogError`."""
 
 from bubblesnap.clients.jax.bubbles import BubbleSnapshotOptions, BubbleSnapshotter
-from bubblesnap.clients.jax.checkpoint_manager import CheckpointManager, CheckpointManagerOptions
 from bubblesnap.clients.jax.client import Restored, SnapshotClient
 from bubblesnap.clients.jax.inverse_updates import (
     UndoCheck,
@@ -25,7 +24,11 @@ from bubblesnap.clients.jax.inverse_updates import (
     undo_or_restore,
     undo_sgd_momentum,
 )
-from bubblesnap.clients.jax.persist_future import PersistError
+from bubblesnap.clients.jax.manager.checkpoint_manager import (
+    CheckpointManager,
+    CheckpointManagerOptions,
+)
+from bubblesnap.clients.jax.tier.persist_future import PersistError
 from bubblesnap.clients.options import ClientOptions
 from bubblesnap.clients.results import LogError, RestoreError, SnapshotResult
 

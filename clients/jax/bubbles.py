@@ -41,8 +41,8 @@ import grpc
 
 from bubblesnap.clients.jax import _layout
 from bubblesnap.clients.jax._pending_step import Begun, PendingStep
-from bubblesnap.options import is_number, require
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.shared.options import is_number, require
 
 log = logging.getLogger("bubblesnap.client")
 

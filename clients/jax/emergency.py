@@ -34,8 +34,10 @@ import logging
 import orbax.checkpoint as ocp
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as orbax_emergency
 
-from bubblesnap.clients.jax.checkpoint_manager import CheckpointManager as Manager
-from bubblesnap.clients.jax.manager_options import CheckpointManagerOptions as ManagerOptions
+from bubblesnap.clients.jax.manager.checkpoint_manager import CheckpointManager as Manager
+from bubblesnap.clients.jax.manager.manager_options import (
+    CheckpointManagerOptions as ManagerOptions,
+)
 
 log = logging.getLogger("bubblesnap.client")
 

@@ -28,8 +28,8 @@ errors), so swapping the import is the whole change.
 
 from orbax.checkpoint.experimental.v1 import training as orbax_training
 
-from bubblesnap.clients.jax import orbax_v1
-from bubblesnap.clients.jax.checkpoint_manager import CheckpointManager
+from bubblesnap.clients.jax.manager.checkpoint_manager import CheckpointManager
+from bubblesnap.clients.jax.tier import orbax_v1
 
 save_decision_policies = orbax_training.save_decision_policies
 preservation_policies = orbax_training.preservation_policies

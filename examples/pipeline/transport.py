@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from bubblesnap.sockets import recv_exact
+from bubblesnap.shared.sockets import recv_exact
 
 _HEADER = struct.Struct("!I")
 

@@ -15,7 +15,7 @@ tested on crafted profiles.
 import dataclasses
 from collections.abc import Mapping
 
-from bubblesnap.options import require
+from bubblesnap.shared.options import require
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

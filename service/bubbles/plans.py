@@ -15,10 +15,10 @@ import math
 import random
 import threading
 
-from bubblesnap.options import require
 from bubblesnap.service.bubbles import planner as planning
+from bubblesnap.service.checks import MAX_BYTES, MAX_STEP
 from bubblesnap.service.errors import InvalidArgument
-from bubblesnap.service.store.layout import MAX_BYTES, MAX_STEP
+from bubblesnap.shared.options import require
 
 #: Positions number the waits of one iteration: 0..MAX_POSITION.
 MAX_POSITION = 1 << 16

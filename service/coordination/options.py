@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from bubblesnap.options import require
 from bubblesnap.service.coordination.etcd_kv import parse_endpoints
+from bubblesnap.shared.options import require
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

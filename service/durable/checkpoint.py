@@ -11,7 +11,7 @@ No daemon shares a jax.distributed runtime with another, so these are the
 pieces of Orbax's save below the handler, not the handler itself.
 
 Orbax builds TensorStore specs for absolute paths and ``gs://`` only. A folder in an
-object store (storage.py) is named to Orbax by a stand-in absolute path, and the file
+object store (storage/) is named to Orbax by a stand-in absolute path, and the file
 kvstores of the spec Orbax builds are replaced by the storage's own (``_placed``): the
 same arrays, metadata and OCDBT databases, on S3 with its endpoint, or on GCS.
 """

@@ -8,7 +8,7 @@ Two kinds of copy are written:
   tensors of every rank make one Orbax checkpoint per step, each tensor under its tree key
   (``orbax_layout.tree_key``);
 - a CheckpointManager's item (a job named by its folder, whose layout holds the record
-  tensor, bubblesnap/checkpoint_record.py): the item's tensors are named
+  tensor, bubblesnap/shared/checkpoint_record.py): the item's tensors are named
   ``<item>/<path>`` and go under their path (the folder written is the item's); the record
   is not an array of the checkpoint but says what Orbax writes beside them, and its
   Python scalars become 0-d arrays as Orbax's ScalarHandler writes them.
@@ -17,11 +17,11 @@ Two kinds of copy are written:
 import dataclasses
 import math
 
-from bubblesnap import checkpoint_record
 from bubblesnap.service.durable import checkpoint, item_files, orbax_layout
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.sidecar import WrittenTensor
 from bubblesnap.service.errors import FailedPrecondition
+from bubblesnap.shared import checkpoint_record
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ renamed to ``step_<step>``: one standard Orbax checkpoint of the job's global st
 (orbax_layout.py says where each tensor goes, and
 ``orbax.checkpoint.StandardCheckpointer().restore(path, target)`` loads it with no
 daemon, in any topology). Plain Orbax never sees a step being written. On an object
-store (storage.py: no rename) a step is written at its final name ``step_<step>`` and
+store (storage/: no rename) a step is written at its final name ``step_<step>`` and
 counts only once its marker is there; Orbax's own readers on GCS count only steps with
 ``commit_success.txt``, written just before the marker. (A
 CheckpointManager's items are written where its manager says, and Orbax finalizes
@@ -34,11 +34,12 @@ import time
 
 import numpy as np
 
-from bubblesnap import checkpoint_record
-from bubblesnap.service.durable import object_storage, storage
+from bubblesnap.service.checks import is_folder_job
+from bubblesnap.service.durable import storage
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
+from bubblesnap.service.durable.storage.objects import StoreError
 from bubblesnap.service.errors import DataLoss, NotFound, Unavailable
-from bubblesnap.service.store.layout import is_folder_job
+from bubblesnap.shared import checkpoint_record
 
 #: A step folder's name: Orbax's ``<prefix>_<step>`` (zero padded or not) or the bare number.
 _STEP_DIR = re.compile(r"(?:.+_)?(\d+)")
@@ -196,7 +197,7 @@ def read_json(path: str) -> dict:
         return json.loads(storage.at(path).read(path))
     except FileNotFoundError as err:
         raise NotFound(f"the durable tier has no {path}") from err
-    except object_storage.StoreError as err:
+    except StoreError as err:
         raise Unavailable(f"the durable tier did not answer for {path}: {err}") from err
     except (OSError, ValueError) as err:
         raise DataLoss(f"{path} is unreadable: {err}") from err

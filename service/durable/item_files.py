@@ -1,6 +1,6 @@
 """What Orbax's primary host writes beside a pytree item's arrays, from the item's record.
 
-A CheckpointManager's item travels with its record (bubblesnap/checkpoint_record.py):
+A CheckpointManager's item travels with its record (bubblesnap/shared/checkpoint_record.py):
 the pytree's structure, its Python scalars and strings, each array's sharding. The
 daemon holding the record writes, into the item's folder, what Orbax's PyTree handler
 writes there beside the arrays: ``_METADATA`` (the tree, each array's write grid the
@@ -16,9 +16,9 @@ import posixpath
 
 import numpy as np
 
-from bubblesnap import checkpoint_record
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.errors import FailedPrecondition
+from bubblesnap.shared import checkpoint_record
 
 #: Orbax's array metadata key naming a PRNG key's implementation (array_metadata.py).
 _KEY_IMPL = "random_key_impl"

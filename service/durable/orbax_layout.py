@@ -6,7 +6,7 @@
   ``rank_<r>/<name>``, except in a world of one rank, where the rank's state is
   the whole tree: a single-process job's checkpoint is exactly its state.
 - **Items.** A CheckpointManager's item (a layout holding the item record,
-  bubblesnap/checkpoint_record.py) names each tensor ``<item>/<path>``; the
+  bubblesnap/shared/checkpoint_record.py) names each tensor ``<item>/<path>``; the
   folder written is the item's own Orbax checkpoint, each tensor under its path.
 - **Parameter names.** Orbax stores each leaf under its keys joined by "."
   (``params.dense.kernel``); two leaves with one name would overwrite each

@@ -20,9 +20,9 @@ links resolved, so a trainer cannot make the daemon write elsewhere.
 import os
 import re
 
-from bubblesnap import checkpoint_record
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.errors import FailedPrecondition, InvalidArgument, shown
+from bubblesnap.shared import checkpoint_record
 
 #: The longest folder a Persist may name.
 MAX_PATH = 4096

@@ -3,11 +3,11 @@ steps it keeps: pure functions."""
 
 import dataclasses
 
-from bubblesnap.options import require
 from bubblesnap.service.durable import orbax_layout
 from bubblesnap.service.durable.sidecar import WrittenRank
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.store import regions
+from bubblesnap.shared.options import require
 
 #: The values of DurableOptions.compression (checkpoint.COMPRESSORS: their zarr codecs).
 COMPRESSIONS = ("none", "zstd")

@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.service import phases, progress
+from bubblesnap.service import checks, progress
 from bubblesnap.service.durable import checkpoint, orbax_layout, storage
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.listing import Listings
@@ -20,6 +20,7 @@ from bubblesnap.service.errors import (
     NotFound,
     Unavailable,
 )
+from bubblesnap.service.restore import phases
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store import regions
 
@@ -142,7 +143,7 @@ class DurableReader:
         return layout_lib.Layout(tuple(
             t if t.job_wide else dataclasses.replace(t, shards=(layout_lib.Shard(
                 regions.whole(t.global_shape),
-                math.prod(t.global_shape) * layout_lib.ITEMSIZE[t.dtype]),))
+                math.prod(t.global_shape) * checks.ITEMSIZE[t.dtype]),))
             for t in written.tensors))
 
     def load(self, job: str, rank: int, step: int, layout: layout_lib.Layout):

@@ -10,6 +10,7 @@ reads; in a CheckpointManager's item folder, that the rank's write is durable.
 import dataclasses
 import math
 
+from bubblesnap.service import checks
 from bubblesnap.service.durable import orbax_layout
 from bubblesnap.service.store import layout as layout_lib
 
@@ -56,7 +57,7 @@ class WrittenRank:
         return layout_lib.Layout(tuple(
             layout_lib.Tensor(t.name, t.dtype, t.shape, tuple(
                 layout_lib.Shard(box, math.prod(b - a for a, b in box)
-                                 * layout_lib.ITEMSIZE[t.dtype])
+                                 * checks.ITEMSIZE[t.dtype])
                 for box in t.regions), t.job_wide)
             for t in self.tensors))
 
@@ -88,7 +89,7 @@ class WrittenRank:
             tuple(int(c) for c in t["checksums"]))
             for t in data["tensors"])
         for t in tensors:
-            if len(t.regions) != len(t.checksums) or t.dtype not in layout_lib.ITEMSIZE:
+            if len(t.regions) != len(t.checksums) or t.dtype not in checks.ITEMSIZE:
                 raise ValueError(f"tensor {t.name!r}: regions, checksums or dtype malformed")
         return cls(str(data["job"]), int(data["step"]), int(data["rank"]),
                    int(data["world_size"]), tuple(int(r) for r in data["replica_group"]),

@@ -23,9 +23,9 @@ import dataclasses
 import logging
 import time
 
-from bubblesnap import checkpoint_record
 from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.background import CoalescingWorker
+from bubblesnap.service.checks import is_folder_job
 from bubblesnap.service.durable import (
     checkpoint,
     copy_plan,
@@ -42,7 +42,7 @@ from bubblesnap.service.durable.sidecar import WrittenRank
 from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, bounded, shown
 from bubblesnap.service.log_once import warn_once
 from bubblesnap.service.progress import Progress
-from bubblesnap.service.store.layout import is_folder_job
+from bubblesnap.shared import checkpoint_record
 
 log = logging.getLogger("bubblesnap.daemon")
 

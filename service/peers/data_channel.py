@@ -22,7 +22,7 @@ from bubblesnap.protos.checksum import SlotHasher, new_hasher
 from bubblesnap.service import progress
 from bubblesnap.service.errors import Aborted
 from bubblesnap.service.peers.addresses import check_address
-from bubblesnap.sockets import recv_exact_into
+from bubblesnap.shared.sockets import recv_exact_into
 
 TICKET_BYTES = 16
 

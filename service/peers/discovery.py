@@ -18,7 +18,7 @@ Service lists exactly that many, itself among them.
 import dataclasses
 import ipaddress
 
-from bubblesnap.options import is_number, require
+from bubblesnap.shared.options import is_number, require
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

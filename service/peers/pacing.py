@@ -14,7 +14,7 @@ one. Times are seconds on the daemon's monotonic clock; nothing here reads it.
 import dataclasses
 from collections.abc import Sequence
 
-from bubblesnap.options import require
+from bubblesnap.shared.options import require
 
 #: A stage whose latest bubble is older than this many of its iterations stopped
 #: reporting (it ended, or it left the pipeline): it no longer decides.

@@ -3,10 +3,10 @@
 import dataclasses
 import urllib.parse
 
-from bubblesnap.options import require
 from bubblesnap.service.coordination.options import CoordinationOptions
 from bubblesnap.service.peers.pacing import PacingOptions
 from bubblesnap.service.peers.security import PeerSecurity
+from bubblesnap.shared.options import require
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,14 +10,9 @@ import math
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service import checks
 from bubblesnap.service.bubbles.plans import BubbleEvent, check_seconds
-from bubblesnap.service.durable import persist as persist_lib
-from bubblesnap.service.errors import InvalidArgument
-from bubblesnap.service.peers import data_channel
-from bubblesnap.service.peers.addresses import check_address
-from bubblesnap.service.region_plan import AnswerForm, Asked
-from bubblesnap.service.store import layout as layout_lib
-from bubblesnap.service.store.layout import (
+from bubblesnap.service.checks import (
     MAX_BYTES,
     MAX_RANKS,
     MAX_SHARDS,
@@ -26,6 +21,12 @@ from bubblesnap.service.store.layout import (
     MAX_TENSORS,
     check_count,
 )
+from bubblesnap.service.durable import persist as persist_lib
+from bubblesnap.service.errors import InvalidArgument
+from bubblesnap.service.peers import data_channel
+from bubblesnap.service.peers.addresses import check_address
+from bubblesnap.service.restore.region_plan import AnswerForm, Asked
+from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.model import BubbleUsage, CopyState
 
 _STATES = {CopyState.STAGING: pb.STAGING, CopyState.LOCAL: pb.LOCAL}
@@ -43,25 +44,25 @@ MAX_LOGS = 1 << 14
 def job(name: str, optional: bool = False) -> str:
     """A job name as the parts may use it (empty allowed when ``optional``: all jobs)."""
     if name or not optional:
-        layout_lib.check_job_name(name)
+        checks.check_job_name(name)
     return name
 
 
 def job_rank(request) -> tuple[str, int]:
-    layout_lib.check_job_name(request.job)
-    layout_lib.check_rank(request.rank)
+    checks.check_job_name(request.job)
+    checks.check_rank(request.rank)
     return request.job, request.rank
 
 
 def job_rank_step(request) -> tuple[str, int, int]:
-    layout_lib.check_step(request.step)
+    checks.check_step(request.step)
     return (*job_rank(request), request.step)
 
 
 def world(world_size: int) -> int:
     """A caller's world size: 0 (not said) or a valid number of ranks."""
     if world_size:
-        layout_lib.check_world(0, world_size)
+        checks.check_world(0, world_size)
     return world_size
 
 
@@ -69,16 +70,16 @@ def optional_step(request, field: str = "step") -> int | None:
     if not request.HasField(field):
         return None
     step = getattr(request, field)
-    layout_lib.check_step(step)
+    checks.check_step(step)
     return step
 
 
 def registration(request) -> tuple:
     """(job, rank, world size, layout, replica group) of a RegisterRequest."""
-    layout_lib.check_job_name(request.job)
-    layout_lib.check_world(request.rank, request.world_size)
+    checks.check_job_name(request.job)
+    checks.check_world(request.rank, request.world_size)
     layout = layout_lib.build_layout(request.tensors)
-    group = layout_lib.check_replica_group(request.rank, request.world_size,
+    group = checks.check_replica_group(request.rank, request.world_size,
                                            request.replica_group)
     return request.job, request.rank, request.world_size, layout, group
 
@@ -99,7 +100,7 @@ def persist(request) -> tuple[str, int, int, str]:
 def drop_after(request) -> tuple[str, int]:
     """(job, step) of a DropAfterRequest (-1: every step)."""
     if request.step != -1:
-        layout_lib.check_step(request.step)
+        checks.check_step(request.step)
     return job(request.job), request.step
 
 
@@ -124,13 +125,13 @@ def asked_regions(request) -> list[Asked]:
     check_count("regions", sum(len(t.regions) for t in request.tensors), MAX_SLOTS)
     asked = []
     for tensor in request.tensors:
-        layout_lib.check_tensor_name(tensor.name)
-        layout_lib.check_dtype(tensor.name, tensor.dtype)
-        shape = layout_lib.check_shape(tensor.name, tensor.dtype, tensor.global_shape)
+        checks.check_tensor_name(tensor.name)
+        checks.check_dtype(tensor.name, tensor.dtype)
+        shape = checks.check_shape(tensor.name, tensor.dtype, tensor.global_shape)
         if len(tensor.regions) > MAX_SHARDS:
             raise InvalidArgument(f"{len(tensor.regions)} regions of {tensor.name!r} asked; "
                                   f"at most {MAX_SHARDS}")
-        boxes = tuple(layout_lib.check_box(tensor.name, shape,
+        boxes = tuple(checks.check_box(tensor.name, shape,
                                            tuple((s.start, s.stop) for s in region.index))
                       for region in tensor.regions)
         asked.append(Asked(tensor.name, tensor.dtype, shape, boxes))
@@ -139,7 +140,7 @@ def asked_regions(request) -> list[Asked]:
 
 def wait_committed(request) -> tuple[str, int, float]:
     """(job, step, timeout) of a WaitCommittedRequest."""
-    layout_lib.check_step(request.step)
+    checks.check_step(request.step)
     return job(request.job), request.step, seconds(request.timeout_seconds)
 
 
@@ -147,18 +148,18 @@ def deleted(request) -> tuple[str, tuple[int, ...]]:
     """(job, steps) of a DeleteSnapshotsRequest."""
     check_count("steps", len(request.steps), MAX_STEPS_NAMED)
     for step in request.steps:
-        layout_lib.check_step(step)
+        checks.check_step(step)
     return job(request.job), tuple(request.steps)
 
 
 def replica(request) -> tuple:
     """(job, world size, rank, step, layout, checksums, replica group) of a ReplicateRequest."""
-    layout_lib.check_job_name(request.job)
-    layout_lib.check_world(request.rank, request.world_size)
-    layout_lib.check_step(request.step)
+    checks.check_job_name(request.job)
+    checks.check_world(request.rank, request.world_size)
+    checks.check_step(request.step)
     layout = layout_lib.build_layout(request.tensors)
     check_count("checksums", len(request.checksums), MAX_SLOTS)
-    group = layout_lib.check_replica_group(request.rank, request.world_size,
+    group = checks.check_replica_group(request.rank, request.world_size,
                                            request.replica_group)
     return (request.job, request.world_size, request.rank, request.step, layout,
             tuple(request.checksums), group)
@@ -187,7 +188,7 @@ def slots_asked(request) -> tuple[int, ...]:
 def rollback(request) -> tuple[str, int, int]:
     """(job, world size, step) of a RollbackRequest (step -1: every copy is dropped)."""
     if request.step != -1:
-        layout_lib.check_step(request.step)
+        checks.check_step(request.step)
     return job(request.job), world(request.world_size), request.step
 
 

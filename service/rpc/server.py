@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from bubblesnap.service.rpc import local_socket
 from bubblesnap.service.rpc.handlers import StreamLimit, aio_handler
-from bubblesnap.trainer_api import socket_path
+from bubblesnap.shared.trainer_api import socket_path
 
 
 class TrainerServer:

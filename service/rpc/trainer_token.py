@@ -11,7 +11,7 @@ on TCP without a token refuses them.
 import hmac
 
 from bubblesnap.service.errors import Unauthenticated
-from bubblesnap.trainer_api import TOKEN_ENV, TOKEN_METADATA
+from bubblesnap.shared.trainer_api import TOKEN_ENV, TOKEN_METADATA
 
 
 class TrainerToken:

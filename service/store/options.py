@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from bubblesnap.options import require
+from bubblesnap.shared.options import require
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

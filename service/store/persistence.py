@@ -23,6 +23,7 @@ import json
 import os
 from types import SimpleNamespace
 
+from bubblesnap.service import checks
 from bubblesnap.service.errors import DaemonError
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.layout import Layout
@@ -126,11 +127,11 @@ def _decode(header: dict, tensors: list) -> CopyRecord:
     if not isinstance(job, str) or not all(
             isinstance(n, int) for n in (rank, step, world_size, job_world)):
         raise ValueError("job, rank, step and world sizes must be a string and integers")
-    layout_lib.check_job_name(job)
-    layout_lib.check_world(rank, world_size)
-    layout_lib.check_world(0, job_world)
-    layout_lib.check_step(step)
-    group = layout_lib.check_replica_group(rank, world_size, [int(m) for m in header["group"]])
+    checks.check_job_name(job)
+    checks.check_world(rank, world_size)
+    checks.check_world(0, job_world)
+    checks.check_step(step)
+    group = checks.check_replica_group(rank, world_size, [int(m) for m in header["group"]])
     checksums = tuple(int(c) for c in header["checksums"])
     if len(checksums) != len(layout.slots()) or not all(0 <= c < 1 << 64 for c in checksums):
         raise ValueError(f"{len(checksums)} checksums for {len(layout.slots())} shards")

@@ -40,10 +40,10 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from bubblesnap import page_faults
-from bubblesnap.service import phases
 from bubblesnap.service.errors import ResourceExhausted
+from bubblesnap.service.restore import phases
 from bubblesnap.service.store import pages
+from bubblesnap.shared import page_faults
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -82,7 +82,7 @@ class Segment:
 
     def prefault(self, workers: Executor | None = None) -> None:
         """Faults every page in now (writable, in this mapping), so that bytes written
-        later land at memcpy speed; nothing once done (bubblesnap.page_faults: other
+        later land at memcpy speed; nothing once done (bubblesnap.shared.page_faults: other
         threads run meanwhile). ``workers``: the pieces on its threads (faults scale
         with the cores); timed as the ``prefault`` phase."""
         if self.faulted:

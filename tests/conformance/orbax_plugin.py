@@ -59,7 +59,7 @@ def pytest_configure(config):
 
 def _count_tiers() -> None:
     """Counts, per test, which of bubblesnap's paths each pytree item took."""
-    from bubblesnap.clients.jax.memory_tier import MemoryTier
+    from bubblesnap.clients.jax.tier.memory_tier import MemoryTier
 
     save, restore = MemoryTier.save_item, MemoryTier.restore_item
 

@@ -4,7 +4,7 @@ trainers do: the iterator through a handler of its own (the shape of Grain's:
 handler, both in every step's ``Composite``; on resume, as frameworks do, the iterator
 is restored only if the step's folder has it (``directory/<step>/iter``).
 
-A target for ``bubblesnap.multihost.JaxJob``: ``args["manager"]`` picks Orbax's manager or
+A target for ``bubblesnap.testing.multihost.JaxJob``: ``args["manager"]`` picks Orbax's manager or
 bubblesnap's (the import swapped); it resumes from the latest step, trains to
 ``args["steps"]`` reading batch ``position`` from the iterator, saves every
 ``args["every"]`` steps (``args["memory"]``: every step held in memory only between
@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from bubblesnap.multihost import crash
+from bubblesnap.testing.multihost import crash
 
 
 class PositionHandler(ocp.CheckpointHandler):

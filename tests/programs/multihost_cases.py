@@ -1,4 +1,4 @@
-"""What each process of the multi-host tests runs, under ``bubblesnap.multihost.JaxJob``.
+"""What each process of the multi-host tests runs, under ``bubblesnap.testing.multihost.JaxJob``.
 
 ``layouts``: which regions each process copies, without a daemon. ``train``:
 snapshot a few steps of some jobs (waiting for the job to commit each),
@@ -20,7 +20,7 @@ from trees import nested
 
 from bubblesnap.clients import ClientOptions, RestoreError
 from bubblesnap.clients.jax import SnapshotClient, _layout, _transfer
-from bubblesnap.multihost import crash, event
+from bubblesnap.testing.multihost import crash, event
 
 #: The job-wide state: name -> (shape, dtype, partition spec on the ("x", "y") mesh).
 GLOBAL = {"f32": ((8, 6), np.float32, P("x", "y")),
@@ -147,7 +147,7 @@ def train(args) -> dict:
 
 
 def crash_one_after_another(args) -> None:
-    """Every process crashes (``bubblesnap.multihost.crash``), process 0 first and each
+    """Every process crashes (``bubblesnap.testing.multihost.crash``), process 0 first and each
     next one ``args["lag"]`` seconds later, as processes of a loaded host fall behind."""
     time.sleep(jax.process_index() * args["lag"])
     crash()

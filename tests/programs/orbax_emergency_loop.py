@@ -7,7 +7,7 @@ construction.
 
 ``args["manager"]``: ``orbax`` (Orbax's emergency module), ``bubblesnap`` (the import
 swapped) or ``patched`` (the code unchanged, in a process started with bubblesnap's
-switch). A target for ``bubblesnap.multihost.JaxJob`` (one process or several under
+switch). A target for ``bubblesnap.testing.multihost.JaxJob`` (one process or several under
 ``jax.distributed``, devices interleaved over the processes). With ``args["kill"]`` it
 stops after step ``args["kill_at"]`` (its save finished), writes the digest of the
 state it had into ``<root>/killed.digest`` and crashes. It reports the step it resumed
@@ -22,7 +22,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax.training import train_state
 
-from bubblesnap.multihost import crash
+from bubblesnap.testing.multihost import crash
 from tests.programs.orbax_loops import _batch, _mesh, _Mlp, _shard, chosen_module, digest
 
 

@@ -2,11 +2,11 @@
 Orbax's manager or with bubblesnap's: ``args["manager"]`` picks the import, the one
 line a user changes.
 
-A target for ``bubblesnap.multihost.JaxJob`` (one process or several under
+A target for ``bubblesnap.testing.multihost.JaxJob`` (one process or several under
 ``jax.distributed``; one global mesh whose devices are ordered so that a
 process's devices are not contiguous): it resumes from the latest step if
 there is one, trains to ``steps``, saves every step, and at ``kill_at``
-waits for the save to finish and crashes (``bubblesnap.multihost.crash``: the parent
+waits for the save to finish and crashes (``bubblesnap.testing.multihost.crash``: the parent
 SIGKILLs every process once each got there, then runs the loop again).
 It returns the step it resumed from and a digest of its final local shards.
 bubblesnap's manager finds its daemon through $BUBBLESNAP_DAEMON.
@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bubblesnap.multihost import crash
+from bubblesnap.testing.multihost import crash
 
 
 def _import_manager(name: str):

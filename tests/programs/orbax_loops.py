@@ -6,7 +6,7 @@
 ``orbax.checkpoint.CheckpointManager`` itself, in a process started with
 bubblesnap's switch: ``BUBBLESNAP_ORBAX=1`` and its bootstrap on PYTHONPATH).
 
-A target for ``bubblesnap.multihost.JaxJob`` (one process or several under
+A target for ``bubblesnap.testing.multihost.JaxJob`` (one process or several under
 ``jax.distributed``, one global mesh whose devices are ordered so a
 process's devices are not contiguous). Every loop in ``args["loops"]`` runs
 in turn in its own folder of ``args["root"]`` (named
@@ -14,7 +14,7 @@ in turn in its own folder of ``args["root"]`` (named
 step if there is one and trains, saving as its project does, until
 ``args["steps"]``; with ``args["kill"]`` it stops after ``args["kill_at"]``
 (its last save finished) and, once every loop did, the process crashes
-(``bubblesnap.multihost.crash``: the parent SIGKILLs every process once each
+(``bubblesnap.testing.multihost.crash``: the parent SIGKILLs every process once each
 got there). Each loop reports the step it resumed from, a digest of its final
 global state (the same in any process count), ``all_steps()`` and the
 metadata it read back.
@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bubblesnap.multihost import crash
+from bubblesnap.testing.multihost import crash
 
 
 def _managers(name: str):

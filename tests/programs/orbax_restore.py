@@ -1,6 +1,6 @@
 """Plain Orbax restores a durable step of ``regions_state``'s job, checked bit for bit.
 
-A target for ``bubblesnap.multihost.JaxJob``: every process of the job (one
+A target for ``bubblesnap.testing.multihost.JaxJob``: every process of the job (one
 with 4 CPU devices, or two with 2 each under ``jax.distributed``) builds one
 global (2, 2) mesh of all the job's devices, asks
 ``StandardCheckpointer().restore(path, abstract_state)`` for the state in

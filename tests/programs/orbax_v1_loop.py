@@ -8,10 +8,10 @@ save and load, one file per process, as Grain's iterators are saved), saved ever
 ``args["checkpointer"]`` picks the one line a user changes: ``orbax`` (Orbax v1's
 ``training`` module), ``bubblesnap`` (the import swapped) or ``patched`` (the code
 unchanged, in a process started with bubblesnap's switch). A target for
-``bubblesnap.multihost.JaxJob``: one process or several under ``jax.distributed``, one
+``bubblesnap.testing.multihost.JaxJob``: one process or several under ``jax.distributed``, one
 global mesh whose devices are interleaved over the processes. With ``args["kill"]`` it
 stops after step ``args["kill_at"]`` (its save finished) and crashes
-(``bubblesnap.multihost.crash``). It reports the step it resumed from, how many
+(``bubblesnap.testing.multihost.crash``). It reports the step it resumed from, how many
 checkpointables came back from the daemons' memory, a digest of the final global state,
 the iterator's position and the steps kept.
 """
@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from bubblesnap.multihost import crash
+from bubblesnap.testing.multihost import crash
 from tests.programs.orbax_loops import _batch, _mesh, _Mlp, _shard, chosen_module, digest
 
 
@@ -103,7 +103,7 @@ def train(args: dict) -> dict:
 
 def _count_memory_loads() -> list:
     """Counts the checkpointables bubblesnap's manager restores from memory."""
-    from bubblesnap.clients.jax.checkpoint_manager import CheckpointManager
+    from bubblesnap.clients.jax.manager.checkpoint_manager import CheckpointManager
 
     count, restore = [0], CheckpointManager.restore_from_memory
 

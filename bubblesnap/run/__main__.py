@@ -1,0 +1,3 @@
+from bubblesnap.run.launcher import main
+
+raise SystemExit(main())
