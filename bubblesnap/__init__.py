@@ -21,7 +21,7 @@ MOVED = {
     "bubblesnap.cli_daemon": "bubblesnap.cli.daemon_command",
     "bubblesnap.cli_inspect": "bubblesnap.cli.inspect_command",
     "bubblesnap.cli_plan": "bubblesnap.cli.plan_command",
-    "bubblesnap.huge_malloc": "bubblesnap.cli.huge_malloc",
+    "bubblesnap.huge_malloc": "bubblesnap.shared.huge_malloc",
     "bubblesnap.orbax_patch": "bubblesnap.run.orbax_patch",
     "bubblesnap.cluster": "bubblesnap.testing.cluster",
     "bubblesnap.object_stores": "bubblesnap.testing.object_stores",
@@ -38,7 +38,14 @@ MOVED = {
     "bubblesnap.clients.jax.checkpoint_manager":
         "bubblesnap.clients.jax.manager.checkpoint_manager",
     "bubblesnap.clients.jax.manager_options": "bubblesnap.clients.jax.manager.manager_options",
-    "bubblesnap.clients.jax.persist_future": "bubblesnap.clients.jax.tier.persist_future",
+    **{f"bubblesnap.clients.jax.{name}": f"bubblesnap.clients.jax.tier.{name}" for name in (
+        "persist_future", "memory_tier", "tier_handler", "orbax_v1", "item_snapshot",
+        "item_restore", "memory_steps", "checkpoint_tree")},
+    **{f"bubblesnap.service.{name}": f"bubblesnap.service.restore.{name}" for name in (
+        "assembly", "region_cut", "region_plan")},
+    "bubblesnap.service.durable.object_storage": "bubblesnap.service.durable.storage.objects",
+    "bubblesnap.service.durable.object_config":
+        "bubblesnap.service.durable.storage.object_config",
 }
 
 
@@ -51,10 +58,13 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         warnings.warn(f"{spec.name} moved to {MOVED[spec.name]}; import it from there",
                       DeprecationWarning, stacklevel=2)
-        return importlib.import_module(MOVED[spec.name])
+        module = importlib.import_module(MOVED[spec.name])
+        spec.loader_state = module.__spec__  # the import system sets the old name's next
+        return module
 
     def exec_module(self, module):
-        pass  # the module it moved to ran already
+        # the module it moved to ran already; its own spec back (reload() reads it)
+        module.__spec__ = module.__spec__.loader_state
 
 
 sys.meta_path.append(_MovedModules())

@@ -3,7 +3,7 @@ groups, counts of repeated fields, dtypes, shapes and boxes, with their ranges. 
 
 The RPC edge (rpc/messages.py) checks every request with them in one pass, before
 any part of the daemon sees it; the store checks what it reads back from disk
-(persistence.py) and builds layouts (store/layout.py) with the same rules.
+(store/persistence.py) and builds layouts (store/layout.py) with the same rules.
 """
 
 import math

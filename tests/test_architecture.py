@@ -101,7 +101,8 @@ def _modules() -> dict[str, Path]:
 def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The modules of ``modules`` that ``name`` imports, at any depth of its code (an import
     inside a function still ties the two): ``from p import m`` is module ``p.m`` where
-    that is one, else ``p``."""
+    that is one, else ``p``; and the packages above each that importing it runs first
+    (their faces), but those above ``name`` itself (they ran before it)."""
     found = set()
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -114,7 +115,14 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 found.add(full if full in modules else base)
-    return (found & modules.keys()) - {name}
+    faces = {package for module in found for package in _packages_above(module)
+             if not name.startswith(package + ".")}
+    return ((found | faces) & modules.keys()) - {name}
+
+
+def _packages_above(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -157,9 +165,22 @@ def test_no_modules_import_each_other_in_a_circle():
     assert _circles(graph) == []
 
 
-def test_the_circle_finder_finds_one():
+def test_the_circle_finder_finds_one(tmp_path):
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+    # a package's face runs before its modules: q.b importing p.c runs p's face, which
+    # imports p.a, which imports q.b (a circle no module-to-module edge shows)
+    sources = {"p/__init__.py": "from p import a\n", "p/a.py": "import q.b\n", "p/c.py": "",
+               "q/__init__.py": "", "q/b.py": "from p import c\n"}
+    modules = {}
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+        modules[name.removesuffix(".py").removesuffix("/__init__").replace("/", ".")] = \
+            tmp_path / name
+    graph = {name: _imported(name, path, modules) for name, path in modules.items()}
+    assert graph["q.b"] == {"p", "p.c"} and graph["p.a"] == {"q", "q.b"}
+    assert _circles(graph) == [["p", "p.a", "q.b"]]
 
 
 def test_the_top_of_the_package_is_faces_and_packages():

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from bubblesnap.cli import huge_malloc
-from bubblesnap.cli.huge_malloc import environment
+from bubblesnap.shared import huge_malloc
+from bubblesnap.shared.huge_malloc import environment
 
 ON = "glibc.malloc.hugetlb=1"
 

@@ -136,6 +136,17 @@ def test_a_module_takes_its_own_flags_and_the_bootstrap_may_be_on_the_path_twice
     assert out.strip() == "bubblesnap.clients.jax.manager.checkpoint_manager"
 
 
+def test_the_bootstrap_folder_s_old_place_on_the_path_still_patches_and_says_it_moved():
+    old = os.path.join(os.path.dirname(os.path.dirname(orbax_patch.bootstrap_path())),
+                       "bootstrap")
+    path = os.pathsep.join(filter(None, [old, os.environ.get("PYTHONPATH")]))
+    code, out, err = run("-c", "import orbax.checkpoint as o; print(o.CheckpointManager."
+                         "__module__)", env={"PYTHONPATH": path, orbax_patch.ENV: "1"})
+    assert code == 0 and "Error in sitecustomize" not in err, err
+    assert out.strip() == "bubblesnap.clients.jax.manager.checkpoint_manager"
+    assert f"moved to {orbax_patch.bootstrap_path()}" in err
+
+
 def test_a_daemon_started_with_the_switch_is_not_patched(tmp_path):
     path = os.pathsep.join(filter(None, [orbax_patch.bootstrap_path(),
                                          os.environ.get("PYTHONPATH")]))

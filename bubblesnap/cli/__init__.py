@@ -7,6 +7,9 @@ import argparse
 import sys
 
 from bubblesnap.cli import daemon_command, plan_command, status_command
+from bubblesnap.cli.status_command import format_status, in_flight_line
+
+__all__ = ["format_status", "in_flight_line", "main", "parser"]
 
 
 def _inspect_parser(sub) -> None:

@@ -324,8 +324,8 @@ def daemon_options(args):
 
 
 def _run_daemon(args) -> int:
-    from bubblesnap.cli import huge_malloc
     from bubblesnap.run import orbax_patch
+    from bubblesnap.shared import huge_malloc
     huge_malloc.reexec()  # once, before any thread or buffer: the flags parsed, the rest not
     from bubblesnap.service import DaemonStartError, run
     orbax_patch.uninstall()  # a switch inherited from a launcher is the trainers', not ours

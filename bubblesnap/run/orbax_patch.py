@@ -32,9 +32,10 @@ import logging
 import os
 import sys
 
+# (MEMORY_INTERVAL_ENV: read by the clients; named here before launch_env.py held it)
+from bubblesnap.shared.launch_env import MEMORY_INTERVAL_ENV  # noqa: F401
 from bubblesnap.shared.launch_env import ORBAX_SWITCH_ENV as ENV
 
-#: The switch Python's start-up reads (bootstrap/sitecustomize.py): "1" patches.
 _TARGET = "orbax.checkpoint"
 #: The modules whose ``CheckpointManager`` is Orbax's manager, replaced.
 NAMES = ("orbax.checkpoint", "orbax.checkpoint.checkpoint_manager",

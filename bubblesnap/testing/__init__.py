@@ -1,16 +1,16 @@
 """The test harness: real daemons, rings, etcd, hosts in network namespaces and object
 stores started as child processes, as tests, examples and benchmarks launch them.
 
-Everything here runs ``python -m bubblesnap daemon`` as a separate process,
-exactly as a host would, and talks to it only through what the daemon
-offers the outside: the JSON "ready" line it prints on stdout, its gRPC
-services (the standard ``grpc.health.v1`` health service among them) and
-its signals (SIGTERM stops it and frees its shared memory, SIGKILL is a lost
-host). Nothing started here outlives the process that started it: should that
-process die without stopping them (even by SIGKILL), its reaper
-(:mod:`bubblesnap.testing.reaper`) kills its daemons and etcd and removes their
-shared-memory and socket folders (and the folders made with
-:func:`reaped_tempdir`).
+A daemon runs as ``python -m bubblesnap daemon`` in a process of its own, exactly as
+a host would run it, and is talked to only through what it offers the outside: the
+JSON "ready" line it prints on stdout, its gRPC services (the standard
+``grpc.health.v1`` health service among them) and its signals (SIGTERM stops it and
+frees its shared memory, SIGKILL is a lost host); etcd, the object stores and a
+jax.distributed job's processes are real processes too. Nothing started here
+outlives the process that started it: should that process die without stopping
+them (even by SIGKILL), its reaper (:mod:`bubblesnap.testing.reaper`) kills what it
+started and removes their shared-memory and socket folders (and the folders made
+with :func:`reaped_tempdir`).
 
     from bubblesnap.testing import DaemonProcess, Ring, wait_for
 

@@ -15,8 +15,8 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bubblesnap.cli import huge_malloc
 from bubblesnap.protos import daemon_pb2, daemon_pb2_grpc
+from bubblesnap.shared import huge_malloc
 from bubblesnap.testing import reaper
 from bubblesnap.testing.processes import freeze, in_netns, stopped, thread_states, wait_for
 
@@ -46,7 +46,7 @@ class DaemonProcess:
     ``"--listen", "127.0.0.1:0"`` puts it on a free loopback port). ``metrics`` is the
     ``--metrics`` address ("" disables it, "127.0.0.1:0" picks a port),
     ``env`` is added to this process's environment, which gets glibc's huge-page
-    tunable as ``bubblesnap daemon`` would (:mod:`bubblesnap.cli.huge_malloc`), so that
+    tunable as ``bubblesnap daemon`` would (:mod:`bubblesnap.shared.huge_malloc`), so that
     the daemon need not execute itself again, unless ``env`` names ``GLIBC_TUNABLES``
     itself. ``stderr`` is where the
     daemon's log goes: None inherits this process's stderr,

@@ -14,7 +14,7 @@ the import (or with nothing changed, under ``python -m bubblesnap.run``)::
 
 The class *is* Orbax's (subclassed): its options, policies, step naming, metadata,
 errors and files are Orbax's. Its manager is bubblesnap's CheckpointManager
-(checkpoint_manager.py) with the options Orbax's Checkpointer gives it, so what holds
+(manager/checkpoint_manager.py) with the options Orbax's Checkpointer gives it, so what holds
 for a manager holds here: the user's policies decide what persists, each checkpointable
 Orbax's v1 PyTreeHandler saves is copied into this host's daemon and written by it into
 the step's folder (``wait`` returns with it on disk), other checkpointables are their

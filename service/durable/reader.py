@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum
-from bubblesnap.service import checks, progress
+from bubblesnap.service import checks, phases, progress
 from bubblesnap.service.durable import checkpoint, orbax_layout, storage
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.listing import Listings
@@ -20,7 +20,6 @@ from bubblesnap.service.errors import (
     NotFound,
     Unavailable,
 )
-from bubblesnap.service.restore import phases
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store import regions
 

@@ -13,11 +13,11 @@ import dataclasses
 import grpc
 
 from bubblesnap.protos import peer_pb2 as ppb
+from bubblesnap.service import phases
 from bubblesnap.service.errors import Aborted, DataLoss, InvalidArgument
 from bubblesnap.service.peers import data_channel, spread
 from bubblesnap.service.peers.addresses import check_address
 from bubblesnap.service.peers.data_server import DataServer
-from bubblesnap.service.restore import phases
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.views import PinnedCopy
 

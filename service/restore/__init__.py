@@ -3,9 +3,10 @@
 restorer.py is the entry point (:class:`Restorer`: the step every rank can restore, from
 memory, a peer or the durable tier); region_plan.py (pure) says which shards fill each
 region asked, assembly.py reads them, verified, and region_cut.py cuts them into the
-answer; answer_segment.py names the answer's segment early to the caller, phases.py
-records where a restore's time went. The store, the peers and the durable reader time
-their parts and name segments through the last two.
+answer. The answer's segment is named early to the caller through
+service/answer_segment.py and where a restore's time went is recorded by
+service/phases.py: both lie outside this package, since the store, the peers and the
+durable reader, which this package imports, use them too.
 """
 
 from bubblesnap.service.restore.restorer import CorruptCopy, Restored, Restorer

@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from bubblesnap.protos.checksum import checksum, checksum_with_runs
-from bubblesnap.service import checks
+from bubblesnap.service import answer_segment, checks, phases
 from bubblesnap.service.errors import (
     DaemonError,
     DataLoss,
@@ -28,7 +28,7 @@ from bubblesnap.service.errors import (
     Unavailable,
     reason,
 )
-from bubblesnap.service.restore import answer_segment, phases, region_cut
+from bubblesnap.service.restore import region_cut
 from bubblesnap.service.restore.region_plan import AnswerForm, Asked, RegionPlan
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store import regions

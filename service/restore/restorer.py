@@ -22,7 +22,7 @@ import time
 
 import grpc
 
-from bubblesnap.service import checks
+from bubblesnap.service import checks, phases
 from bubblesnap.service.errors import (
     DaemonError,
     DataLoss,
@@ -33,7 +33,7 @@ from bubblesnap.service.errors import (
 )
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.progress import Progress
-from bubblesnap.service.restore import assembly, phases, region_plan
+from bubblesnap.service.restore import assembly, region_plan
 from bubblesnap.service.rollback import Rollbacks
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.views import Restorable

@@ -12,15 +12,6 @@ from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.protos import peer_pb2 as ppb
 from bubblesnap.service import checks
 from bubblesnap.service.bubbles.plans import BubbleEvent, check_seconds
-from bubblesnap.service.checks import (
-    MAX_BYTES,
-    MAX_RANKS,
-    MAX_SHARDS,
-    MAX_SLOTS,
-    MAX_STEP,
-    MAX_TENSORS,
-    check_count,
-)
 from bubblesnap.service.durable import persist as persist_lib
 from bubblesnap.service.errors import InvalidArgument
 from bubblesnap.service.peers import data_channel
@@ -86,7 +77,7 @@ def registration(request) -> tuple:
 
 def commit(request) -> tuple:
     """(job, rank, step, checksums, usage, next step, staged as) of a CommitStepRequest."""
-    check_count("checksums", len(request.checksums), MAX_SLOTS)
+    checks.check_count("checksums", len(request.checksums), checks.MAX_SLOTS)
     return (*job_rank_step(request), tuple(request.checksums), usage(request.usage),
             optional_step(request, "next_step"), optional_step(request, "staged_as"))
 
@@ -107,7 +98,7 @@ def drop_after(request) -> tuple[str, int]:
 def restore(request) -> tuple:
     """(job, rank, step, replica group, alone, world size, regions) of a RestoreRequest
     (the replica group is checked against the job's world size where it is known)."""
-    check_count("ranks in replica_group", len(request.replica_group), MAX_RANKS)
+    checks.check_count("ranks in replica_group", len(request.replica_group), checks.MAX_RANKS)
     return (*job_rank(request), optional_step(request), tuple(request.replica_group),
             request.alone, world(request.world_size), asked_regions(request))
 
@@ -121,16 +112,16 @@ def answer_form(request, several_segments: bool) -> AnswerForm:
 
 def asked_regions(request) -> list[Asked]:
     """The tensors and regions a RestoreRequest asks for (none: the rank's own copy)."""
-    check_count("tensors", len(request.tensors), MAX_TENSORS)
-    check_count("regions", sum(len(t.regions) for t in request.tensors), MAX_SLOTS)
+    checks.check_count("tensors", len(request.tensors), checks.MAX_TENSORS)
+    checks.check_count("regions", sum(len(t.regions) for t in request.tensors), checks.MAX_SLOTS)
     asked = []
     for tensor in request.tensors:
         checks.check_tensor_name(tensor.name)
         checks.check_dtype(tensor.name, tensor.dtype)
         shape = checks.check_shape(tensor.name, tensor.dtype, tensor.global_shape)
-        if len(tensor.regions) > MAX_SHARDS:
+        if len(tensor.regions) > checks.MAX_SHARDS:
             raise InvalidArgument(f"{len(tensor.regions)} regions of {tensor.name!r} asked; "
-                                  f"at most {MAX_SHARDS}")
+                                  f"at most {checks.MAX_SHARDS}")
         boxes = tuple(checks.check_box(tensor.name, shape,
                                            tuple((s.start, s.stop) for s in region.index))
                       for region in tensor.regions)
@@ -146,7 +137,7 @@ def wait_committed(request) -> tuple[str, int, float]:
 
 def deleted(request) -> tuple[str, tuple[int, ...]]:
     """(job, steps) of a DeleteSnapshotsRequest."""
-    check_count("steps", len(request.steps), MAX_STEPS_NAMED)
+    checks.check_count("steps", len(request.steps), MAX_STEPS_NAMED)
     for step in request.steps:
         checks.check_step(step)
     return job(request.job), tuple(request.steps)
@@ -158,7 +149,7 @@ def replica(request) -> tuple:
     checks.check_world(request.rank, request.world_size)
     checks.check_step(request.step)
     layout = layout_lib.build_layout(request.tensors)
-    check_count("checksums", len(request.checksums), MAX_SLOTS)
+    checks.check_count("checksums", len(request.checksums), checks.MAX_SLOTS)
     group = checks.check_replica_group(request.rank, request.world_size,
                                            request.replica_group)
     return (request.job, request.world_size, request.rank, request.step, layout,
@@ -181,7 +172,7 @@ def joined(request) -> tuple[int, str]:
 
 
 def slots_asked(request) -> tuple[int, ...]:
-    check_count("slots", len(request.slots), MAX_SLOTS)
+    checks.check_count("slots", len(request.slots), checks.MAX_SLOTS)
     return tuple(request.slots)
 
 
@@ -203,7 +194,7 @@ def usage(u: pb.BubbleUsage) -> BubbleUsage:
     """How a copy used its bubbles, as the client measured it: bounded numbers."""
     for name in ("offered_seconds", "used_seconds", "spilled_seconds", "overrun_seconds"):
         check_seconds(f"usage.{name}", getattr(u, name))
-    for name, most in (("spilled_bytes", MAX_BYTES), ("bubbles", 1 << 31),
+    for name, most in (("spilled_bytes", checks.MAX_BYTES), ("bubbles", 1 << 31),
                        ("iterations", 1 << 31)):
         if not 0 <= getattr(u, name) < most:
             raise InvalidArgument(f"usage.{name} of {getattr(u, name)}: send 0 or more")
@@ -218,14 +209,14 @@ def log_records(request) -> tuple[str, int, list[tuple[int, bytes]], str]:
 
 def logs(request) -> list[tuple[str, int, list[tuple[int, bytes]], str]]:
     """Every log of an AppendLogsRequest, as :func:`log_records` gives one."""
-    check_count("logs", len(request.logs), MAX_LOGS)
-    check_count("records", sum(len(log.records) for log in request.logs), MAX_RECORDS)
+    checks.check_count("logs", len(request.logs), MAX_LOGS)
+    checks.check_count("records", sum(len(log.records) for log in request.logs), MAX_RECORDS)
     return [log_records(log) for log in request.logs]
 
 
 def records(request) -> list[tuple[int, bytes]]:
     """The records of an append (their steps and sizes are the logs' to check)."""
-    check_count("records", len(request.records), MAX_RECORDS)
+    checks.check_count("records", len(request.records), MAX_RECORDS)
     return [(r.step, r.payload) for r in request.records]
 
 
@@ -233,9 +224,9 @@ def log_read(request) -> tuple[str, int, int, int | None]:
     """(job, rank, after step, until step) of a ReadLogRequest (the logs check the
     stream name)."""
     after, until = request.after_step, optional_step(request, "until_step")
-    if not -1 <= after < MAX_STEP:
+    if not -1 <= after < checks.MAX_STEP:
         raise InvalidArgument(f"after_step {after}: send -1 (the log from step 0 on) to "
-                              f"{MAX_STEP - 1}")
+                              f"{checks.MAX_STEP - 1}")
     if until is not None and until <= after:
         raise InvalidArgument(f"until_step {until} must come after after_step {after}: the "
                               "read is of steps after_step+1..until_step")

@@ -1,8 +1,8 @@
 """The gRPC face trainers and tools see (``bubblesnap.v1.Daemon``): convert, call, convert back."""
 
 from bubblesnap.protos import daemon_pb2 as pb
+from bubblesnap.service import answer_segment
 from bubblesnap.service.errors import DeadlineExceeded, FailedPrecondition, shown
-from bubblesnap.service.restore import answer_segment
 from bubblesnap.service.rpc import messages
 from bubblesnap.service.rpc.status_codes import late, streaming, unary
 

@@ -4,8 +4,8 @@ Called with the store's lock held. A copy handed over is verified between
 ``take`` and ``hand_over``, outside the lock, pinned meanwhile.
 """
 
+from bubblesnap.service import answer_segment
 from bubblesnap.service.errors import DataLoss, NotFound
-from bubblesnap.service.restore import answer_segment
 from bubblesnap.service.store import registration
 from bubblesnap.service.store.model import RankStep, mismatches
 from bubblesnap.service.store.state import StoreState

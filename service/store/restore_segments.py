@@ -9,7 +9,7 @@ Part of ``SnapshotStore`` (its ``restore_segments``): the same lock and state.
 
 import contextlib
 
-from bubblesnap.service.restore import answer_segment, phases
+from bubblesnap.service import answer_segment, phases
 from bubblesnap.service.store.segments import Segment
 from bubblesnap.service.store.state import StoreState
 from bubblesnap.service.store.views import PinnedCopy

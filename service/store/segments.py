@@ -40,8 +40,8 @@ from concurrent.futures import Executor
 
 import numpy as np
 
+from bubblesnap.service import phases
 from bubblesnap.service.errors import ResourceExhausted
-from bubblesnap.service.restore import phases
 from bubblesnap.service.store import pages
 from bubblesnap.shared import page_faults
 

@@ -24,8 +24,8 @@ import threading
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+from bubblesnap.service import answer_segment, phases
 from bubblesnap.service.errors import NotFound
-from bubblesnap.service.restore import answer_segment, phases
 from bubblesnap.service.store import adoption, arrivals, reads, registration, staging
 from bubblesnap.service.store.adoption import Adoption
 from bubblesnap.service.store.layout import Layout

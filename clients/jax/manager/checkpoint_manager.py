@@ -27,7 +27,7 @@ Standard and PyTree handlers; every other item is its own handler's, as in Orbax
   memory, a neighbour's) when the arguments are ones memory answers exactly, else
   Orbax reads the folder.
 - ``memory_interval_steps`` (CheckpointManagerOptions) adds steps held in memory only,
-  between the ones the policy keeps (memory_steps.py).
+  between the ones the policy keeps (tier/memory_steps.py).
 
 The daemon writes the steps when ``directory`` lies inside its ``--durable-dir``;
 elsewhere (or with no daemon answering) Orbax writes them itself, as plain Orbax, and

@@ -5,7 +5,8 @@ handed over and restored (item_snapshot.py, item_restore.py, checkpoint_tree.py)
 the daemons' writes as commit futures (persist_future.py) and steps held in memory
 only (memory_steps.py).
 
-The managers are rooms of their own on this core: Orbax's CheckpointManager
-(clients/jax/manager/), v1's Checkpointer (clients/jax/training.py) and the
-emergency manager (clients/jax/emergency.py).
+The managers are rooms of their own on this core, which imports none of them:
+Orbax's CheckpointManager (clients/jax/manager/) builds on it, and v1's Checkpointer
+(clients/jax/training.py) and the emergency manager (clients/jax/emergency.py) build
+on that manager.
 """
