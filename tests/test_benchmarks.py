@@ -23,7 +23,8 @@ PROGRAMS = ("adoption", "datapath", "durable_write", "gpu", "group_scale", "load
 #: Runs beyond each program's plain --quick: name -> (program, its extra flags).
 VARIANTS = {"overhead_link_rate": ("overhead", ("--link-rate", "1gbit")),
             "durable_write_s3": ("durable_write", ("--store", "s3")),
-            "durable_write_gcs": ("durable_write", ("--store", "gcs"))}
+            "durable_write_gcs": ("durable_write", ("--store", "gcs")),
+            "restore_gcs": ("restore", ("--store", "gcs"))}
 
 
 def variant_unavailable(name: str) -> str | None:
@@ -475,6 +476,21 @@ def check_durable_write_gcs(report: dict) -> None:
                                  ("durable_restore", "orbax_restore")])
 
 
+def check_restore_gcs(report: dict) -> None:
+    """restore.py on an object store: the durable tier and Orbax's checkpoint both there,
+    the two restores from it and nothing else."""
+    assert "error" not in report, report
+    assert report["storage"].startswith("durable tier and Orbax checkpoint on fake-gcs-server")
+    assert_bandwidth_modes(report, ("restore_durable", "orbax_restore"))
+    assert set(report["ratios"]) == {"restore_durable_vs_orbax"}
+    assert_finite(report["ratios"], "ratios")
+    assert report["meets_targets"] == {
+        "restore_durable_ge_orbax": report["ratios"]["restore_durable_vs_orbax"] >= 1.0}
+    assert report["matches"] == {"restore_durable": True, "orbax_restore": True}
+    assert set(report["sources"]["restore_durable"]) == {"durable"}
+    assert "daemon.read" in report["phases"]["restore_durable"]
+
+
 def assert_machine_memory(report: dict) -> None:
     """The kernel's memory settings as this machine has them, the chosen one of a list."""
     memory = report["machine_memory"]
@@ -495,7 +511,7 @@ CHECKS = {"adoption": check_adoption, "datapath": check_datapath,
           "plan_scale": check_plan_scale, "sick_daemon": check_sick_daemon,
           "restore": check_restore, "overhead_link_rate": check_overhead_link_rate,
           "durable_write_s3": check_durable_write_s3,
-          "durable_write_gcs": check_durable_write_gcs}
+          "durable_write_gcs": check_durable_write_gcs, "restore_gcs": check_restore_gcs}
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
