@@ -8,7 +8,9 @@ restores bit for bit in one fresh process and in two processes under
 ``jax.distributed``, into other shardings.
 """
 
+import collections
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -115,6 +117,22 @@ def test_a_lone_daemon_writes_one_checkpoint_that_plain_orbax_restores(start_dae
                 region = expected[leaf][tuple(slice(a, b) for a, b in shard.index)]
                 [got] = reader.read_shards(JOB, 3, rank, [(t_index, s_index)])
                 assert got.dtype == np.uint8 and got.tobytes() == region.tobytes()
+
+    # One restore's view (Restorer.restore holds one): each step's folder, marker, rank
+    # list and sidecars looked up once inside it (each a request on an object store).
+    asked = collections.Counter()
+    for name in ("step_path", "is_finalized", "written_ranks", "read_sidecar"):
+        monkeypatch.setattr(fmt, name, functools.partial(
+            lambda name, real, *args: asked.update([name]) or real(*args),
+            name, getattr(fmt, name)))
+    with reader.one_view():
+        for _ in range(3):
+            assert reader.step_layouts(JOB, 3) == copies
+            assert reader.world_size(JOB, 3) == WORLD
+    # (is_finalized twice: the folder's listing looks at the marker too)
+    assert asked == {"step_path": 1, "is_finalized": 2, "written_ranks": 1, "read_sidecar": 2}
+    assert reader.step_layouts(JOB, 3) == copies  # outside a view: asked again
+    assert asked["read_sidecar"] == 4
 
     # Every region of a rank read in one call, a window of bytes at a time: the same
     # bytes in order, never more than the window in flight (one larger region alone).

@@ -2,6 +2,7 @@
 verified, and a written rank cut into a layout (for the current restore)."""
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -28,6 +29,8 @@ from bubblesnap.service.store import regions
 #: once, whatever ``read_bytes_in_flight`` says. One chunk: 64 MB pieces with 64 MB in
 #: flight read a region or two at a time (795 against 601 ms).
 READ_PIECE_BYTES = checkpoint.CHUNK_BYTES
+#: What one restore learned of the tier's files (DurableReader.one_view), by question.
+_VIEW: contextvars.ContextVar[dict | None] = contextvars.ContextVar("durable_view", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,18 @@ class DurableReader:
         self.directory = directory
         self._listings = Listings(directory)
 
+    @contextlib.contextmanager
+    def one_view(self):
+        """Inside the block (one restore, on its thread) each step's folder, marker and
+        sidecars are looked up once and the answers kept: a restore by regions asked for
+        the same ones up to five times (on an object store, ~15 requests for a step of
+        one rank; each a round trip to the store). What fails is asked again."""
+        token = _VIEW.set({})
+        try:
+            yield
+        finally:
+            _VIEW.reset(token)
+
     def steps(self, job: str, world_size: int | None = None) -> list[int]:
         """Finalized steps of ``job``, oldest first; with ``world_size``, only those
         written under it (a rank's copy means nothing under another)."""
@@ -57,7 +72,7 @@ class DurableReader:
         if world_size is None:
             return sorted(found)
         return [step for step, path in sorted(found.items())
-                if _world_of(path) == world_size]
+                if _viewed(("world", path), lambda p=path: _world_of(p)) == world_size]
 
     def world_size(self, job: str, step: int | None = None) -> int:
         """The world size of ``step`` (default: the newest finalized step); 0: none."""
@@ -117,9 +132,9 @@ class DurableReader:
         sidecar counts as not written."""
         step_dir = self._step_dir(job, step)
         found = {}
-        for rank in fmt.written_ranks(step_dir):
+        for rank in _viewed(("ranks", step_dir), lambda: fmt.written_ranks(step_dir)):
             try:
-                found[rank] = fmt.read_sidecar(step_dir, rank)
+                found[rank] = self._sidecar(job, step, rank)
             except DaemonError:
                 continue
         return found
@@ -312,12 +327,13 @@ class DurableReader:
 
     def _finalized(self, job: str, step: int) -> str:
         step_dir = self._step_dir(job, step)
-        if not fmt.is_finalized(step_dir):
+        if not _viewed(("finalized", step_dir), lambda: fmt.is_finalized(step_dir)):
             raise NotFound(f"step {step} of job {job!r} is not a finalized durable checkpoint")
         return step_dir
 
     def _sidecar(self, job: str, step: int, rank: int) -> WrittenRank:
-        return fmt.read_sidecar(self._step_dir(job, step), rank)
+        step_dir = self._step_dir(job, step)
+        return _viewed(("sidecar", step_dir, rank), lambda: fmt.read_sidecar(step_dir, rank))
 
     @staticmethod
     def _tensor(written: WrittenRank, index: int) -> WrittenTensor:
@@ -327,10 +343,21 @@ class DurableReader:
         return written.tensors[index]
 
     def _marker_world(self, job: str, step: int) -> int:
-        return _world_of(self._step_dir(job, step))
+        step_dir = self._step_dir(job, step)
+        return _viewed(("world", step_dir), lambda: _world_of(step_dir))
 
     def _step_dir(self, job: str, step: int) -> str:
-        return fmt.step_path(self.directory, job, step)
+        return _viewed(("folder", job, step), lambda: fmt.step_path(self.directory, job, step))
+
+
+def _viewed(question: tuple, look):
+    """``look()``, or inside ``one_view`` the answer it gave there before."""
+    view = _VIEW.get()
+    if view is None:
+        return look()
+    if question not in view:
+        view[question] = look()
+    return view[question]
 
 
 def _world_of(step_dir: str) -> int:

@@ -15,6 +15,7 @@ lone daemon keeps them.
 """
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -102,7 +103,8 @@ class Restorer:
         ``replica_group``, and registers after. ``answer``: how the caller reads the
         answer of a restore by regions (several segments; its checksums or not).
         """
-        with phases.record() as spent:
+        with phases.record() as spent, (self._durable.one_view() if self._durable is not None
+                                        else contextlib.nullcontext()):
             restored = self._restore(job, rank, step, replica_group, alone, world_size, asked,
                                      answer)
         return dataclasses.replace(restored, phases=tuple(spent.items()))
