@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from bubblesnap.service.durable import format as fmt
-from bubblesnap.service.durable import orbax_layout, storage
+from bubblesnap.service.durable import orbax_layout, policy, storage
 from bubblesnap.service.durable.sidecar import FORMAT, WrittenRank
 from bubblesnap.service.errors import FailedPrecondition
 
@@ -51,8 +51,6 @@ _COMMIT_TEXT = "Checkpoint commit was successful to {}"
 _RETRIES = {"max_retries": 8, "initial_delay": "0.2s", "max_delay": "8s"}
 #: The absolute path an object store's folder is named by to Orbax's spec builders.
 _STAND_IN = "/bubblesnap-object-store"
-#: The zarr compressor of each ``DurableOptions.compression`` ("zstd": Orbax's own).
-COMPRESSORS = {"none": None, "zstd": {"id": "zstd", "level": 1}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +97,7 @@ def write_parts(folder: str, rank: int, parts: list[ArrayPart], batch_bytes: int
     """Writes ``parts`` into ``rank``'s database of the checkpoint in ``folder``; returns
     each array's chunks, by parameter, once every region is durable, committed
     ``batch_bytes`` (DurableOptions.write_batch_bytes) at a time, each chunk
-    compressed as ``compression`` says (a key of :data:`COMPRESSORS`; the zarr
+    compressed as ``compression`` says (a key of ``policy.COMPRESSORS``; the zarr
     metadata records it, so Orbax reads either).
     FailedPrecondition, before anything is written, if a region is not
     whole chunks (another daemon could write into the same chunk).
@@ -116,8 +114,9 @@ def write_parts(folder: str, rank: int, parts: list[ArrayPart], batch_bytes: int
                 raise FailedPrecondition(
                     f"region {box} of {part.param!r} is not whole chunks of "
                     f"{chunks[part.param]}; not written")
-        specs[part.param] = spec.json | {"metadata": {**spec.json["metadata"],
-                                                      "compressor": COMPRESSORS[compression]}}
+        written_as = spec.json
+        specs[part.param] = written_as | {"metadata": {
+            **written_as["metadata"], "compressor": policy.COMPRESSORS[compression]}}
     batch = _Batch(ts, context(), batch_bytes, written)
     for part in parts:
         array = batch.open(_placed(specs[part.param]))

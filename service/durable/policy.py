@@ -9,8 +9,10 @@ from bubblesnap.service.peers import group_view
 from bubblesnap.service.store import regions
 from bubblesnap.shared.options import require
 
-#: The values of DurableOptions.compression (checkpoint.COMPRESSORS: their zarr codecs).
-COMPRESSIONS = ("none", "zstd")
+#: The zarr compressor of each DurableOptions.compression ("zstd": Orbax's own).
+COMPRESSORS = {"none": None, "zstd": {"id": "zstd", "level": 1}}
+#: The values of DurableOptions.compression.
+COMPRESSIONS = tuple(COMPRESSORS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

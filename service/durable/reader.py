@@ -134,7 +134,7 @@ class DurableReader:
         found = {}
         for rank in _viewed(("ranks", step_dir), lambda: fmt.written_ranks(step_dir)):
             try:
-                found[rank] = self._sidecar(job, step, rank)
+                found[rank] = _read_sidecar(step_dir, rank)
             except DaemonError:
                 continue
         return found
@@ -332,8 +332,7 @@ class DurableReader:
         return step_dir
 
     def _sidecar(self, job: str, step: int, rank: int) -> WrittenRank:
-        step_dir = self._step_dir(job, step)
-        return _viewed(("sidecar", step_dir, rank), lambda: fmt.read_sidecar(step_dir, rank))
+        return _read_sidecar(self._step_dir(job, step), rank)
 
     @staticmethod
     def _tensor(written: WrittenRank, index: int) -> WrittenTensor:
@@ -348,6 +347,10 @@ class DurableReader:
 
     def _step_dir(self, job: str, step: int) -> str:
         return _viewed(("folder", job, step), lambda: fmt.step_path(self.directory, job, step))
+
+
+def _read_sidecar(step_dir: str, rank: int) -> WrittenRank:
+    return _viewed(("sidecar", step_dir, rank), lambda: fmt.read_sidecar(step_dir, rank))
 
 
 def _viewed(question: tuple, look):
