@@ -55,6 +55,15 @@ class ClientOptions:
         ``wait_until_finished``, as Orbax raises a failed save) when the daemon
         stays stopped or silent this long meanwhile (at once when it is gone), or
         when the step's folder does not appear within it, > 0. Default 60 s.
+      persist_wait_floor_seconds, persist_wait_factor: how long that save waits
+        for its daemon before Orbax writes the step itself in the trainer, as plain
+        Orbax would (a daemon frozen, cut off or dead costs a step no more than this
+        and Orbax's own write): ``persist_wait_factor`` times what the daemon's
+        recent writes of the item took, and at least the floor, which also bounds
+        each call to the daemon in the save's blocking part (the copy's commit, the
+        write's request). Both > 0. Defaults 2 s and 4. (A process of a job of
+        several processes writes its part only through its daemon: the parts must
+        be cut alike; it waits up to ``persist_timeout_seconds``.)
     """
 
     daemon: str = dataclasses.field(
@@ -68,6 +77,8 @@ class ClientOptions:
     commit_timeout_seconds: float = 60.0
     sick_after_seconds: float = 0.5
     persist_timeout_seconds: float = 60.0
+    persist_wait_floor_seconds: float = 2.0
+    persist_wait_factor: float = 4.0
 
     def __post_init__(self):
         require(self, "daemon", isinstance(self.daemon, str) and bool(self.daemon),
@@ -75,7 +86,8 @@ class ClientOptions:
         if not isinstance(self.token, str):
             raise ValueError(f"ClientOptions.token must be a string (empty: ${TOKEN_ENV})")
         for name in ("rpc_timeout_seconds", "restore_timeout_seconds", "commit_timeout_seconds",
-                     "sick_after_seconds", "persist_timeout_seconds"):
+                     "sick_after_seconds", "persist_timeout_seconds",
+                     "persist_wait_floor_seconds", "persist_wait_factor"):
             value = getattr(self, name)
             require(self, name, is_number(value) and value > 0, "> 0")
         require(self, "backoff_seconds",

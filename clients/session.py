@@ -10,7 +10,7 @@ call has a deadline, a failure turns into "no snapshot this step" with the reaso
 snapshot that waits is not tried again for a while after a timeout.
 """
 
-import dataclasses
+import contextlib
 import logging
 import os
 import time
@@ -20,6 +20,7 @@ import numpy as np
 
 from bubblesnap.clients._bubble_stream import BubbleStream
 from bubblesnap.clients._commits import CommitsInFlight
+from bubblesnap.clients._job_commit import job_outcome
 from bubblesnap.clients._log_calls import LogCalls
 from bubblesnap.clients._regions import in_request_order
 from bubblesnap.clients._restore_call import restore_call
@@ -80,6 +81,7 @@ class Session:
         self._tensors: tuple = ()
         self._registered = False
         self._quiet_until = 0.0
+        self._bound = float("inf")  # a bounded block's deadline
         self._last_warning = ""
         #: commits sent, and saves that failed after their call returned
         self.commits = CommitsInFlight(self.failed, self._answered)
@@ -90,12 +92,26 @@ class Session:
 
     def call(self, method: str, request):
         """Calls ``method`` with the session's deadline; raises grpc.RpcError."""
-        return getattr(self._stub, method)(request, timeout=self.options.rpc_timeout_seconds)
+        return getattr(self._stub, method)(request, timeout=self.timeout())
 
     def call_async(self, method: str, request):
         """Calls ``method`` with the session's deadline without waiting; its future."""
-        return getattr(self._stub, method).future(request,
-                                                  timeout=self.options.rpc_timeout_seconds)
+        return getattr(self._stub, method).future(request, timeout=self.timeout())
+
+    def timeout(self) -> float:
+        """The deadline of a call made now (``options.rpc_timeout_seconds``, or less in a
+        :meth:`bounded` block)."""
+        return min(self.options.rpc_timeout_seconds, self._bound)
+
+    @contextlib.contextmanager
+    def bounded(self, seconds: float):
+        """Calls made in the block (on any thread) wait at most ``seconds``: a save that
+        must not wait long for a sick daemon."""
+        before, self._bound = self._bound, seconds
+        try:
+            yield
+        finally:
+            self._bound = before
 
     def registered(self, tensors) -> bool:
         """Whether the layout ``tensors`` is the one registered."""
@@ -135,6 +151,15 @@ class Session:
                                       grpc.StatusCode.DEADLINE_EXCEEDED)
         return True
 
+    def gone(self, timeout: float) -> bool:
+        """Whether the daemon is gone: its address refuses the call (a daemon stopped or
+        busy past ``timeout`` is not)."""
+        try:
+            self._stub.Status(pb.StatusRequest(job=self.job), timeout=timeout)
+        except grpc.RpcError as err:
+            return err.code() == grpc.StatusCode.UNAVAILABLE
+        return False
+
     def sick_for(self) -> float:
         """How long the daemon has been sick by its heartbeat (``Heartbeat.sick_for``:
         silent past ``options.sick_after_seconds`` where only its clock tells); 0.0 while
@@ -168,7 +193,7 @@ class Session:
             held = self._held_by_copier(step, tensors, started)
             if mode != "job" or held.copied_by is None:
                 return held
-            return self._job_outcome(held, started)
+            return job_outcome(self._stub, self.job, self.options, held, started)
         try:
             begun = time.perf_counter()
             self._lane.settle()  # saves that did not wait go first
@@ -187,36 +212,7 @@ class Session:
         outcome = self.wait()
         if mode == "rank" or not outcome.taken:
             return outcome
-        return self._job_outcome(outcome, started)
-
-    def _job_outcome(self, outcome: SnapshotResult, started: float) -> SnapshotResult:
-        """``outcome`` once the job committed its step, or the deadline passed."""
-        step, timeout = outcome.step, self.options.commit_timeout_seconds
-        try:
-            committed, latest = self.wait_committed(step, timeout)
-            why = "" if committed else (f"the job did not commit step {step} within "
-                                        f"{timeout:g} s (latest committed step: {latest})")
-        except grpc.RpcError as err:
-            committed = False
-            why = (f"waiting for the job to commit step {step}: daemon {self.options.daemon}: "
-                   f"{err.code().name}: {err.details()}")
-        return dataclasses.replace(
-            outcome, committed=committed, waited_for="job",
-            reason="; ".join(r for r in (outcome.reason, why) if r),
-            stall_seconds=time.perf_counter() - started)
-
-    def wait_committed(self, step: int, timeout: float) -> tuple[bool, int]:
-        """Waits until ``step`` is committed for the whole job, at most ``timeout`` seconds;
-        (committed, latest committed step). The daemon caps one wait, so this asks
-        again until the deadline. Raises grpc.RpcError."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            answer = self._stub.WaitCommitted(
-                pb.WaitCommittedRequest(job=self.job, step=step, timeout_seconds=left),
-                timeout=left + self.options.rpc_timeout_seconds)
-            if answer.committed or time.monotonic() >= deadline:
-                return answer.committed, answer.latest_committed_step
+        return job_outcome(self._stub, self.job, self.options, outcome, started)
 
     def _held_by_copier(self, step: int, tensors, started: float) -> SnapshotResult:
         """A replica's snapshot: nothing is fetched or copied, the copier's copy holds
@@ -258,7 +254,7 @@ class Session:
         self.ensure_registered(tensors)
         future = self._stub.BeginStep.future(
             pb.BeginStepRequest(job=self.job, rank=self.rank, step=step),
-            timeout=self.options.rpc_timeout_seconds)
+            timeout=self.timeout())
         return PendingStaging(step, future, self)
 
     def commit(self, step: int, started: float, checksums=(), usage=None, next_step=None,
@@ -274,7 +270,7 @@ class Session:
         request = pb.CommitStepRequest(job=self.job, rank=self.rank, step=step,
                                        checksums=checksums, usage=usage, next_step=next_step,
                                        staged_as=staged_as)
-        future = self._stub.CommitStep.future(request, timeout=self.options.rpc_timeout_seconds)
+        future = self._stub.CommitStep.future(request, timeout=self.timeout())
         self.commits.add(step, future, started, phases or {}, late)
         return future
 

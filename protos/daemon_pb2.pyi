@@ -441,20 +441,22 @@ class MemoryStatus(_message.Message):
     def __init__(self, budget_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pooled_bytes: _Optional[int] = ..., shm_dir: _Optional[str] = ..., shm_free_bytes: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_budget_bytes: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., warm_pool_bytes: _Optional[int] = ..., warm_segments_taken: _Optional[int] = ..., shm_filesystem: _Optional[str] = ..., shm_huge: _Optional[str] = ..., shm_page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("jobs", "memory", "adoption", "in_flight", "durable_directory", "durable_error")
+    __slots__ = ("jobs", "memory", "adoption", "in_flight", "durable_directory", "durable_error", "durable_notes")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     ADOPTION_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DURABLE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     DURABLE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_NOTES_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     memory: MemoryStatus
     adoption: Adoption
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlight]
     durable_directory: str
     durable_error: str
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., adoption: _Optional[_Union[Adoption, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., durable_directory: _Optional[str] = ..., durable_error: _Optional[str] = ...) -> None: ...
+    durable_notes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., memory: _Optional[_Union[MemoryStatus, _Mapping]] = ..., adoption: _Optional[_Union[Adoption, _Mapping]] = ..., in_flight: _Optional[_Iterable[_Union[InFlight, _Mapping]]] = ..., durable_directory: _Optional[str] = ..., durable_error: _Optional[str] = ..., durable_notes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InFlight(_message.Message):
     __slots__ = ("kind", "job", "rank", "step", "done_bytes", "total_bytes", "seconds")
@@ -621,20 +623,48 @@ class WaitCommittedResponse(_message.Message):
     def __init__(self, committed: _Optional[bool] = ..., latest_committed_step: _Optional[int] = ...) -> None: ...
 
 class PersistRequest(_message.Message):
-    __slots__ = ("job", "rank", "step", "directory")
+    __slots__ = ("job", "rank", "step", "directory", "record")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     step: int
     directory: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ...) -> None: ...
+    record: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., directory: _Optional[str] = ..., record: _Optional[str] = ...) -> None: ...
 
 class PersistResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FinishSaveRequest(_message.Message):
+    __slots__ = ("record", "drop")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
+    record: str
+    drop: bool
+    def __init__(self, record: _Optional[str] = ..., drop: _Optional[bool] = ...) -> None: ...
+
+class FinishSaveResponse(_message.Message):
+    __slots__ = ("state", "detail")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        WATCHING: _ClassVar[FinishSaveResponse.State]
+        FINALIZED: _ClassVar[FinishSaveResponse.State]
+        DROPPED: _ClassVar[FinishSaveResponse.State]
+        TRAINER_ALIVE: _ClassVar[FinishSaveResponse.State]
+    WATCHING: FinishSaveResponse.State
+    FINALIZED: FinishSaveResponse.State
+    DROPPED: FinishSaveResponse.State
+    TRAINER_ALIVE: FinishSaveResponse.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    state: FinishSaveResponse.State
+    detail: str
+    def __init__(self, state: _Optional[_Union[FinishSaveResponse.State, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class DropAfterRequest(_message.Message):
     __slots__ = ("job", "step")

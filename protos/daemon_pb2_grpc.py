@@ -84,6 +84,11 @@ class DaemonStub:
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.PersistRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.PersistResponse.FromString,
                 _registered_method=True)
+        self.FinishSave = channel.unary_unary(
+                '/bubblesnap.v1.Daemon/FinishSave',
+                request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.FinishSaveRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.FinishSaveResponse.FromString,
+                _registered_method=True)
         self.DropAfter = channel.unary_unary(
                 '/bubblesnap.v1.Daemon/DropAfter',
                 request_serializer=bubblesnap_dot_protos_dot_daemon__pb2.DropAfterRequest.SerializeToString,
@@ -198,9 +203,22 @@ class DaemonServicer:
     def Persist(self, request, context):
         """Writes a rank's committed copy into a folder of the durable tier, as one
         process of Orbax's PyTree save writes an item (a CheckpointManager's step
-        that its policy keeps). Answers once the write is queued; the daemon
-        writes the rank's sidecar (".bubblesnap/rank_<r>.json") into the folder
-        when it is durable, or ".bubblesnap/rank_<r>.failed" saying why not.
+        that its policy keeps). Answers once the write is queued (the folder may
+        not exist yet: the write waits for it); the daemon writes the rank's
+        sidecar (".bubblesnap/rank_<r>.json") into the folder when it is durable,
+        or ".bubblesnap/rank_<r>.failed" saying why not. With `record` (the
+        primary process's part) the daemon watches the step's save in flight and
+        finalizes it, once whole, if its trainer dies first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishSave(self, request, context):
+        """A resumed CheckpointManager's word on a save in flight its earlier run left
+        (every trainer of that run is gone): the daemon finalizes the step now if
+        it is whole, drops it when its parts can no longer come (or when asked to),
+        else keeps waiting for them; the answer says which.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -305,6 +323,11 @@ def add_DaemonServicer_to_server(servicer, server):
                     servicer.Persist,
                     request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.PersistRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.PersistResponse.SerializeToString,
+            ),
+            'FinishSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishSave,
+                    request_deserializer=bubblesnap_dot_protos_dot_daemon__pb2.FinishSaveRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_daemon__pb2.FinishSaveResponse.SerializeToString,
             ),
             'DropAfter': grpc.unary_unary_rpc_method_handler(
                     servicer.DropAfter,
@@ -607,6 +630,33 @@ class Daemon:
             '/bubblesnap.v1.Daemon/Persist',
             bubblesnap_dot_protos_dot_daemon__pb2.PersistRequest.SerializeToString,
             bubblesnap_dot_protos_dot_daemon__pb2.PersistResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Daemon/FinishSave',
+            bubblesnap_dot_protos_dot_daemon__pb2.FinishSaveRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_daemon__pb2.FinishSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,7 @@ class DaemonStatus:
     in_flight: tuple[InFlight, ...] = ()
     durable_directory: str = ""
     durable_error: str = ""
+    durable_notes: tuple[str, ...] = ()
 
 
 class Status:
@@ -71,7 +72,9 @@ class Status:
                             self._logs.options.max_total_bytes, self._store.adoption,
                             tuple(self._progress.in_flight(job)),
                             self._restorer.durable_directory,
-                            self._durable.trouble() if self._durable is not None else "")
+                            self._durable.trouble() if self._durable is not None else "",
+                            tuple(self._durable.saves_in_flight.notes())
+                            if self._durable is not None else ())
 
     def wait_committed(self, job: str, step: int, timeout: float) -> tuple[bool, int]:
         """Waits up to ``timeout`` (capped) for ``step`` to be committed for the job;

@@ -312,18 +312,29 @@ def check_overhead_link_rate(report: dict) -> None:
 
 
 def check_sick_daemon(report: dict) -> None:
-    assert report["baseline"]["steps"] == 10
-    assert_finite(report["baseline"], "baseline")
-    [row] = report["freezes"]
-    assert row["freeze_seconds"] == 1.0 and row["steps"] > 0
+    assert set(report["modes"]) == {"memory", "persisted"}
+    for mode, row in report["modes"].items():
+        assert row["baseline"]["steps"] == 10, mode
+        assert_finite(row["baseline"], "baseline")
+        [freeze] = row["freezes"]
+        assert freeze["freeze_seconds"] == 1.0 and freeze["steps"] > 0
+        assert_finite({k: v for k, v in freeze.items()
+                       if k != "first_save_taken_after_thaw_seconds"}, "freeze")
+        assert all(isinstance(ok, bool) for ok in row["checks"].values())
+        assert row["restore_matches"] is True, mode
+    memory = report["modes"]["memory"]
+    [freeze] = memory["freezes"]
     # a frozen daemon skips saves (it cannot take them); the first after the thaw is taken
-    assert 1 <= row["skipped_saves"] <= row["steps"]
-    assert_finite({k: v for k, v in row.items() if k != "first_save_taken_after_thaw_seconds"},
-                  "freeze")
-    assert row["first_save_taken_after_thaw_seconds"] is not None
-    assert set(report["checks"]) == {"step_le_0.2s_over_baseline", "commit_within_2s_of_thaw"}
-    assert all(isinstance(ok, bool) for ok in report["checks"].values())
-    assert report["restore_matches"] is True
+    assert 1 <= freeze["skipped_saves"] <= freeze["steps"]
+    assert freeze["first_save_taken_after_thaw_seconds"] is not None
+    assert set(memory["checks"]) == {"step_le_0.2s_over_baseline", "commit_within_2s_of_thaw"}
+    persisted = report["modes"]["persisted"]
+    assert set(persisted["checks"]) == {"step_le_bound_plus_orbax_save",
+                                        "every_kept_step_finalized_once"}
+    assert persisted["checks"]["every_kept_step_finalized_once"] is True
+    assert persisted["wait_bound_seconds"] >= 2.0  # the floor
+    assert_finite(persisted["orbax_baseline"], "orbax_baseline")
+    assert persisted["written_by_trainer"] >= 0
 
 
 def check_plan_scale(report: dict) -> None:

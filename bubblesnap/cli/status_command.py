@@ -131,6 +131,7 @@ def format_status(status) -> str:
     lines += [in_flight_line(w) for w in status.in_flight]
     if status.durable_error:
         lines.append(f"durable tier {status.durable_directory}: {status.durable_error}")
+    lines += [f"save in flight: {note}" for note in status.durable_notes]
     if not status.jobs:
         lines.append("no jobs registered")
     for job in status.jobs:

@@ -38,21 +38,28 @@ import re
 import struct
 
 #: bubblesnap's own folder where it keeps something beside Orbax's files: in a folder a
-#: daemon persisted an item into, until the trainer took the answer away; in a manager's
-#: directory, the other items of steps held in memory only (when asked for).
+#: daemon persisted an item into, until the step is finalized; in a manager's directory,
+#: its saves in flight and the other items of steps held in memory only (when asked for).
 STATE_DIR = ".bubblesnap"
 
 
 def persisted_file(rank: int) -> str:
     """In a folder a daemon persisted a rank's copy into (the Persist call), what says the
     write is durable (the rank's sidecar), relative to the folder. The trainer waits for
-    it or :func:`failed_file`, then removes it: the folder keeps what Orbax writes."""
+    it or :func:`failed_file`; whoever finalizes the step removes these answers first
+    (save_in_flight.py): the step keeps what Orbax writes."""
     return f"{STATE_DIR}/rank_{rank}.json"
 
 
 def failed_file(rank: int) -> str:
     """What says why a daemon's Persist of ``rank`` into a folder failed (its text)."""
     return f"{STATE_DIR}/rank_{rank}.failed"
+
+
+def writing_file(rank: int) -> str:
+    """What says a daemon began writing ``rank``'s copy into a folder (the Persist call),
+    before any of it is there."""
+    return f"{STATE_DIR}/rank_{rank}.writing"
 
 
 #: Names of a step's own files, which no item may take.

@@ -150,27 +150,29 @@ class JaxJob:
     def __exit__(self, *exc) -> None:
         self.kill()
 
-    def wait_event(self, check: Callable[[dict], bool],
-                   timeout: float | None = None) -> list[dict]:
-        """Waits until every process printed an event ``check`` accepts; those events, in
-        process order. JobError if a process exits first or the time runs out."""
+    def wait_event(self, check: Callable[[dict], bool], timeout: float | None = None,
+                   processes=None) -> list[dict]:
+        """Waits until every process (of ``processes``, default all) printed an event
+        ``check`` accepts; those events, in process order. JobError if one of them exits
+        first or the time runs out."""
         deadline = self._deadline if timeout is None else time.monotonic() + timeout
+        awaited = sorted(range(self.count) if processes is None else processes)
         found: dict[int, dict] = {}
-        while len(found) < self.count:
+        while len(found) < len(awaited):
             try:
                 index, fields = self._events.get(timeout=0.1)
-                if index not in found and check(fields):
+                if index in awaited and index not in found and check(fields):
                     found[index] = fields
                 continue
             except queue.Empty:
                 pass
-            exited = [i for i, p in enumerate(self.procs) if p.poll() is not None
+            exited = [i for i in awaited if self.procs[i].poll() is not None
                       and i not in found]
             if exited and self._events.empty():
                 self._fail(f"process {exited[0]} exited before the awaited event")
             if time.monotonic() > deadline:
                 self._fail("timed out waiting for an event")
-        return [found[i] for i in range(self.count)]
+        return [found[i] for i in awaited]
 
     def results(self) -> list:
         """Waits for every process to finish; what each one's function returned."""
@@ -191,13 +193,19 @@ class JaxJob:
             self._fail(f"process {failed[0]} failed")
         return [results[i] for i in range(self.count)]
 
-    def wait_crash(self) -> list[int]:
+    def wait_crash(self, kill: bool = True, processes=None) -> list[int]:
         """Waits until every process called :func:`crash`, SIGKILLs them; their exit
         statuses (``-9`` each: a process's status is fixed once the signal is sent, so
         one killed after process 0 cannot die of the lost coordination service
-        instead). JobError if a process exits before it got there."""
-        self.wait_event(lambda e: e.get("event") == _CRASH)
-        self.kill()
+        instead). JobError if a process exits before it got there. ``kill=False``
+        returns once every process got there, leaving the kill to the caller (who may
+        first do something else, say freeze a daemon): their statuses are None then.
+        ``processes``: only those get there (the others may be stuck waiting for them, as
+        a job's processes wait for a peer that died); every process is killed all the
+        same."""
+        self.wait_event(lambda e: e.get("event") == _CRASH, processes=processes)
+        if kill:
+            self.kill()
         return [proc.returncode for proc in self.procs]
 
     def kill(self) -> None:

@@ -4,7 +4,10 @@ one process of Orbax's PyTree save writes into a CheckpointManager's item.
 The folder is an item of a step Orbax's manager is saving in the trainer
 (``<step>.orbax-checkpoint-tmp/<item>``): Orbax made it and Orbax finalizes it (merges
 the processes' databases, renames the step) once every process's save of it is done,
-so the step its policy keeps is on disk when ``wait_until_finished`` returns. The
+so the step its policy keeps is on disk when ``wait_until_finished`` returns. The rank's
+database is written aside and moved in by one rename: a trainer that stopped waiting for
+this daemon (it did not answer in time) writes its part itself the same way, and
+whichever rename comes first is the part; the other writer drops its own. The
 daemon holding a rank's copy writes what that rank's process would have: its regions
 into ``ocdbt.process_<rank>`` and, from the copy holding the item's record, the files
 Orbax's primary host writes beside them (item_files.py). Last it writes
@@ -12,13 +15,19 @@ Orbax's primary host writes beside them (item_files.py). Last it writes
 ``.bubblesnap/rank_<rank>.failed`` (why it is not); the trainer waits for one, then
 removes it, so the step holds only what Orbax writes.
 
-A target is checked before anything is kept: an absolute, normalized path whose
-folder (the step being saved) exists inside the daemon's ``--durable-dir``, symbolic
-links resolved, so a trainer cannot make the daemon write elsewhere.
+The trainer asks in the blocking part of its save, before Orbax may have made the
+folder (it makes step folders in the background): the call is checked against the
+nearest folder that exists (:func:`check_inside`), and the write waits for the folder
+(:func:`wait_for`) and checks it whole (:func:`check_target`): an absolute, normalized
+path whose folder exists inside the daemon's ``--durable-dir``, symbolic links
+resolved, so a trainer cannot make the daemon write elsewhere. The write says it began
+(``.bubblesnap/rank_<rank>.writing``) before any of it is there, so a daemon finishing a
+step whose trainer died knows a part is still coming.
 """
 
 import os
 import re
+import time
 
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.errors import FailedPrecondition, InvalidArgument, shown
@@ -29,6 +38,10 @@ MAX_PATH = 4096
 #: How much of a path a message repeats: enough to see which folder it was.
 _SHOWN = 400
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: Where a daemon writes a part aside, in the manager's directory.
+_STAGING = os.path.join(checkpoint_record.STATE_DIR, "staging")
+#: Orbax's temporary folders' names end so (atomicity.TMP_DIR_SUFFIX).
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def check_path(path: str) -> str:
@@ -59,15 +72,119 @@ def check_target(durable_dir: str, path: str) -> str:
         raise FailedPrecondition(
             f"{shown(path, _SHOWN)} is outside this daemon's durable tier {shown(root, _SHOWN)} "
             "(--durable-dir): start the daemon with --durable-dir at or above it")
+    if parent == root:  # an item's folder lies in a step's, in the manager's directory
+        raise FailedPrecondition(f"{shown(path, _SHOWN)} is no item folder of a step (the "
+                                 "durable tier itself holds no step): Persist names "
+                                 "<directory>/<step>/<item>")
     return os.path.join(parent, os.path.basename(path))
 
 
+def check_inside(durable_dir: str, path: str) -> str:
+    """``path`` (checked), which may not exist yet, once the nearest folder of it that
+    exists is known to lie inside ``durable_dir``; FailedPrecondition saying what to do
+    otherwise."""
+    check_path(path)
+    if not durable_dir:
+        check_target(durable_dir, path)  # (raises: no durable tier)
+    root = os.path.realpath(durable_dir)
+    existing = path
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    if os.path.commonpath([root, os.path.realpath(existing)]) != root:
+        raise FailedPrecondition(
+            f"{shown(path, _SHOWN)} is outside this daemon's durable tier {shown(root, _SHOWN)} "
+            "(--durable-dir): start the daemon with --durable-dir at or above it")
+    return path
+
+
+def wait_for(folder: str, timeout: float, stopping=None) -> bool:
+    """Waits, at most ``timeout`` seconds, for ``folder`` to exist (its trainer makes it,
+    maybe in the background); whether it does (False also once ``stopping`` is set, or
+    once the folder's step was finalized without it)."""
+    deadline, pause = time.monotonic() + timeout, 0.0005
+    while not os.path.isdir(folder):
+        if time.monotonic() > deadline or (stopping is not None and stopping.is_set()) or \
+                finalized_without(folder):
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    return True
+
+
+def mark_writing(folder: str, rank: int) -> None:
+    """Says, before any of it is written, that ``rank``'s copy is being written."""
+    answer(folder, checkpoint_record.writing_file(rank), b"")
+
+
+def answer(folder: str, name: str, data: bytes) -> None:
+    """Writes ``name`` (one of the answers: ``.bubblesnap/rank_<r>.*``) into ``folder``
+    whole, never making the folder again: FileNotFoundError once it is gone (its step was
+    finalized without this write, or given up)."""
+    path = os.path.join(folder, name)
+    try:
+        os.mkdir(os.path.dirname(path))
+    except FileExistsError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def gone(folder: str) -> bool:
+    """Whether the item ``folder`` is gone: its step finalized (or given up) meanwhile."""
+    return not os.path.isdir(folder) or finalized_without(folder)
+
+
 def prepare(folder: str, rank: int) -> None:
-    """Removes what an earlier write of ``rank`` into ``folder`` left (its database, its
-    markers): a write starts whole."""
+    """Removes what an earlier write of ``rank`` into ``folder`` left (its answers, its
+    staging folder): a write starts whole. Never the rank's database in the folder: that
+    is a finished write (its trainer's own, maybe)."""
     for path in (fmt.sidecar_path(folder, rank), failed_path(folder, rank),
-                 fmt.child_path(folder, rank)):
+                 staging_path(folder, rank)):
         fmt.remove(path)
+
+
+def staging_path(folder: str, rank: int) -> str:
+    """Where the daemon writes ``rank``'s database before it moves it into ``folder``: in
+    the manager's directory (``<directory>/<step tmp>/<item tmp>``), outside the step, so
+    that a write that outlives the step's folder (finalized meanwhile by a trainer that
+    stopped waiting) never makes it again."""
+    step_tmp = os.path.dirname(folder)
+    return os.path.join(os.path.dirname(step_tmp), _STAGING, f"{os.path.basename(step_tmp)}."
+                        f"{os.path.basename(folder)}.rank_{rank}")
+
+
+def move_in(staging: str, folder: str, rank: int) -> bool:
+    """Moves ``rank``'s database written in ``staging`` into ``folder`` (one rename), and
+    the staging folder goes; False when the folder holds the rank's database already
+    (its trainer wrote it itself, not waiting for this daemon: the first rename wins, so
+    a part is never written twice) or is gone (the step was finalized so)."""
+    target = fmt.child_path(folder, rank)
+    try:
+        os.rename(fmt.child_path(staging, rank), target)
+        return True
+    except OSError as err:
+        if not os.path.isdir(folder) or (os.path.isdir(target) and os.listdir(target)):
+            return False
+        raise err from None
+    finally:
+        fmt.remove(staging)
+        for empty in (os.path.dirname(staging), os.path.dirname(os.path.dirname(staging))):
+            try:  # the manager's directory keeps nothing of bubblesnap's once done
+                os.rmdir(empty)
+            except OSError:
+                break
+
+
+def finalized_without(folder: str) -> bool:
+    """Whether the step of the item ``folder`` was finalized (renamed) without this write."""
+    step_tmp = os.path.basename(os.path.dirname(folder))
+    at = step_tmp.find(_TMP_SUFFIX)
+    return at > 0 and os.path.isdir(os.path.join(os.path.dirname(os.path.dirname(folder)),
+                                                 step_tmp[:at]))
 
 
 def failed_path(folder: str, rank: int) -> str:
@@ -77,5 +194,7 @@ def failed_path(folder: str, rank: int) -> str:
 def mark_failed(folder: str, rank: int, why: str) -> None:
     """Says why ``rank``'s write into ``folder`` failed (the trainer raises it), if the
     folder is still there (its step may have been given up)."""
-    if os.path.isdir(folder):
-        fmt.write_bytes(failed_path(folder, rank), why[:4000].encode())
+    try:
+        answer(folder, checkpoint_record.failed_file(rank), why[:4000].encode())
+    except FileNotFoundError:
+        pass  # nobody waits for it

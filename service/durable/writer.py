@@ -4,9 +4,9 @@ Orbax checkpoints.
 Two kinds of write, one thread:
 
 - **Persist** (a CheckpointManager's item its policy keeps): the trainer names the
-  folder (persist.py); every copy asked for is written, in the order asked, none
-  skipped (a backlog makes the trainer's next save wait, as Orbax's does). Orbax, in
-  the trainer, finalizes the step.
+  folder; every copy asked for is written, in the order asked, none skipped
+  (item_writer.py). Orbax, in the trainer, finalizes the step; if the trainer dies
+  first, the daemon holding its primary process's part does (save_finisher.py).
 - **The daemon's own policy** (``--durable-every-steps``/``-seconds``, bubblesnap's own
   clients): each daemon writes the ranks its trainers committed (never the replicas it
   holds for peers) into the step's partial folder, then a sidecar; the daemon that finds
@@ -19,30 +19,27 @@ Every write reads the pinned copy straight from its segment, verified in memory 
 and after.
 """
 
-import dataclasses
 import logging
 import time
 
-from bubblesnap.protos.checksum import checksum
 from bubblesnap.service.background import CoalescingWorker
 from bubblesnap.service.checks import is_folder_job
 from bubblesnap.service.durable import (
     checkpoint,
     copy_plan,
     finalizer,
-    item_files,
-    persist,
     policy,
     storage,
 )
 from bubblesnap.service.durable import format as fmt
 from bubblesnap.service.durable.finalizer import Finalizer
+from bubblesnap.service.durable.item_writer import ItemWriter, Persist, verify, written_rank
 from bubblesnap.service.durable.reader import DurableReader
+from bubblesnap.service.durable.save_finisher import SaveFinisher
 from bubblesnap.service.durable.sidecar import WrittenRank
-from bubblesnap.service.errors import DaemonError, DataLoss, FailedPrecondition, bounded, shown
+from bubblesnap.service.errors import DaemonError, bounded
 from bubblesnap.service.log_once import warn_once
 from bubblesnap.service.progress import Progress
-from bubblesnap.shared import checkpoint_record
 
 log = logging.getLogger("bubblesnap.daemon")
 
@@ -52,14 +49,6 @@ _STOP_SECONDS = 30.0
 #: sidecar that completes a step may be another host's, written when this
 #: daemon last looked (or its finalizer may have died).
 _RECHECK_SECONDS = 5.0
-
-
-@dataclasses.dataclass(frozen=True)
-class _Persist:
-    """A copy to write into the folder its trainer named."""
-
-    pinned: object
-    folder: str
 
 
 class DurableWriter:
@@ -87,6 +76,10 @@ class DurableWriter:
         self._worker = CoalescingWorker("durable", self._write_batch, tick=self._recheck,
                                         every_seconds=_RECHECK_SECONDS, discard=self._discard)
         self._finalizer = Finalizer(options.directory, reader)
+        #: the CheckpointManager saves in flight whose trainer may die before finalizing
+        self.saves_in_flight = SaveFinisher(options.directory)
+        self._items = ItemWriter(options, store, self.saves_in_flight, self._job_layouts,
+                                 self._progress, metrics)
         # failed writes in a row, when the next may start, and why the last one failed
         self._failures, self._retry_at, self._trouble = 0, 0.0, ""
         where = storage.at(options.directory)
@@ -100,9 +93,11 @@ class DurableWriter:
 
     def start(self) -> None:
         self._worker.start()  # its first tick publishes what a daemon finalized, then died
+        self.saves_in_flight.start()
 
     def stop(self) -> None:
         """Finishes the write in progress, drops the ones still waiting."""
+        self.saves_in_flight.stop()
         if not self._worker.stop(_STOP_SECONDS):
             log.warning("durable: a write is still running at shutdown; its step stays "
                         "unfinished (no sidecar for this rank) and is not listed")
@@ -122,26 +117,18 @@ class DurableWriter:
         self._last_write[(job, rank)] = time.monotonic()
         self._worker.submit((job, rank), pinned)
 
-    def persist(self, job: str, rank: int, step: int, folder: str) -> None:
+    def persist(self, job: str, rank: int, step: int, folder: str, record: str = "") -> None:
         """Queues the write of ``rank``'s committed copy of ``step`` into ``folder``
-        (persist.py); FailedPrecondition for a folder outside the tier, NotFound for a
-        copy not held. The copy stays pinned until it is written."""
-        target = persist.check_target(self.options.directory, folder)
-        if not is_folder_job(job):
-            raise FailedPrecondition(
-                f"job {shown(job, 400)} is not a CheckpointManager's item (a job named by its "
-                "folder): its steps are written as --durable-every-steps/-seconds say")
-        pinned = self._store.pin(job, rank, step)
-        if checkpoint_record.TENSOR not in (t.name for t in pinned.layout.tensors):
-            self._store.unpin(pinned)
-            raise FailedPrecondition(f"job {shown(job, 400)} holds no item record "
-                                     f"({checkpoint_record.TENSOR!r}): not an item a "
-                                     "CheckpointManager saved")
-        self._worker.submit(("persist", job, rank), _Persist(pinned, target))
+        (item_writer.py; it may not exist yet); FailedPrecondition for a folder outside
+        the tier, NotFound for a copy not held. The copy stays pinned until it is
+        written. ``record``: the step's save in flight (the primary process's part),
+        watched from now on."""
+        self._worker.submit(("persist", job, rank),
+                            self._items.queued(job, rank, step, folder, record))
 
     def forget_after(self, job: str, step: int) -> None:
         """Drops queued writes of ``job``'s steps after ``step`` (an abandoned run's)."""
-        self._worker.drop(lambda key, item: key[0] != job or isinstance(item, _Persist)
+        self._worker.drop(lambda key, item: key[0] != job or isinstance(item, Persist)
                           or item.step <= step)
 
     def discard_after(self, job: str, step: int) -> int:
@@ -157,12 +144,9 @@ class DurableWriter:
         return {r.rank: r.layout for r in self._store.layouts(job)}
 
     def _discard(self, item) -> None:
-        """A queued write that will not run: its copy is let go (and a Persist's trainer
-        told, so that it does not wait for a write that never comes)."""
-        if isinstance(item, _Persist):
-            self._store.unpin(item.pinned)
-            persist.mark_failed(item.folder, item.pinned.rank,
-                                "the daemon stopped before it wrote this copy")
+        """A queued write that will not run: its copy is let go (a Persist's trainer told)."""
+        if isinstance(item, Persist):
+            self._items.discard(item)
         else:
             self._store.unpin(item)
 
@@ -173,7 +157,7 @@ class DurableWriter:
                     if self._worker.stopping.is_set():
                         self._discard(item)
                     else:
-                        self._persist(item)
+                        self._items.write(item, self._worker.stopping)
             else:
                 self._write_newest(items)
 
@@ -218,49 +202,6 @@ class DurableWriter:
                                 f"in {wait:.0f} s or later)", 1000)
         log.error("durable: %s", self._trouble, exc_info=exc_info)
 
-    # -- Persist: a CheckpointManager's item ---------------------------------------------
-
-    def _persist(self, item: _Persist) -> None:
-        pinned, folder = item.pinned, item.folder
-        started = time.perf_counter()
-        try:
-            with self._metrics.timed("persist"):
-                written = self._write_item(pinned, folder)
-            fmt.write_json(fmt.sidecar_path(folder, pinned.rank), written.to_json())
-            log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s",
-                     pinned.step, pinned.rank, pinned.job, pinned.layout.nbytes / 1e6,
-                     time.perf_counter() - started, folder)
-        except Exception as err:
-            log.error("durable write of step %d of rank %d of %s into %s failed: %s",
-                      pinned.step, pinned.rank, pinned.job, folder, err,
-                      exc_info=not isinstance(err, DaemonError))
-            try:
-                persist.mark_failed(folder, pinned.rank, f"{type(err).__name__}: {err}")
-            except OSError as mark_err:
-                log.error("durable: could not say so in %s: %s", folder, mark_err)
-        finally:
-            self._store.unpin(pinned)
-
-    def _write_item(self, pinned, folder: str) -> WrittenRank:
-        """Writes the copy into ``folder`` as its rank's process of Orbax's PyTree save;
-        the sidecar saying what it wrote."""
-        known = {r: lay for r, lay in self._job_layouts(pinned.job).items()
-                 if r != pinned.rank}
-        plan = copy_plan.plan(pinned, known, item=True)
-        persist.check_target(self.options.directory, folder)  # still inside the tier
-        _verify(pinned)
-        persist.prepare(folder, pinned.rank)
-        with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
-                                  pinned.layout.nbytes) as written:
-            chunks = checkpoint.write_parts(folder, pinned.rank, plan.parts,
-                                            self.options.write_batch_bytes, written,
-                                            compression=self.options.compression)
-        _verify(pinned)  # the bytes did not change while TensorStore copied them
-        if plan.record is not None:
-            item_files.write(folder, plan.record, {**plan.grids, **chunks},
-                             checkpoint.empty_tree_metadata(), pinned.world_size)
-        return self._written(pinned, copy_plan.with_chunks(plan.tensors, chunks))
-
     # -- the daemon's own policy: a step of bubblesnap's own clients ----------------------
 
     def _write_step(self, pinned) -> None:
@@ -290,7 +231,7 @@ class DurableWriter:
         known = {r: lay for r, lay in self._job_layouts(pinned.job).items()
                  if r != pinned.rank}
         plan = copy_plan.plan(pinned, known, item=False)
-        _verify(pinned)
+        verify(pinned)
         fmt.remove_rank(step_dir, pinned.rank)  # an unfinished write, or another run's
         try:
             with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
@@ -298,16 +239,11 @@ class DurableWriter:
                 chunks = checkpoint.write_parts(step_dir, pinned.rank, plan.parts,
                                                 self.options.write_batch_bytes, written,
                                             compression=self.options.compression)
-            _verify(pinned)  # the bytes did not change while TensorStore copied them
+            verify(pinned)  # the bytes did not change while TensorStore copied them
         except BaseException:
             fmt.remove_rank(step_dir, pinned.rank)
             raise
-        return self._written(pinned, copy_plan.with_chunks(plan.tensors, chunks))
-
-    @staticmethod
-    def _written(pinned, tensors) -> WrittenRank:
-        return WrittenRank(pinned.job, pinned.step, pinned.rank, pinned.world_size,
-                           tuple(pinned.group) or (pinned.rank,), tuple(tensors))
+        return written_rank(pinned, copy_plan.with_chunks(plan.tensors, chunks))
 
     def _reopen(self, job: str, step: int, rank: int, partial: str) -> None:
         """A step finalized with another copy of this rank is taken back into its partial
@@ -366,15 +302,3 @@ def _delete_step(step_dir: str) -> None:
     """The marker first: a step half deleted is never listed."""
     fmt.remove(fmt.marker_path(step_dir))
     fmt.remove(step_dir)
-
-
-def _verify(pinned) -> None:
-    """Every slot still matches its checksum in memory: the commit trusted the
-    client's checksums, and a copy damaged in memory must not become a checkpoint
-    with fresh, matching checksums."""
-    for (t_index, _, offset, nbytes), expected in zip(pinned.slots, pinned.checksums,
-                                                       strict=True):
-        if checksum(pinned.segment.view[offset:offset + nbytes]) != expected:
-            raise DataLoss(f"step {pinned.step} of rank {pinned.rank}: a shard of "
-                           f"{pinned.layout.tensors[t_index].name!r} no longer matches its "
-                           "checksum in memory; not written")

@@ -82,10 +82,17 @@ def commit(request) -> tuple:
             optional_step(request, "next_step"), optional_step(request, "staged_as"))
 
 
-def persist(request) -> tuple[str, int, int, str]:
-    """(job, rank, step, folder) of a PersistRequest (the folder's place in the durable
-    tier is the writer's to check: durable/persist.py)."""
-    return (*job_rank_step(request), persist_lib.check_path(request.directory))
+def persist(request) -> tuple[str, int, int, str, str]:
+    """(job, rank, step, folder, record) of a PersistRequest (the folder's place in the
+    durable tier is the writer's to check: durable/persist.py; the record's, the save
+    finisher's)."""
+    record = persist_lib.check_path(request.record) if request.record else ""
+    return (*job_rank_step(request), persist_lib.check_path(request.directory), record)
+
+
+def finish_save(request) -> tuple[str, bool]:
+    """(record, drop) of a FinishSaveRequest."""
+    return persist_lib.check_path(request.record), request.drop
 
 
 def drop_after(request) -> tuple[str, int]:
@@ -337,7 +344,8 @@ def daemon_status(status) -> pb.StatusResponse:
         in_flight=[pb.InFlight(kind=w.kind, job=w.job, rank=w.rank, step=w.step,
                                done_bytes=w.done_bytes, total_bytes=w.total_bytes,
                                seconds=w.seconds) for w in status.in_flight],
-        durable_directory=status.durable_directory, durable_error=status.durable_error)
+        durable_directory=status.durable_directory, durable_error=status.durable_error,
+        durable_notes=status.durable_notes)
 
 
 def _adoption(found) -> pb.Adoption:

@@ -10,7 +10,13 @@ from bubblesnap.service.rpc.status_codes import late, streaming, unary
 #: restore pulling from a peer or the durable tier, a wait for the job's commit) so that
 #: they never hold up stagings and commits, and Status so that it answers under any load.
 LANES = {"Restore": "waits", "RestoreStream": "waits", "WaitCommitted": "waits",
-         "Status": "status"}
+         "FinishSave": "waits", "Status": "status"}
+
+
+_SAVE_STATES = {"watching": pb.FinishSaveResponse.WATCHING,
+                "finalized": pb.FinishSaveResponse.FINALIZED,
+                "dropped": pb.FinishSaveResponse.DROPPED,
+                "alive": pb.FinishSaveResponse.TRAINER_ALIVE}
 
 
 def _release_if_late(context, release) -> None:
@@ -107,13 +113,24 @@ class DaemonServicer:
 
     @unary
     def Persist(self, request, context):
-        job, rank, step, folder = messages.persist(request)
+        job, rank, step, folder, record = messages.persist(request)
+        self._durable_tier(folder).persist(job, rank, step, folder, record)
+        return pb.PersistResponse()
+
+    @unary
+    def FinishSave(self, request, context):
+        record, drop = messages.finish_save(request)
+        if drop:  # a finalize of it (and the work it holds) is given up
+            self._token.check(context, "FinishSave with drop")
+        state, why = self._durable_tier(record).saves_in_flight.finish(record, drop)
+        return pb.FinishSaveResponse(state=_SAVE_STATES[state], detail=why)
+
+    def _durable_tier(self, folder: str):
         if self._durable is None:
             raise FailedPrecondition(f"this daemon has no durable tier, so it cannot write "
                                      f"{shown(folder, 400)}: start it with --durable-dir at "
                                      "or above that folder")
-        self._durable.persist(job, rank, step, folder)
-        return pb.PersistResponse()
+        return self._durable
 
     @unary
     def DropAfter(self, request, context):

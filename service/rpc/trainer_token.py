@@ -3,7 +3,8 @@
 The daemon's Unix socket is owner-only (its file mode), so whoever calls
 through it is this user. Over TCP any local process can connect; there the
 calls that drop snapshots (a Restore that is not ``alone`` rolls back every
-later step on every daemon of the ring; DeleteSnapshots) must carry the
+later step on every daemon of the ring; DeleteSnapshots; a FinishSave that drops a
+save in flight) must carry the
 trainer token, ``authorization: Bearer <token>`` as peer calls do. A daemon
 on TCP without a token refuses them.
 """

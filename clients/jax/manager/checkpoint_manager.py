@@ -67,12 +67,24 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         self._tier = MemoryTier(directory, settings, multiprocessing.primary_host)
         self._seen_items: set[str] = set()
         self._orbax_view = 0  # > 0 while Orbax's own code asks for its steps
+        self._finish_left(options)
         super().__init__(directory, checkpointers=checkpointers, options=options,
                          metadata=metadata, item_names=item_names, item_handlers=item_handlers,
                          logger=logger, handler_registry=handler_registry)
         self._tier.check_daemon()
         self._memory_steps = MemorySteps(self, self._tier, settings.memory_interval_steps) \
             if settings.memory_interval_steps and self._tier.local else None
+
+    def _finish_left(self, options) -> None:
+        """Before Orbax lists the steps: the daemons finish (or drop) every save an earlier
+        run of this directory left in flight when its trainer died, so that every process
+        lists the same steps, a step the daemons held whole among them."""
+        if getattr(options, "read_only", False) or not self._tier.local or \
+                not self._tier.persists(self._tier.root):
+            return
+        self._tier.saves.finish_left()
+        if self._tier.world_size > 1:  # the primary finished them before anyone lists
+            ocp.multihost.sync_global_processes("bubblesnap:finish_left")
 
     def _configure_checkpointer_common(self, handler, options, use_async):
         self._tier.install(handler)
@@ -113,15 +125,15 @@ class CheckpointManager(orbax_manager.CheckpointManager):
             self._orbax_view -= 1
 
     @contextlib.contextmanager
-    def _at_step(self, step: int):
-        """Orbax saves or restores ``step``: its handlers (the tier's) are told which, and
-        its own decisions see its own steps."""
-        self._tier.step = step
+    def _at_step(self, step: int, custom_metadata=None):
+        """Orbax saves or restores ``step`` (with ``custom_metadata``): its handlers (the
+        tier's) are told which, and its own decisions see its own steps."""
+        self._tier.step, self._tier.custom_metadata = step, custom_metadata
         try:
             with self._orbax_deciding():
                 yield
         finally:
-            self._tier.step = None
+            self._tier.step, self._tier.custom_metadata = None, None
 
     # -- save and restore -----------------------------------------------------------------
 
@@ -137,9 +149,11 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         handler = getattr(self._checkpointer, "handler", None)
         if hasattr(handler, "_get_or_set_handler"):  # Orbax v1 brings one to every save
             self._tier.install(handler)
-        with self._at_step(step):
-            return super().save(step, items=items, save_kwargs=save_kwargs, metrics=metrics,
-                                force=force, args=args, custom_metadata=custom_metadata)
+        with self._at_step(step, custom_metadata):
+            saved = super().save(step, items=items, save_kwargs=save_kwargs, metrics=metrics,
+                                 force=force, args=args, custom_metadata=custom_metadata)
+        self._tier.saves.sweep(before=step)  # Orbax waited for the saves before it
+        return saved
 
     def restore(self, step, items=None, restore_kwargs=None, directory=None, args=None):
         """Orbax's restore, each pytree item from the fastest tier holding the step."""
@@ -166,6 +180,7 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         memory only are committed in the daemons."""
         super().wait_until_finished()
         self._tier.wait()
+        self._tier.saves.sweep()
 
     def delete(self, step: int):
         """Orbax's delete, and the daemons' copies of the step go too (a step saved again
@@ -176,6 +191,7 @@ class CheckpointManager(orbax_manager.CheckpointManager):
 
     def close(self):
         super().close()
+        self._tier.saves.close()
         self._tier.close()
 
     def _drop_abandoned(self, step: int, args, items) -> None:

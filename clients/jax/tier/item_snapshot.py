@@ -32,6 +32,8 @@ class ItemSnapshots:
         self._saver = checkpoint_tree.ItemSaver()
         self._buffer = np.zeros(0, np.uint8)
         self._used = 0  # bytes of the buffer not zero
+        #: the bytes of the last snapshot's arrays (the global arrays' whole size)
+        self.nbytes = 0
 
     def build(self, step: int, tree, handler: str, save_args=None, custom_metadata=None):
         """(tensor names, leaves, record) of a save of ``tree`` as ``step``; TypeError for a
@@ -53,6 +55,7 @@ class ItemSnapshots:
             self._used = len(head)
         names = [*saved.names, checkpoint_record.TENSOR]
         leaves = [*(self._held(a) for a in saved.arrays), HostValue(buffer, self._primary)]
+        self.nbytes = sum(getattr(a, "nbytes", 0) for a in saved.arrays)
         return names, leaves, record
 
     def _held(self, array):

@@ -20,39 +20,32 @@ around each stock handler; the registry keeps Orbax's own handlers, so everythin
 that reads it (metadata, restore without arguments) sees Orbax's.
 """
 
-import collections
 import dataclasses
 import logging
 import os
 import posixpath
-import re
 
 import grpc
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from bubblesnap.clients.jax.client import SnapshotClient
-from bubblesnap.clients.jax.tier import item_restore, orbax_v1
+from bubblesnap.clients.jax.tier import item_restore, orbax_v1, own_write
+from bubblesnap.clients.jax.tier.item_records import ItemRecords
 from bubblesnap.clients.jax.tier.item_snapshot import ItemSnapshots
 from bubblesnap.clients.jax.tier.persist_future import PersistFuture
+from bubblesnap.clients.jax.tier.saves_in_flight import SavesInFlight
 from bubblesnap.clients.jax.tier.tier_handler import TierHandler
 from bubblesnap.clients.results import RestoreError
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.shared import checkpoint_record
 
 log = logging.getLogger("bubblesnap.client")
 
 #: The handlers whose items the daemons hold (exactly these classes: a subclass is a
 #: handler of its own, which writes its items itself).
 STOCK_HANDLERS = (ocp.StandardCheckpointHandler, ocp.PyTreeCheckpointHandler)
-#: Records kept of the steps this process saved (a restore of them asks none of the daemon).
-_RECORDS_KEPT = 16
 #: How the daemon refuses the snapshot of a step it holds committed already.
 _ALREADY_COMMITTED = "is already committed"
-#: How the daemon refuses a tensor asked with another size than it was saved with.
-_SAVED_SIZE = re.compile(re.escape(repr(checkpoint_record.TENSOR)) +
-                         r" was saved as uint8\[(\d+)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,19 +66,25 @@ class MemoryTier:
         self.root = _root(text)
         self.settings = settings
         if primary_host is None:
-            self._rank, self._world, self.primary = 0, 1, True
+            self.rank, self._world, self.primary = 0, 1, True
         else:
-            self._rank, self._world = jax.process_index(), jax.process_count()
-            self.primary = self._rank == primary_host
-        #: The step the manager is saving or restoring (its handlers are not told).
+            self.rank, self._world = jax.process_index(), jax.process_count()
+            self.primary = self.rank == primary_host
+        #: The step the manager is saving or restoring (its handlers are not told), and the
+        #: custom metadata of the save.
         self.step: int | None = None
+        self.custom_metadata: dict | None = None
+        #: what finishing a save this trainer dies in the middle of takes
+        self.saves = SavesInFlight(self)
         self._clients: dict[str, SnapshotClient] = {}
         self._snapshots: dict[str, ItemSnapshots] = {}
-        self._records: collections.OrderedDict = collections.OrderedDict()
+        self._records = ItemRecords(self.client, settings.record_bytes)
         self._handlers: dict[tuple[str, int], TierHandler] = {}
+        self._write_times = own_write.WriteTimes(settings.client.persist_wait_floor_seconds,
+                                                 settings.client.persist_wait_factor)
         self._durable: str | None = None  # the daemon's durable tier; None: not known yet
-        # a session for calls about no item (no item name starts with ".": never a job's)
-        self._probe_job = self.job(".daemon")
+        #: a session's job for calls about no item (no item starts with ".": never a job)
+        self.probe_job = self.job(".daemon")
         self._warned: set[str] = set()
 
     # -- in front of Orbax's composite handler ---------------------------------------------
@@ -96,11 +95,29 @@ class MemoryTier:
         if getattr(composite, "_bubblesnap_tier", None) is self:
             return
         composite._bubblesnap_tier = self
-        lookup = composite._get_or_set_handler
+        lookup, save, finalize = (composite._get_or_set_handler, composite.async_save,
+                                  composite.finalize)
 
         def get_or_set_handler(item_name, args):
             return self.wrap(item_name, lookup(item_name, args))
+
+        async def async_save(directory, args):
+            step = self.step
+            if step is None or not self.local or not self.persists(os.fspath(directory)):
+                return await save(directory, args)
+            self.saves.begin(step, composite, directory, args)
+            futures = await save(directory, args)
+            self.saves.saved(step, futures)
+            return futures
+
+        def finalize_step(directory):
+            paths = getattr(composite, "_current_temporary_paths", {}) or {}
+            self.saves.finalizing(os.fspath(directory), [os.fspath(p.get())
+                                                         for p in paths.values()])
+            return finalize(directory)
         composite._get_or_set_handler = get_or_set_handler
+        composite.async_save = async_save
+        composite.finalize = finalize_step
 
     def wrap(self, item: str, handler):
         v1 = orbax_v1.pytree_handler_of(handler)
@@ -126,7 +143,7 @@ class MemoryTier:
 
     def client(self, job: str) -> SnapshotClient:
         if job not in self._clients:
-            self._clients[job] = SnapshotClient(job, self._rank, self._world,
+            self._clients[job] = SnapshotClient(job, self.rank, self._world,
                                                 options=self.settings.client)
         return self._clients[job]
 
@@ -161,7 +178,7 @@ class MemoryTier:
         """The daemon's durable directory ("" when it has none; None when no daemon
         answers), asked once it answers."""
         if self._durable is None:
-            client = self.client(self._probe_job)
+            client = self.client(self.probe_job)
             if not client.session.quiet():
                 try:
                     answer = client.session.call("Status", pb.StatusRequest())
@@ -174,7 +191,7 @@ class MemoryTier:
                     return None  # not known: asked again at the next save
         return self._durable
 
-    def _persists(self, folder: str) -> bool:
+    def persists(self, folder: str) -> bool:
         """Whether the daemon writes ``folder`` (inside its durable tier)."""
         durable = self._durable_tier()
         return bool(durable) and _inside(folder, durable)
@@ -190,11 +207,43 @@ class MemoryTier:
             return None
         folder = os.fspath(getattr(directory, "path", directory))
         # the daemon writes Orbax's OCDBT layout only: a handler told otherwise writes
-        persists = self._persists(folder) and getattr(handler, "_use_ocdbt", True)
+        persists = self.persists(folder) and getattr(handler, "_use_ocdbt", True)
         client = self._snapshot(item, handler, step, args, wait="rank" if persists else False)
         if client is None or not persists:
             return None
-        return [PersistFuture(client.session, step, folder)]
+        session = client.session
+        try:  # asked before save returns: a kill after it leaves the write to the daemon
+            with session.bounded(self.settings.client.persist_wait_floor_seconds):
+                session.call("Persist", pb.PersistRequest(
+                    job=session.job, rank=session.rank, step=step, directory=folder,
+                    record=self.saves.record_path(step)))
+        except grpc.RpcError as err:
+            self._warn(f"persist-{item}", "bubblesnap: the daemon at %s did not take the "
+                       "write of item %r of step %d (%s: %s): Orbax writes it", session.options
+                       .daemon, item, step, err.code().name, err.details())
+            return None
+        self.saves.daemon_writes(step, item)
+        return [PersistFuture(
+            session, step, folder, on_answer=lambda took: self._write_times.wrote(item, took),
+            wait_seconds=self.persist_wait(item),
+            fallback=None if self._world > 1 else
+            lambda why: self._write_here(item, handler, folder, args, step, why))]
+
+    def persist_wait(self, item: str) -> float:
+        """How long a save of ``item`` waits for its daemon's write before Orbax writes it
+        here (own_write.WriteTimes)."""
+        snapshots = self._snapshots.get(item)
+        return self._write_times.wait(item, snapshots.nbytes if snapshots else 0)
+
+    def _write_here(self, item: str, handler, folder: str, args, step: int, why: str):
+        """The part written by Orbax here: its daemon ``why`` (own_write.py); said once."""
+        written = own_write.write_part(handler, folder, args, self.rank, why)
+        if written:
+            self._warn("own-write", "bubblesnap: the daemon at %s %s: Orbax wrote item %r of "
+                       "step %d of %s itself (so again whenever a daemon does not answer in "
+                       "time; said once)", self.settings.client.daemon, why, item, step,
+                       self.root)
+        return written
 
     def snapshot_in_memory(self, item: str, handler, step: int, args) -> bool:
         """Copies the item into the daemon's memory only (a step held in memory only);
@@ -224,15 +273,17 @@ class MemoryTier:
         client = self.client(job)
         if wait and not self._well(client.session):
             return None  # a save that waits must not wait for a sick daemon: Orbax writes
-        result = client.snapshot_leaves(step, names, leaves, wait=wait)
-        if not result.taken and _ALREADY_COMMITTED in result.reason:
-            # the daemons hold another save of this step (a deleted step saved again): it
-            # goes, with what came after it, and this save replaces it
-            self.drop_after([job], step - 1)
+        with client.session.bounded(self.settings.client.persist_wait_floor_seconds
+                                    if wait else float("inf")):
             result = client.snapshot_leaves(step, names, leaves, wait=wait)
+            if not result.taken and _ALREADY_COMMITTED in result.reason:
+                # the daemons hold another save of this step (a deleted step saved again):
+                # it goes, with what came after it, and this save replaces it
+                self.drop_after([job], step - 1)
+                result = client.snapshot_leaves(step, names, leaves, wait=wait)
         if not result.taken:
             return None
-        self._remember(job, step, record)
+        self._records.remember(job, step, record)
         return client
 
     @staticmethod
@@ -268,7 +319,7 @@ class MemoryTier:
         """Drops ``steps`` of every item from this daemon's memory (a deleted step saved
         again must not meet its old copy), without waiting."""
         for job, client in self._clients.items():
-            if job != self._probe_job:
+            if job != self.probe_job:
                 client.session.call_async("DeleteSnapshots", pb.DeleteSnapshotsRequest(
                     job=job, steps=list(steps)))
 
@@ -308,38 +359,9 @@ class MemoryTier:
             client.close()
         self._clients.clear()
 
-    # -- records ---------------------------------------------------------------------------
-
-    def _remember(self, job: str, step: int, record: dict) -> None:
-        self._records[(job, step)] = record
-        self._records.move_to_end((job, step))
-        while len(self._records) > _RECORDS_KEPT:
-            self._records.popitem(last=False)
-
     def record(self, job: str, step: int) -> dict | None:
-        """The item record of ``step`` of ``job``: kept from this process's save, else
-        read from the daemons; None when they do not hold it."""
-        if (job, step) in self._records:
-            return self._records[(job, step)]
-        client, capacity = self.client(job), self.settings.record_bytes
-        for _ in range(2):
-            try:
-                found = client.restore_leaves(
-                    [checkpoint_record.TENSOR],
-                    [jax.ShapeDtypeStruct((capacity,), np.uint8)], step, alone=True,
-                    host={checkpoint_record.TENSOR})
-                record = checkpoint_record.decode(found.state[0])
-            except RestoreError as err:
-                saved = _SAVED_SIZE.search(str(err))
-                if saved is not None and int(saved[1]) != capacity:
-                    capacity = int(saved[1])  # the job was saved with another record_bytes
-                    continue
-                return None
-            except ValueError:
-                return None
-            self._remember(job, step, record)
-            return record
-        return None
+        """The item record of ``step`` of ``job`` (item_records.py); None when not held."""
+        return self._records.record(job, step)
 
     def _warn(self, key: str, message: str, *args) -> None:
         if key not in self._warned:

@@ -69,3 +69,11 @@ def _leaf_restore_args(leaf):
     if leaf in (int, float):
         return ocp.RestoreArgs(restore_type=leaf)
     return None
+
+
+def compatibility_finalize():
+    """The finalize of v1's compatibility handler (it does nothing: a v1 handler finishes
+    its item in the item's own commit), or None while v1 is not imported."""
+    compatibility = sys.modules.get(_COMPATIBILITY)
+    return None if compatibility is None else \
+        compatibility.CompatibilityCheckpointHandler.finalize
