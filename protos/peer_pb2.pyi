@@ -150,14 +150,32 @@ class LayoutsResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankLayout, _Mapping]]] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
-    __slots__ = ("job", "step", "world_size")
+    __slots__ = ("job", "step", "world_size", "resume")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     world_size: int
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    resume: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., resume: _Optional[bool] = ...) -> None: ...
+
+class ResumeStepRequest(_message.Message):
+    __slots__ = ("job", "world_size", "rank")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    world_size: int
+    rank: int
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class ResumeStepResponse(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class RollbackResponse(_message.Message):
     __slots__ = ("dropped_copies",)

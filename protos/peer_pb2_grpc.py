@@ -70,6 +70,11 @@ class PeerStub:
                 request_serializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.FromString,
                 _registered_method=True)
+        self.ResumeStep = channel.unary_unary(
+                '/bubblesnap.v1.Peer/ResumeStep',
+                request_serializer=bubblesnap_dot_protos_dot_peer__pb2.ResumeStepRequest.SerializeToString,
+                response_deserializer=bubblesnap_dot_protos_dot_peer__pb2.ResumeStepResponse.FromString,
+                _registered_method=True)
         self.AppendLogReplica = channel.unary_unary(
                 '/bubblesnap.v1.Peer/AppendLogReplica',
                 request_serializer=bubblesnap_dot_protos_dot_peer__pb2.LogReplicaRequest.SerializeToString,
@@ -138,6 +143,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResumeStep(self, request, context):
+        """Asked of the decider (the lowest ring position not dead) by a daemon serving
+        a restore without a step: the step the job resumes from, the same for every
+        rank of one resume (peers/resume_rule.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AppendLogReplica(self, request, context):
         """Training-log records of a rank held for its home daemon.
         """
@@ -189,6 +203,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Rollback,
                     request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.FromString,
                     response_serializer=bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.SerializeToString,
+            ),
+            'ResumeStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeStep,
+                    request_deserializer=bubblesnap_dot_protos_dot_peer__pb2.ResumeStepRequest.FromString,
+                    response_serializer=bubblesnap_dot_protos_dot_peer__pb2.ResumeStepResponse.SerializeToString,
             ),
             'AppendLogReplica': grpc.unary_unary_rpc_method_handler(
                     servicer.AppendLogReplica,
@@ -390,6 +409,33 @@ class Peer:
             '/bubblesnap.v1.Peer/Rollback',
             bubblesnap_dot_protos_dot_peer__pb2.RollbackRequest.SerializeToString,
             bubblesnap_dot_protos_dot_peer__pb2.RollbackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bubblesnap.v1.Peer/ResumeStep',
+            bubblesnap_dot_protos_dot_peer__pb2.ResumeStepRequest.SerializeToString,
+            bubblesnap_dot_protos_dot_peer__pb2.ResumeStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

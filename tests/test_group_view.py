@@ -111,3 +111,27 @@ def test_a_step_is_not_judged_committed_on_a_silent_peers_last_answer():
     assert kept_committed(3, holdings, 2, stale={1}) == []
     # a step already taken as committed stays while those copies say it is restorable
     assert kept_committed(3, holdings, 2, held=[4], stale={1}) == [4]
+
+
+def test_one_resume_one_step_for_every_rank():
+    """peers/resume_rule.py: the first rank's restore opens a resume at the newest step
+    every rank can restore; the other ranks take it, whatever they could restore by then,
+    until every rank took it or a later step can be restored (the job moved on)."""
+    from bubblesnap.service.peers.resume_rule import Resume, decider, resume_step
+
+    first = resume_step(None, [8, 12, 16], rank=0, world=3)
+    assert first == Resume(16, frozenset({0}))
+    # copies landing and freed meanwhile (12 freed, 20 not whole): still 16 for the rest
+    second = resume_step(first, [8, 16], rank=2, world=3)
+    assert second == Resume(16, frozenset({0, 2}))
+    # its step lost since (more copies gone): a new resume
+    assert resume_step(first, [8, 12], rank=2, world=3) == Resume(12, frozenset({2}))
+    assert resume_step(second, [16], rank=2, world=3) == second  # a rank asking again
+    done = resume_step(second, [16], rank=1, world=3)
+    assert done.ranks == {0, 1, 2}
+    # every rank took it: the next restore without a step is a new resume
+    assert resume_step(done, [16, 17], rank=1, world=3) == Resume(17, frozenset({1}))
+    # a later step restorable before every rank took it: the job moved on
+    assert resume_step(first, [16, 20], rank=1, world=3) == Resume(20, frozenset({1}))
+    assert resume_step(None, [], rank=0, world=3) is None
+    assert decider(2, {0, 1}) == 0 and decider(1, {2}) == 1 and decider(-1, set()) == -1

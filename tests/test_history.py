@@ -44,6 +44,18 @@ def test_a_mixed_a_torn_and_an_uncommitted_step_are_found():
     assert "never committed" in violations(restore(history_to(5), {0: 6, 1: 6}))[0]
 
 
+def test_every_rank_of_one_resume_restoring_the_same_step_is_checked():
+    """Ranks recorded one by one as each restores: judged together, per resume."""
+    history = history_to(5)
+    history.rank_restored("job", "after host 1", 0, 5, "r0s5", at=20.0)
+    history.rank_restored("job", "after host 1", 1, 5, "r1s5", at=21.0)
+    assert violations(history) == []
+    history.rank_restored("job", "after host 2", 0, 5, "r0s5", at=30.0)
+    history.rank_restored("job", "after host 2", 1, 4, "r1s4", at=31.0)
+    [found] = violations(history)
+    assert "the ranks of one resume restored different steps" in found and "{0: 5, 1: 4}" in found
+
+
 def test_a_fault_that_keeps_the_durable_step_only_needs_that_one():
     history = history_to(5)
     history.faults.clear()

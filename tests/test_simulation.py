@@ -31,6 +31,24 @@ def test_a_hundred_thousand_events_keep_the_contract(seed):
           f"{group.sim.now:.0f} simulated seconds, {len(group.runs)} runs")
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_every_rank_of_a_resume_restores_the_decider_s_step(seed):
+    """Each rank restores on its own daemon at its own moment, the step asked of the
+    resume's decider: one step for every rank of every resume."""
+    group = Group(seed, Config(per_rank_resume=True))
+    group.run_for(50_000)
+    assert sum(r.get("restored", -1) >= 0 for r in group.restores) >= 5, group.restores
+
+
+def test_each_daemon_choosing_from_what_it_knows_mixes_a_resume():
+    """The rule as it was: each rank's daemon took the newest step it knew every rank
+    could restore (its own copies and its peers' last answers): two ranks of one resume
+    took two steps (seed 1: ranks 1 and 2 took 38, rank 0 took 27)."""
+    group = Group(1, Config(per_rank_resume=True, one_decider=False))
+    with pytest.raises(Violation, match="the ranks of one resume restored different steps"):
+        group.run_for(50_000)
+
+
 def test_the_same_seed_replays_the_same_history():
     def history(seed):
         group = Group(seed)

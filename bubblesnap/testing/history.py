@@ -8,7 +8,9 @@ which ring index when. :func:`violations` then says what broke the
 contract, one line each:
 
 - a restore returns a committed step, the same one for every rank (never a
-  mixed step), each rank's bytes those committed (never a torn step);
+  mixed step), each rank's bytes those committed (never a torn step); the ranks of
+  one resume may be recorded one by one as each restores (:meth:`History.rank_restored`,
+  grouped by the resume's name): every rank of one resume restored the same step;
 - it is at least as new as the newest step that a fault before it keeps:
   the newest committed before that fault (``keeps="committed"``: one host
   lost, a partition, a frozen daemon), the newest durable one before it
@@ -64,6 +66,16 @@ class Restore:
 
 
 @dataclass(frozen=True)
+class RankRestore:
+    job: str
+    resume: str  # which resume the rank's restore belongs to
+    rank: int
+    step: int
+    digest: str
+    at: float
+
+
+@dataclass(frozen=True)
 class Publication:
     index: int
     daemon: str  # who published (its address, its pid: anything that tells daemons apart)
@@ -79,6 +91,7 @@ class History:
     faults: list[Fault] = field(default_factory=list)
     durables: list[Durable] = field(default_factory=list)
     restores: list[Restore] = field(default_factory=list)
+    rank_restores: list["RankRestore"] = field(default_factory=list)
     publications: list[Publication] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -102,6 +115,12 @@ class History:
         """A restore of the job gave each rank ``steps[rank]`` with ``digests[rank]``."""
         self._add(self.restores, Restore(job, dict(steps), dict(digests), _now(at)))
 
+    def rank_restored(self, job: str, resume: str, rank: int, step: int, digest: str,
+                      at: float | None = None) -> None:
+        """One rank of the resume named ``resume`` restored ``step`` (``digest``): judged
+        with the resume's other ranks as one restore (at the last rank's time)."""
+        self._add(self.rank_restores, RankRestore(job, resume, rank, step, digest, _now(at)))
+
     def published(self, index: int, daemon: str, start: float,
                   end: float | None = None) -> None:
         """``daemon`` published under ring ``index`` from ``start`` to ``end``."""
@@ -122,6 +141,7 @@ def violations(history: History) -> list[str]:
         commits, faults = list(history.commits), list(history.faults)
         durables, restores = list(history.durables), list(history.restores)
         publications = list(history.publications)
+        restores += _resumes(list(history.rank_restores))
     found = []
     for restore in restores:
         found += _restore_violations(restore, commits, faults, durables)
@@ -129,12 +149,22 @@ def violations(history: History) -> list[str]:
     return found
 
 
+def _resumes(ranks: list[RankRestore]) -> list[Restore]:
+    """The ranks recorded one by one, as one restore per resume."""
+    grouped: dict[tuple[str, str], list[RankRestore]] = {}
+    for one in ranks:
+        grouped.setdefault((one.job, one.resume), []).append(one)
+    return [Restore(job, {r.rank: r.step for r in rows}, {r.rank: r.digest for r in rows},
+                    max(r.at for r in rows)) for (job, _), rows in sorted(grouped.items())]
+
+
 def _restore_violations(restore: Restore, commits: list[Commit], faults: list[Fault],
                         durables: list[Durable]) -> list[str]:
     job = restore.job
     steps = set(restore.steps.values())
     if len(steps) > 1:
-        return [f"{job}: a mixed restore: ranks got steps {dict(sorted(restore.steps.items()))}"]
+        return [f"{job}: a mixed restore (the ranks of one resume restored different steps): "
+                f"ranks got steps {dict(sorted(restore.steps.items()))}"]
     if not steps:
         return []
     step = steps.pop()

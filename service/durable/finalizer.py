@@ -10,14 +10,16 @@ object store it was written there: the marker publishes it). A step
 finalized whose rename was cut short (the daemon died between the two) is renamed by
 any daemon that finds it (:meth:`Finalizer.publish_unpublished`, at start and every
 recheck). A finalized step rewritten with another copy of a rank is taken back first
-(:func:`reopen`): the other ranks' writes stay. (A CheckpointManager's steps are
-Orbax's to finalize: persist.py.)
+(:func:`reopen`): the other ranks' writes stay. A step after the one a job went back to
+(:meth:`Finalizer.fence`, a rollback) is an abandoned run's: never published after. (A
+CheckpointManager's steps are Orbax's to finalize: persist.py.)
 """
 
 import json
 import logging
 import os
 import posixpath
+import threading
 import time
 import uuid
 
@@ -40,12 +42,40 @@ class Finalizer:
 
     def __init__(self, directory: str, reader):
         self.directory, self._reader = directory, reader
+        # job -> (the step it went back to, when): its later steps written before then
+        self._fences: dict[str, tuple[int, float]] = {}
+        self._fence_lock = threading.Lock()
+
+    def fence(self, job: str, step: int) -> None:
+        """The job went back to ``step`` now (a rollback): a later step written before is
+        an abandoned run's, never published from now on (one whose publication is under
+        way completes first: the rollback's discard deletes it after)."""
+        with self._fence_lock:
+            self._fences[job] = (step, time.time())
+
+    def abandoned(self, job: str, step: int, started: float | None = None) -> bool:
+        """Whether ``step`` of ``job`` is an abandoned run's: after the step a rollback
+        went back to, and written before it (every rank's sidecar older; ``started``: a
+        write of this daemon that began then)."""
+        fence = self._fences.get(job)
+        if fence is None or step <= fence[0]:
+            return False
+        if started is not None:
+            return started < fence[1]
+        partial = fmt.partial_path(self.directory, job, step)
+        where = storage.at(partial)
+        written = [where.modified(fmt.sidecar_path(partial, rank))
+                   for rank in fmt.written_ranks(partial)]
+        return all(at is not None and at < fence[1] for at in written)
 
     def finish(self, job: str, step: int, by_rank: int) -> str | None:
         """Finalizes and publishes ``step`` if it is whole: None once it has its folder
         (or was discarded), else why not yet."""
         partial = fmt.partial_path(self.directory, job, step)
         if not storage.at(partial).holds_any(partial):
+            return None
+        if self.abandoned(job, step):
+            fmt.remove(partial)  # an abandoned run's, finished as its rollback came
             return None
         final = fmt.finalized_steps(self.directory, job).get(step)
         if final is not None and final != partial:
@@ -84,7 +114,11 @@ class Finalizer:
 
     def _publish(self, job: str, step: int, partial: str, lock) -> str | None:
         target = fmt.final_path(self.directory, job, step)
-        why = fmt.publish(partial, target)
+        with self._fence_lock:  # published before a rollback's fence, or never
+            if self.abandoned(job, step):
+                fmt.remove(partial)
+                return None
+            why = fmt.publish(partial, target)
         if why is None:
             lock.moved_to(target)
             log.info("durable: step %d of %s is one Orbax checkpoint, published as %s", step,

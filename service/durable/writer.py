@@ -127,7 +127,9 @@ class DurableWriter:
                             self._items.queued(job, rank, step, folder, record))
 
     def forget_after(self, job: str, step: int) -> None:
-        """Drops queued writes of ``job``'s steps after ``step`` (an abandoned run's)."""
+        """Drops queued writes of ``job``'s steps after ``step`` (an abandoned run's), and
+        publishes none of them from now on."""
+        self._finalizer.fence(job, step)
         self._worker.drop(lambda key, item: key[0] != job or isinstance(item, Persist)
                           or item.step <= step)
 
@@ -207,7 +209,7 @@ class DurableWriter:
     def _write_step(self, pinned) -> None:
         job, rank, step = pinned.job, pinned.rank, pinned.step
         step_dir = fmt.partial_path(self.options.directory, job, step)
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.time()
         try:
             if self._reader.written_slots(job, rank, step) == list(pinned.checksums):
                 written = None  # this very copy is on disk already
@@ -216,6 +218,9 @@ class DurableWriter:
                 written = self._write_regions(step_dir, pinned)
         finally:
             self._store.unpin(pinned)
+        if written is not None and self._finalizer.abandoned(job, step, began):
+            fmt.remove_rank(step_dir, rank)  # its job went back meanwhile: never published
+            return
         if written is not None:
             fmt.write_json(fmt.sidecar_path(step_dir, rank), written.to_json())
             log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s", step,

@@ -34,7 +34,8 @@ from bubblesnap.service.errors import (
 )
 from bubblesnap.service.peers import group_view
 from bubblesnap.service.progress import Progress
-from bubblesnap.service.restore import assembly, region_plan
+from bubblesnap.service.restore import assembly, region_plan, step_choice
+from bubblesnap.service.restore.resumes import Resumes
 from bubblesnap.service.rollback import Rollbacks
 from bubblesnap.service.store import layout as layout_lib
 from bubblesnap.service.store.views import Restorable
@@ -81,6 +82,8 @@ class Restorer:
         self._assembler = assembly.Assembler(store, transfers, durable_reader, self._record)
         #: Dropping an abandoned run's copies (rollback.py).
         self.rollbacks = Rollbacks(store, group, replicator, durable_writer)
+        #: The step a restore without a step resumes the job from (resumes.py).
+        self.resumes = Resumes(group, self.rollbacks, self._restorable)
 
     @property
     def resumes_job(self) -> bool:
@@ -124,7 +127,10 @@ class Restorer:
         if copier != rank:  # the copier's word, not the caller's, says whom its copies hold
             for declared in {h.group for h in holdings if h.rank == copier and h.group}:
                 layout_lib.check_held_for(job, rank, copier, declared)
-        step = _chosen(job, world, holdings, group_view.restorable_steps(world, holdings,
+        resume = step is None and not alone
+        if resume:  # one step for every rank of the resume: the decider's
+            step = self.resumes.step(job, world, rank)
+        step = step_choice.chosen(job, world, holdings, group_view.restorable_steps(world, holdings,
                                                                           durable), step)
         step_world = self._step_world(job, step, holdings, durable, world)
         if asked:
@@ -142,7 +148,8 @@ class Restorer:
             self._store.resume(job, world_size or step_world, step)
         if self.resumes_job and not alone:
             with phases.timed("rollback"):
-                self._roll_back(job, step, holdings, durable, world_size or step_world)
+                self._roll_back(job, step, holdings, durable, world_size or step_world,
+                                resume)
         with self._progress.track("restore", job, rank, step):
             if not asked:
                 return self._fetch(job, world, rank, copier, step, group, holdings, durable)
@@ -295,17 +302,29 @@ class Restorer:
             return [[i] for i in held]
         return [live] + [[i] for i in held if i not in live]
 
-    def _roll_back(self, job: str, step: int, holdings, durable, world_size: int) -> None:
+    def _roll_back(self, job: str, step: int, holdings, durable, world_size: int,
+                   resume: bool) -> None:
         """Restoring ``step`` resumes the job from it, under ``world_size`` ranks (a new
         epoch when the job ran with another number): later copies, here, at every peer
         and in the durable tier, belong to an abandoned run. Dropped before anything
-        is installed, so a resumed run never mixes with them."""
+        is installed, so a resumed run never mixes with them. ``resume``: a restore
+        without a step chose it: every daemon is told (the other ranks take it too)."""
         later = any(h.step > step for h in holdings) or any(s > step for s in durable)
-        if not later and world_size == self._current_world(job, world_size):
+        if not later and not resume and world_size == self._current_world(job, world_size):
             return
         log.info("job %s resumes from step %d under %d ranks: dropping later copies in the "
                  "group", job, step, world_size)
-        self.rollbacks.everywhere(job, step, world_size)
+        self.rollbacks.everywhere(job, step, world_size, resume)
+
+    def _restorable(self, job: str, world: int) -> tuple[int, list[int]]:
+        """The world size and the steps every rank of ``job`` can restore, on a view every
+        live peer answered (resumes.py decides on it); NotFound, saying why, if none."""
+        holdings = self.holdings(job, answered=True)
+        durable = self._durable.steps(job) if self._durable is not None else []
+        world = world or self._world_size(job, holdings)
+        restorable = group_view.restorable_steps(world, holdings, durable)
+        step_choice.chosen(job, world, holdings, restorable, None)
+        return world, restorable
 
     def _load_durable(self, job: str, world: int, rank: int, step: int,
                       group: tuple[int, ...]) -> None:
@@ -351,35 +370,3 @@ class Restorer:
             self._corrupt.append(CorruptCopy(job, rank, step, source, detail, time.time()))
         self._on_corrupt(source)
 
-
-def _chosen(job: str, world: int, holdings, steps: list[int], asked: int | None) -> int:
-    """The step to restore: ``asked``, or the latest restorable one; refused with what
-    is missing when it cannot be restored for every rank."""
-    if asked is None:
-        if not steps:
-            raise NotFound(f"job {job!r} has no committed step that every rank can restore "
-                           f"yet: {_describe(holdings, world)}")
-        return steps[-1]
-    if asked in steps:
-        return asked
-    restorable = f"restorable steps: {steps[-20:] or 'none'}"
-    if any(h.step == asked for h in holdings):
-        found, copier = group_view.holders(holdings), group_view.copiers(holdings)
-        waiting = [r for r in range(world) if (copier.get(r, r), asked) not in found]
-        raise FailedPrecondition(f"step {asked} of job {job!r} is not committed: ranks "
-                                 f"{waiting[:16]}{' ...' if len(waiting) > 16 else ''} have not "
-                                 f"finished it; {restorable}")
-    raise NotFound(f"job {job!r} holds no step {asked}; {restorable}")
-
-
-def _describe(holdings, world: int) -> str:
-    """Which ranks hold nothing (themselves or through their replica group's copier),
-    and what the others hold; bounded for huge jobs."""
-    per_rank: dict[int, list[int]] = {}
-    for rank, step in group_view.holders(holdings):
-        per_rank.setdefault(rank, []).append(step)
-    copier = group_view.copiers(holdings)
-    empty = [r for r in range(min(world, 1 << 16)) if copier.get(r, r) not in per_rank]
-    held = {r: sorted(per_rank[r])[-4:] for r in sorted(per_rank)[:8]}
-    return (f"{len(empty)} of {world} ranks hold no copy (e.g. {empty[:10]}); newest steps "
-            f"held: {held}{' ...' if len(per_rank) > 8 else ''}")

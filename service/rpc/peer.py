@@ -55,9 +55,15 @@ class PeerServicer:
 
     @unary
     def Rollback(self, request, context):
-        job, world, step = messages.rollback(request)
+        job, world, step, resume = messages.rollback(request)
         self._store.resume(job, world, step)
-        return ppb.RollbackResponse(dropped_copies=self._restorer.rollbacks.here(job, step))
+        return ppb.RollbackResponse(dropped_copies=self._restorer.rollbacks.here(
+            job, step, resume))
+
+    @unary
+    def ResumeStep(self, request, context):
+        return ppb.ResumeStepResponse(step=self._restorer.resumes.decide(
+            *messages.resume_step(request)))
 
     @unary
     def AppendLogReplica(self, request, context):

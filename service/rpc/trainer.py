@@ -3,7 +3,7 @@
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service import answer_segment
 from bubblesnap.service.errors import DeadlineExceeded, FailedPrecondition, shown
-from bubblesnap.service.rpc import messages
+from bubblesnap.service.rpc import messages, status_messages
 from bubblesnap.service.rpc.status_codes import late, streaming, unary
 
 #: The pools (lanes) of the calls that do not run in "calls": those that may wait long (a
@@ -145,7 +145,7 @@ class DaemonServicer:
 
     @unary
     def Status(self, request, context):
-        return messages.daemon_status(
+        return status_messages.daemon_status(
             self._status.status(messages.job(request.job, optional=True)))
 
     @unary

@@ -19,7 +19,11 @@ daemon joins empty, the job resumes), a daemon restarted on its shared memory
 (it adopts its copies and waits for the group's committed steps before
 freeing any), the job failing alone. A resume restores the newest step every
 rank can restore (from every live daemon's memory), rolls every later copy
-back (the Rollback calls may be lost too) and trains on as a new run.
+back (the Rollback calls may be lost too) and trains on as a new run. With
+``per_rank_resume`` each rank restores on its own daemon at its own moment, the step
+asked of the resume's decider (peers/resume_rule.py), or, with ``one_decider``
+off, chosen from what its daemon knows: every rank of one resume must take the same
+step.
 
 The contract, checked after every event: the newest step any daemon reported
 committed in the current run is restorable whole with the current run's
@@ -30,7 +34,7 @@ it could serve of the step it chose holds that content.
 
 import dataclasses
 
-from bubblesnap.service.peers import group_view
+from bubblesnap.service.peers import group_view, resume_rule
 from bubblesnap.service.peers.group_view import Holding
 from bubblesnap.service.store import retention
 from tests.simulation.engine import Call, Faults, Gather, Sim, Sleep, Wait
@@ -74,6 +78,14 @@ class Config:
     # skips some), but the last one a push left short. False: every copy short of 1 + k
     # is re-replicated, as before (the histories the older seeds below were found in).
     leave_unpushed: bool = True
+    # Each rank restores on its own daemon at its own moment (within resume_spread
+    # seconds), as the ranks of a real job do; False: one decision for every rank (the
+    # histories the older seeds below were found in). ``one_decider``: the step comes from
+    # the decider of the resume (peers/resume_rule.py); False: each rank's daemon
+    # chooses from its own view, as before (a test shows the mixed restores it allows).
+    per_rank_resume: bool = False
+    one_decider: bool = True
+    resume_spread: float = 2.0
     faults: Faults = dataclasses.field(default_factory=Faults)
 
     def host_of(self, rank: int) -> int:
@@ -101,6 +113,7 @@ class Daemon:
         self.group, self.index = group, index
         self.alive, self.incarnation = True, 0
         self.copies: dict[tuple[int, int], Copy] = {}
+        self.resumed: resume_rule.Resume | None = None  # the job's, as told it
         self._fresh_view()
 
     def _fresh_view(self) -> None:
@@ -179,7 +192,22 @@ class Daemon:
                                                 now, cfg.grace_seconds):
                 del self.copies[(rank, step)]
 
-    def roll_back(self, step: int) -> None:
+    def view(self) -> list[Holding]:
+        """The group's copies as this daemon knows them now: its own, and each peer's last
+        answer (a gathering ago)."""
+        return self.holdings() + [h for p in self.others() for h in self.last.get(p, [])]
+
+    def resume_step(self, rank: int) -> int | None:
+        """As the resume's decider: the step ``rank`` restores (resume_rule), remembered;
+        on what every live daemon holds now (a restore's view waits for every live peer's
+        answer)."""
+        self.resumed = resume_rule.resume_step(self.resumed, group_view.restorable_steps(
+            self.group.world, self.group._live_holdings()), rank, self.group.world)
+        return None if self.resumed is None else self.resumed.step
+
+    def roll_back(self, step: int, resume: bool = False) -> None:
+        if resume and getattr(self.resumed, "step", None) != step:
+            self.resumed = resume_rule.Resume(step)
         for key in [k for k in self.copies if k[1] > step]:
             del self.copies[key]
         self.short = {r: s for r, s in self.short.items() if s <= step}
@@ -197,7 +225,9 @@ class Daemon:
         if method == "Join":
             return 0.0, lambda: self._joined(source, payload)
         if method == "Rollback":
-            return 0.0, lambda: (self.roll_back(payload), ("ok", None))[1]
+            return 0.0, lambda: (self.roll_back(*payload), ("ok", None))[1]
+        if method == "ResumeStep":
+            return 0.0, lambda: ("ok", self.resume_step(payload))
         if method == "Replicate":
             # the holder pinned the copy for the pull: retention there cannot free it
             rank, step, run, incarnation = payload
@@ -483,6 +513,47 @@ class Group:
         if not restorer.alive:  # restarting: the trainer waits for it
             self.sim.at(0.5, self._resume)
             return
+        if self.cfg.per_rank_resume:
+            self.resume_steps: dict[int, int | None] = {}
+            for rank in range(self.world):
+                self.sim.spawn(self.daemons[self.cfg.host_of(rank)], self._rank_restore(rank))
+            return
+        self._resumed_at(restorer, None)
+
+    def _rank_restore(self, rank: int):
+        """One rank's restore without a step on its own daemon, at its own moment."""
+        yield Sleep(self.rng.uniform(0.0, self.cfg.resume_spread))
+        daemon = self.daemons[self.cfg.host_of(rank)]
+        while True:
+            decider = resume_rule.decider(daemon.index, daemon.not_dead())
+            if not self.cfg.one_decider:  # the newest this rank's daemon knows of now
+                steps = group_view.restorable_steps(self.world, daemon.view())
+                step = steps[-1] if steps else None
+            elif decider == daemon.index:
+                step = daemon.resume_step(rank)
+            else:
+                result = yield Call(decider, "ResumeStep", rank, self.cfg.call_timeout)
+                daemon.mark(decider, result)
+                if result[0] != "ok":
+                    yield Sleep(0.2)  # asked again (another decider once this one is dead)
+                    continue
+                step = result[1]
+            break
+        if step is not None:
+            daemon.roll_back(step, resume=True)
+            for peer in daemon.others():
+                self.sim.spawn(daemon, self._roll_back_peer(daemon, peer, step))
+        self.resume_steps[rank] = step
+        if len(self.resume_steps) == self.world:
+            steps = set(self.resume_steps.values())
+            if len(steps) > 1:
+                raise Violation(f"t={self.sim.now:.3f}: the ranks of one resume restored "
+                                f"different steps: {dict(sorted(self.resume_steps.items()))}")
+            self._resumed_at(daemon, steps.pop())
+
+    def _resumed_at(self, restorer: Daemon, chosen: int | None) -> None:
+        """The resume's checks and its new run; ``chosen``: the step the ranks took (None:
+        the newest restorable now, one decision for all)."""
         holdings = self._live_holdings()
         steps = group_view.restorable_steps(self.world, holdings)
         record = {"at": self.sim.now, "run": self.run, "steps": steps,
@@ -497,7 +568,7 @@ class Group:
                 daemon.committed = []
             self._new_run(-1)
             return
-        step = steps[-1]
+        step = steps[-1] if chosen is None else chosen
         if step < self.newest_committed:
             raise Violation(f"the resume went back to step {step}, past step "
                             f"{self.newest_committed} committed: {record}")
@@ -507,13 +578,15 @@ class Group:
             raise Violation(f"step {step} chosen for the resume has copies of another run's "
                             f"bytes at (daemon, rank) {stale}: {record}")
         record["restored"] = step
-        restorer.roll_back(step)
-        for peer in restorer.others():
-            self.sim.spawn(restorer, self._roll_back_peer(restorer, peer, step))
+        if chosen is None:
+            restorer.roll_back(step)
+            for peer in restorer.others():
+                self.sim.spawn(restorer, self._roll_back_peer(restorer, peer, step))
         self._new_run(step)
 
     def _roll_back_peer(self, restorer: Daemon, peer: int, step: int):
-        restorer.mark(peer, (yield Call(peer, "Rollback", step, self.cfg.call_timeout,
+        restorer.mark(peer, (yield Call(peer, "Rollback", (step, self.cfg.per_rank_resume),
+                                        self.cfg.call_timeout,
                                         reliable=self.cfg.atomic_rollback)))
 
     def _new_run(self, after: int) -> None:
