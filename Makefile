@@ -4,6 +4,8 @@
 #   make test-all   the same with the slow trials too (repeated failovers; a nightly run)
 #   make test-fast  pure and single-daemon tests, for daily work (no rings, no programs)
 #   make test-oldest  the fast tests on the oldest supported JAX, Flax and Orbax
+#   make soak       the save path struck anywhere for 30 minutes, every resume judged
+#                   (tests/soak.py; SOAK_ARGS="--minutes 5 --seed 7"; not in make test)
 #   make stress     the fault-prone tests 10 times each beside a CPU hog on every core
 #                   (STRESS_RUNS=N, STRESS_ARGS="--runs 3 tests/x.py::test_y")
 # The newest JAX needs Python >= 3.12: the first of python3.12, python3.13 (on the PATH or
@@ -33,7 +35,7 @@ $(OLDEST)/.installed: pyproject.toml constraints/oldest.txt
 	$(OLDEST)/bin/python -m pip install --quiet -e ".[dev]" -c constraints/oldest.txt
 	touch $@
 
-.PHONY: demo test test-all test-fast test-oldest stress install
+.PHONY: demo test test-all test-fast test-oldest stress soak install
 install: $(INSTALLED)
 
 demo: $(INSTALLED)
@@ -50,6 +52,9 @@ test-fast: $(INSTALLED)
 
 test-oldest: $(OLDEST)/.installed
 	$(OLDEST)/bin/python -m pytest -n 2 -m "not ring and not program"
+
+soak: $(INSTALLED)
+	$(VENV)/bin/python -m tests.soak $(SOAK_ARGS)
 
 stress: $(INSTALLED)
 	$(VENV)/bin/python -m tests.stress $(STRESS_ARGS)

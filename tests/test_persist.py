@@ -92,3 +92,28 @@ def test_a_daemon_without_a_durable_tier_says_how_to_get_one(start_daemon, tmp_p
     got, details = refusal(persist, daemon, job, item_folder(tmp_path / "run"))
     assert got == grpc.StatusCode.FAILED_PRECONDITION
     assert "start it with --durable-dir" in details
+
+
+
+def test_a_staging_folder_is_made_while_another_rank_s_move_in_removes_its_parents(
+        tmp_path, monkeypatch):
+    """Two daemons write two ranks' parts of one item: one's move_in removes the shared
+    staging parents once they are empty, here at the worst moment, between the other's
+    creation of those parents and of its own folder (the soak's seed 112 lost a part so:
+    TensorStore's mkdir met a parent removed under it). The folder is made all the same."""
+    from bubblesnap.service.durable import persist
+
+    folder = str(tmp_path / "run" / "6.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp")
+    staging = persist.staging_path(folder, 0)
+    mkdir, struck = os.mkdir, []
+
+    def mkdir_after_a_move_in(path, *args, **kwargs):
+        if os.fspath(path) == staging and not struck:
+            struck.append(path)
+            os.rmdir(os.path.dirname(staging))  # the other rank's move_in, done
+            os.rmdir(os.path.dirname(os.path.dirname(staging)))
+        return mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_after_a_move_in)
+    assert persist.make_staging(folder, 0) == staging
+    assert struck and os.path.isdir(staging)

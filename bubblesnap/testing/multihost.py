@@ -174,6 +174,39 @@ class JaxJob:
                 self._fail("timed out waiting for an event")
         return [found[i] for i in awaited]
 
+    def watch(self, check: Callable[[int, dict], bool],
+              seen: Callable[[int, dict], None] | None = None,
+              timeout: float | None = None) -> tuple[int, dict]:
+        """Reads every process's events in the order they came, handing each to ``seen``
+        (if given), until ``check(process, fields)`` accepts one: that (process, fields).
+        JobError if a process exits before (once its events are read) or the time runs
+        out. (Not beside :meth:`wait_event`, which passes over what it does not await.)"""
+        deadline = self._deadline if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                index, fields = self._events.get(timeout=0.1)
+            except queue.Empty:
+                exited = [i for i, p in enumerate(self.procs) if p.poll() is not None]
+                if exited and self._events.empty():
+                    self._fail(f"process {exited[0]} exited before the awaited event")
+                if time.monotonic() > deadline:
+                    self._fail("timed out waiting for an event")
+                continue
+            if seen is not None:
+                seen(index, fields)
+            if check(index, fields):
+                return index, fields
+
+    def events(self) -> list[tuple[int, dict]]:
+        """The events read and not yet taken, as (process, fields), in the order they came
+        (after :meth:`kill`: every one printed before it)."""
+        found = []
+        while True:
+            try:
+                found.append(self._events.get_nowait())
+            except queue.Empty:
+                return found
+
     def results(self) -> list:
         """Waits for every process to finish; what each one's function returned."""
         for index, proc in enumerate(self.procs):
@@ -209,12 +242,15 @@ class JaxJob:
         return [proc.returncode for proc in self.procs]
 
     def kill(self) -> None:
-        """SIGKILLs every process still running and reaps it."""
+        """SIGKILLs every process still running and reaps it; returns once what they
+        printed before is read."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
         for proc in self.procs:
             proc.wait()
+        for reader in self._readers:  # every event printed before the kill is queued
+            reader.join(timeout=10)
 
     def stderr(self, index: int) -> str:
         """What process ``index`` wrote on stderr so far."""

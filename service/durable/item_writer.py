@@ -128,7 +128,7 @@ class ItemWriter:
                  if r != pinned.rank}
         plan = copy_plan.plan(pinned, known, item=True)
         verify(pinned)
-        staging = persist.staging_path(folder, pinned.rank)
+        staging = persist.make_staging(folder, pinned.rank)
         with self._progress.track("persist", pinned.job, pinned.rank, pinned.step,
                                   pinned.layout.nbytes) as written:
             chunks = checkpoint.write_parts(staging, pinned.rank, plan.parts,

@@ -40,6 +40,9 @@ _SHOWN = 400
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: Where a daemon writes a part aside, in the manager's directory.
 _STAGING = os.path.join(checkpoint_record.STATE_DIR, "staging")
+#: Tries to create a staging folder whose parents other ranks' writes remove when empty
+#: (each removal needs a write's end between two of our mkdirs: a few at most).
+_MAKE_TRIES = 1000
 #: Orbax's temporary folders' names end so (atomicity.TMP_DIR_SUFFIX).
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -155,6 +158,21 @@ def staging_path(folder: str, rank: int) -> str:
     step_tmp = os.path.dirname(folder)
     return os.path.join(os.path.dirname(step_tmp), _STAGING, f"{os.path.basename(step_tmp)}."
                         f"{os.path.basename(folder)}.rank_{rank}")
+
+
+def make_staging(folder: str, rank: int) -> str:
+    """Creates ``rank``'s staging folder (:func:`staging_path`) and returns it. Another
+    rank's :func:`move_in` removes the shared parents once they are empty, so they may
+    vanish between their creation and this folder's: made again then. Once it exists
+    they are not empty, and stay until it is moved in."""
+    staging = staging_path(folder, rank)
+    for _ in range(_MAKE_TRIES):
+        try:
+            os.makedirs(staging, exist_ok=True)
+            return staging
+        except FileNotFoundError:  # a parent removed under it: again
+            continue
+    raise OSError(f"could not create {staging}: its parent folders kept vanishing")
 
 
 def move_in(staging: str, folder: str, rank: int) -> bool:
