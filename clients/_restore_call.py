@@ -17,6 +17,11 @@ import numpy as np
 from bubblesnap.clients._restore_progress import restore_progress
 from bubblesnap.clients._shared_memory import map_restored
 from bubblesnap.clients.results import RestoreError
+from bubblesnap.protos import daemon_pb2 as pb
+
+#: A restore the daemon answered UNAVAILABLE is tried again for this long, the pauses
+#: between tries doubling from the first to the most.
+_RETRY_WINDOW_SECONDS, _RETRY_FIRST_SECONDS, _RETRY_MOST_SECONDS = 30.0, 0.2, 2.0
 
 
 class AnswerMapping:
@@ -51,13 +56,24 @@ def restore_call(stub, request, options):
     them, phases: ``call``, ``map_early``, ``map`` and the daemon's as
     ``daemon.<name>``); raises RestoreError. ``options``: the session's ``ClientOptions``."""
     started = time.perf_counter()
-    mapping, found = AnswerMapping(), None
-    try:
-        with restore_progress(stub, request.job, request.rank, options.show_progress):
-            found = _answer(stub, request, options.restore_timeout_seconds, mapping)
-    except grpc.RpcError as err:
-        raise RestoreError(f"daemon {options.daemon}: {err.code().name}: "
-                           f"{err.details()}") from None
+    mapping, found, pause = AnswerMapping(), None, _RETRY_FIRST_SECONDS
+    while True:
+        try:
+            with restore_progress(stub, request.job, request.rank, options.show_progress):
+                found = _answer(stub, request, options.restore_timeout_seconds, mapping)
+            break
+        except grpc.RpcError as err:
+            # the daemon answered that a holder of the copies did not answer now (a peer
+            # busy or just replaced): asked again for a while; a step-less restore gets
+            # the same resume's step again (service/peers/resume_rule.py). A daemon that
+            # does not answer itself fails the restore at once (callers fall back).
+            if err.code() != grpc.StatusCode.UNAVAILABLE or not _answers(stub, request, options) \
+                    or time.perf_counter() - started + pause > min(
+                        _RETRY_WINDOW_SECONDS, options.restore_timeout_seconds):
+                raise RestoreError(f"daemon {options.daemon}: {err.code().name}: "
+                                   f"{err.details()}") from None
+            time.sleep(pause)
+            pause = min(pause * 2, _RETRY_MOST_SECONDS)
     if found is None:
         raise RestoreError(f"daemon {options.daemon} ended the restore without an answer; "
                            "restore again")
@@ -74,6 +90,15 @@ def restore_call(stub, request, options):
     return found, segments, {"call": answered - started, "map_early": mapping.seconds,
                             "map": time.perf_counter() - answered,
                             **{f"daemon.{p.name}": p.seconds for p in found.phases}}
+
+
+def _answers(stub, request, options) -> bool:
+    """Whether the daemon itself answers now (its Status of the job)."""
+    try:
+        stub.Status(pb.StatusRequest(job=request.job), timeout=options.rpc_timeout_seconds)
+        return True
+    except grpc.RpcError:
+        return False
 
 
 def _answer(stub, request, timeout: float, mapping: AnswerMapping):

@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -42,7 +43,7 @@ from bubblesnap.shared import save_in_flight
 from bubblesnap.testing import Cluster, reaped_tempdir, wait_for
 from bubblesnap.testing.history import History, violations
 from bubblesnap.testing.multihost import JaxJob, JobError
-from tests.helpers import ROOT, run_example
+from tests.helpers import ROOT
 
 PROGRAM = str(ROOT / "tests" / "programs" / "soak_loop.py") + ":run"
 PROCESSES = 2
@@ -257,9 +258,17 @@ def pipeline_round(seed: int) -> tuple[str, list[str], str]:
     flags = ["--kill-after", str(rng.randrange(4, 13)),
              "--steps-past-commit", str(rng.randrange(0, 4)),
              "--kill-adjacent", str(adjacent), "--replicas", "1"]
-    code, report = run_example("failover.py", *flags, timeout=_JOB_TIMEOUT)
-    if code != 0 or "stages" not in report:
-        raise RoundFailed(f"examples/failover.py {' '.join(flags)} exited {code}: {report}")
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "failover.py"), *flags],
+                              capture_output=True, text=True, timeout=_JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise RoundFailed(f"examples/failover.py {' '.join(flags)} ran past "
+                          f"{_JOB_TIMEOUT:.0f} s") from None
+    lines = proc.stdout.strip().splitlines()
+    report = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    if proc.returncode != 0 or "stages" not in report:
+        raise RoundFailed(f"examples/failover.py {' '.join(flags)} exited {proc.returncode}: "
+                          f"{proc.stderr[-3000:]}")
     history, job, at = History(), "pipeline", time.monotonic()
     stages = range(len(report["stages"]))
     # the steps the daemons held committed at the kill: the newest, and those the

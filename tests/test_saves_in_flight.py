@@ -16,7 +16,7 @@ import pytest
 
 from bubblesnap.protos import daemon_pb2 as pb
 from bubblesnap.service.durable import finish_rule
-from bubblesnap.shared import save_in_flight
+from bubblesnap.shared import checkpoint_record, save_in_flight
 from bubblesnap.shared.save_in_flight import Item, Record
 from bubblesnap.testing import DaemonProcess, wait_for
 from bubblesnap.testing.multihost import JaxJob
@@ -253,3 +253,25 @@ def test_a_record_naming_folders_elsewhere_is_refused():
                                      "../meta")
     with pytest.raises(ValueError):
         Record.from_json(escaping, "/run")
+
+
+def test_a_part_whose_writer_died_is_not_waited_for(tmp_path, monkeypatch):
+    """A write in progress keeps its ``.writing`` marker fresh; one whose daemon was
+    killed (the soak's seed 1017: the primary's daemon died mid-write, and the resumed
+    job waited the whole parts_wait for it) leaves it stale, and the step's parts count
+    it as never coming: a resumed job drops the step at once."""
+    from bubblesnap.service.durable import persist, save_finisher
+
+    rec = record(str(tmp_path / "run"))
+    state = rec.items[0].tmp
+    os.makedirs(os.path.join(state, ".bubblesnap"))
+    monkeypatch.setattr(persist, "WRITING_REFRESH_SECONDS", 0.05)
+    marker = os.path.join(state, checkpoint_record.writing_file(1))
+    with persist.writing(state, 1):
+        os.utime(marker, (0, 0))  # as old as can be: the refresh makes it fresh again
+        wait_for(lambda: persist.writing_alive(marker), "the marker refreshed")
+        assert save_finisher._seen(rec, str(tmp_path)).writing["state"] == {1}
+    os.utime(marker, (0, 0))  # its writer gone for long
+    seen_now = save_finisher._seen(rec, str(tmp_path))
+    assert seen_now.writing["state"] == frozenset()
+    assert finish_rule.judge(rec, seen_now, 0.0, finish_now=True).action == "drop"

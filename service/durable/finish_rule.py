@@ -9,8 +9,9 @@ primary process is gone: its lock is free). Once anyone began finalizing a step,
 whole by that word alone (the parts' answers are removed while it is finalized).
 
 A step not whole is waited for while its parts may still come: a daemon that began
-writing a part (its ``.writing`` answer) for up to ``parts_wait`` seconds after the
-trainer went; a part no daemon took and no marker covers only for ``grace`` seconds
+writing a part (its ``.writing`` answer, which the write keeps touching: a stale one is
+a write whose daemon died or froze, and counts as no write) for up to ``parts_wait``
+seconds after the trainer went; a part no daemon took and no marker covers only for ``grace`` seconds
 after the trainer went (another process of the job may still be handing it over), and
 not at all when the caller knows every trainer of the run is gone (a resumed job asks:
 ``finish_now``). Then the step is dropped: never listed, its folder removed.

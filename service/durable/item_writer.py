@@ -92,11 +92,10 @@ class ItemWriter:
                 return
             folder = persist.check_target(self._options.directory, folder)
             persist.prepare(folder, pinned.rank)
-            persist.mark_writing(folder, pinned.rank)
-            with self._metrics.timed("persist"):
+            with persist.writing(folder, pinned.rank), self._metrics.timed("persist"):
                 written = self._write_item(pinned, folder)
-            persist.answer(folder, checkpoint_record.persisted_file(pinned.rank),
-                           json.dumps(written.to_json()).encode())
+                persist.answer(folder, checkpoint_record.persisted_file(pinned.rank),
+                               json.dumps(written.to_json()).encode())
             log.info("durable: wrote step %d of rank %d of %s (%.1f MB in %.2f s) to %s",
                      pinned.step, pinned.rank, pinned.job, pinned.layout.nbytes / 1e6,
                      time.perf_counter() - started, folder)

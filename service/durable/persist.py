@@ -21,12 +21,15 @@ nearest folder that exists (:func:`check_inside`), and the write waits for the f
 (:func:`wait_for`) and checks it whole (:func:`check_target`): an absolute, normalized
 path whose folder exists inside the daemon's ``--durable-dir``, symbolic links
 resolved, so a trainer cannot make the daemon write elsewhere. The write says it began
-(``.bubblesnap/rank_<rank>.writing``) before any of it is there, so a daemon finishing a
-step whose trainer died knows a part is still coming.
+(``.bubblesnap/rank_<rank>.writing``) before any of it is there, and touches that marker
+while it runs, so a daemon finishing a step whose trainer died knows a part is still
+coming, and that it is not once the marker went stale (its daemon died or froze).
 """
 
+import contextlib
 import os
 import re
+import threading
 import time
 
 from bubblesnap.service.durable import format as fmt
@@ -114,9 +117,43 @@ def wait_for(folder: str, timeout: float, stopping=None) -> bool:
     return True
 
 
-def mark_writing(folder: str, rank: int) -> None:
-    """Says, before any of it is written, that ``rank``'s copy is being written."""
+#: How often a write in progress touches its ``.writing`` marker, and how old the marker
+#: may grow before its write counts as dead (several refreshes missed; clocks of hosts
+#: sharing the folder may differ by a little of it).
+WRITING_REFRESH_SECONDS, WRITING_STALE_SECONDS = 2.0, 15.0
+
+
+@contextlib.contextmanager
+def writing(folder: str, rank: int):
+    """Says, before any of it is written, that ``rank``'s copy is being written into
+    ``folder``, and goes on saying so (the marker touched) until the block ends."""
     answer(folder, checkpoint_record.writing_file(rank), b"")
+    marker = os.path.join(folder, checkpoint_record.writing_file(rank))
+    ended = threading.Event()
+
+    def refresh() -> None:
+        while not ended.wait(WRITING_REFRESH_SECONDS):
+            try:
+                os.utime(marker)
+            except OSError:
+                return  # the step was finalized or given up meanwhile
+    alive = threading.Thread(target=refresh, name="durable-writing", daemon=True)
+    alive.start()
+    try:
+        yield
+    finally:
+        ended.set()
+        alive.join()
+
+
+def writing_alive(marker: str, now: float | None = None) -> bool:
+    """Whether the write whose ``.writing`` marker is at ``marker`` still runs: touched
+    within WRITING_STALE_SECONDS."""
+    try:
+        age = (time.time() if now is None else now) - os.stat(marker).st_mtime
+    except OSError:
+        return False
+    return age < WRITING_STALE_SECONDS
 
 
 def answer(folder: str, name: str, data: bytes) -> None:

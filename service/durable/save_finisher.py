@@ -28,7 +28,7 @@ import os
 import threading
 import time
 
-from bubblesnap.service.durable import finish_rule, orbax_finalize
+from bubblesnap.service.durable import finish_rule, orbax_finalize, persist
 from bubblesnap.service.errors import FailedPrecondition, InvalidArgument, NotFound, shown
 from bubblesnap.shared import checkpoint_record, save_in_flight
 from bubblesnap.shared.save_in_flight import Record
@@ -244,9 +244,13 @@ def _seen(record: Record, folder: str) -> finish_rule.Seen:
     """What the step's folders hold now."""
     sidecars, writing, failed = {}, {}, {}
     for item in record.items:
-        names = _names(os.path.join(item.tmp, checkpoint_record.STATE_DIR))
+        state = os.path.join(item.tmp, checkpoint_record.STATE_DIR)
+        names = _names(state)
         sidecars[item.name] = _ranks(names, ".json")
-        writing[item.name] = _ranks(names, ".writing")
+        # a write whose marker went stale died with its daemon (or froze): not coming
+        writing[item.name] = frozenset(
+            r for r in _ranks(names, ".writing")
+            if persist.writing_alive(os.path.join(item.tmp, checkpoint_record.writing_file(r))))
         failed[item.name] = _ranks(names, ".failed")
     done = {}
     names = _names(folder)
