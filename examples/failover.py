@@ -214,9 +214,16 @@ def run(args) -> dict:
         # Copies of stage 1 the survivors hold: besides the replicas the ring placed, a
         # survivor may hold one that re-replication made (a copy whose holders had dropped
         # to one: the primary's was freed by retention while a replica stayed)
-        survivors_hold = sorted({s.step for h in hosts if h.index not in doomed
-                                 for s in getattr(job_status(h.address), "steps", ())
+        survivors = [job_status(h.address) for h in hosts if h.index not in doomed]
+        survivors_hold = sorted({s.step for status in survivors
+                                 for s in getattr(status, "steps", ())
                                  if any(r.rank == 1 for r in s.ranks)})
+        # what the group holds after the kill: its newest committed step (a step may
+        # commit between the kill's condition and the kill) and the whole durable steps
+        held_after = {"committed_after_kill": max(
+            (s.latest_committed_step for s in survivors if s is not None), default=-1),
+            "durable_at_kill": sorted({d for s in survivors if s is not None
+                                       for d in s.durable_steps})}
         log(f"step {committed} committed, step {safe} may not be lost; killed host(s) {doomed} "
             f"(daemon and stage) with SIGKILL; the survivors hold stage 1 at {survivors_hold}")
         for host in hosts:  # the scheduler stops the rest of the job
@@ -254,7 +261,7 @@ def run(args) -> dict:
             "state_matches_snapshot": all(r["matches"] for r in restored) and len(steps) == 1,
             "killed_hosts": doomed, "replicas": args.replicas,
             "stage1_steps_on_survivors": survivors_hold,
-            "committed_at_kill": committed,
+            "committed_at_kill": committed, **held_after,
             # the newest step the failure may not lose (see wait_until_safe)
             "safe_at_kill": safe,
             "trained_to_step": max(r["step"] for r in restored) + args.train_after,

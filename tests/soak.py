@@ -20,8 +20,9 @@ the strike: every rank of a resume restored the same step, a step that was commi
 (every process's ``save`` returned, or Orbax's folder lists it), bit for bit the state
 saved at that step, and no older than the newest step the fault keeps: the committed one
 when a trainer dies or a process is frozen, the one on disk when a daemon's memory is
-lost. A save in flight when its trainer died must be finished or dropped by the daemons
-(its record gone) within a minute. The last line is the summary: rounds, resumes, faults
+lost. A save in flight when its trainer died must be finished or dropped within a minute
+by the primary's daemon, if its part reached it, else by the resumed manager before it
+restores. The last line is the summary: rounds, resumes, faults
 struck by kind, disagreements, lost committed steps, torn restores, failed rounds.
 """
 
@@ -39,7 +40,7 @@ from collections import Counter
 import grpc
 
 from bubblesnap.protos import daemon_pb2 as pb
-from bubblesnap.shared import save_in_flight
+from bubblesnap.shared import checkpoint_record, save_in_flight
 from bubblesnap.testing import Cluster, reaped_tempdir, wait_for
 from bubblesnap.testing.history import History, violations
 from bubblesnap.testing.multihost import JaxJob, JobError
@@ -49,8 +50,10 @@ PROGRAM = str(ROOT / "tests" / "programs" / "soak_loop.py") + ":run"
 PROCESSES = 2
 #: A job's processes give up after this long (a hang is a failed round, not a stall).
 _JOB_TIMEOUT = 240.0
-#: How long the daemons have to finish or drop a save its trainer left in flight.
+#: How long the primary's daemon has to finish or drop a save its trainer left in flight.
 _SETTLE_SECONDS = 60.0
+#: The suffix of a step's (and an item's) folder while Orbax saves it.
+_TMP = ".orbax-checkpoint-tmp"
 
 #: The faults a loop round strikes with: (name, what a resume after it may not lose).
 LOOP_FAULTS = (
@@ -85,6 +88,7 @@ class LoopRound:
         self.digests: dict[int, str] = {}  # step -> the state saved at it (every process)
         self.saved: dict[int, set[int]] = {}  # step -> the processes whose save returned
         self.resumes = 0
+        self.problems: list[str] = []  # what the history does not judge
 
     def run(self) -> list[str]:
         """Strikes, resumes, judges: the contract's violations (none: it held)."""
@@ -96,7 +100,7 @@ class LoopRound:
             self._trainers_died(resumed, self.fault)
             resumed = self._start()
         self._judge_resume(resumed)
-        return violations(self.history)
+        return violations(self.history) + self.problems
 
     def told(self) -> str:
         """What the round's resumes restored, against the newest step held at the fault."""
@@ -197,19 +201,33 @@ class LoopRound:
         return self._trainers_died(job, fault)
 
     def _trainers_died(self, job: JaxJob, what: str) -> None:
-        """Kills every process of the job (its daemons live): they finish or drop the save
-        it left in flight, then the fault is recorded with what was held at the kill."""
+        """Kills every process of the job (its daemons live). A save left in flight that
+        the primary's daemon took (its part answered: it watches the save) is finished or
+        dropped by it; one it never heard of waits for the resumed manager (checked
+        then). The fault is recorded with what was held at the kill."""
         at = time.monotonic()
         self._drain(job)
-        pending = os.path.join(self.directory, save_in_flight.FOLDER)
-        try:
-            wait_for(lambda: not os.path.isdir(pending) or not os.listdir(pending),
-                     "the daemons to finish or drop the save left in flight",
-                     timeout=_SETTLE_SECONDS)
-        except TimeoutError as err:
-            raise RoundFailed(f"{err}: {sorted(os.listdir(pending))}") from None
+        if self._in_flight(primary_took=True):
+            try:
+                wait_for(lambda: not self._in_flight(),
+                         "the primary's daemon to finish or drop the save left in flight",
+                         timeout=_SETTLE_SECONDS)
+            except TimeoutError as err:
+                raise RoundFailed(f"{err}: steps {self._in_flight()}") from None
         self._record_held(at)
         self.history.fault(what, "committed", at=at)
+
+    def _in_flight(self, primary_took: bool = False) -> list[int]:
+        """The steps whose save is still in flight (its record there); ``primary_took``:
+        those whose primary process's part some daemon began writing or answered."""
+        pending = os.path.join(self.directory, save_in_flight.FOLDER)
+        steps = sorted(int(n) for n in _listing(pending) if n.isdigit())
+        if not primary_took:
+            return steps
+        return [s for s in steps if any(
+            n.startswith("rank_0.") for item in _listing(os.path.join(
+                self.directory, f"{s}{_TMP}")) for n in _listing(os.path.join(
+                    self.directory, f"{s}{_TMP}", item, checkpoint_record.STATE_DIR)))]
 
     def _record_held(self, at: float) -> None:
         """The steps committed before ``at`` (every process's save returned, or the folder
@@ -239,16 +257,25 @@ class LoopRound:
                 self.history.rank_restored(self.directory, f"{self.seed}.{self.resumes - 1}",
                                            process, -1, "")
             started.add(process)
+        restored = max((r.step for r in self.history.rank_restores), default=-1)
+        left = [s for s in self._in_flight() if s <= restored]
+        if left:  # the resumed manager resolves every save of the run it resumes first
+            self.problems.append(f"{self.directory}: the resume restored step {restored} "
+                                 f"and left the saves of steps {left} in flight")
         self._saved_by_all(job, 0)
         self._drain(job)
 
 
+def _listing(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def finalized_steps(directory: str) -> list[int]:
     """The steps Orbax's folder lists (finalized: a folder named by the step alone)."""
-    try:
-        return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-    except FileNotFoundError:
-        return []
+    return sorted(int(n) for n in _listing(directory) if n.isdigit())
 
 
 def pipeline_round(seed: int) -> tuple[str, list[str], str]:
@@ -271,9 +298,11 @@ def pipeline_round(seed: int) -> tuple[str, list[str], str]:
                           f"{proc.stderr[-3000:]}")
     history, job, at = History(), "pipeline", time.monotonic()
     stages = range(len(report["stages"]))
-    # the steps the daemons held committed at the kill: the newest, and those the
-    # survivors held of stage 1 (each a committed step's copy)
-    for step in {report["committed_at_kill"], *report["stage1_steps_on_survivors"]}:
+    # the steps the daemons held committed at the kill: the newest (before the kill and
+    # as the survivors saw it after), those the survivors held of stage 1 (each a
+    # committed step's copy) and the whole steps on the durable tier
+    for step in {report["committed_at_kill"], report["committed_after_kill"],
+                 *report["stage1_steps_on_survivors"], *report["durable_at_kill"]}:
         history.committed(job, step, dict.fromkeys(stages, "snapshot"), at=at - 2e-6)
     history.durable(job, report["safe_at_kill"], at=at - 2e-6)
     history.fault(f"{PIPELINE} ({' '.join(flags)})",
