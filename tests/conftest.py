@@ -32,15 +32,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 #: ``program``. Tests that start several daemons (a ring, etcd) are marked ``ring`` by the
 #: fixtures they use. ``make test-fast`` runs neither.
 PROGRAM_MODULES = {"test_benchmarks", "test_bubbles", "test_checkpoint_manager", "test_crash",
-                   "test_data_parallel", "test_durable_object_store", "test_failover",
+                   "test_data_parallel", "test_durable_object_store", "test_durable_regions",
+                   "test_failover",
                    "test_kill_matrix", "test_lossless",
                    "test_manager_reboot", "test_multihost", "test_orbax_loops",
                    "test_orbax_emergency", "test_orbax_patch", "test_orbax_v1",
                    "test_parallel_replay", "test_saves_in_flight", "test_soak"}
 #: Of those, the ones whose every test keeps both cores busy for tens of seconds (several
 #: JAX processes at once): with pytest-xdist they run one at a time, on one worker.
-HEAVY_MODULES = {"test_benchmarks", "test_bubbles", "test_failover", "test_lossless",
-                 "test_soak"}
+#: (test_durable_regions: its plain-Orbax restore by a 2-process job took 160 s beside the
+#: other worker's 2-process jobs in one make test, 9 s alone.)
+HEAVY_MODULES = {"test_benchmarks", "test_bubbles", "test_durable_regions", "test_failover",
+                 "test_lossless", "test_soak"}
 #: Modules whose tests share module-scoped fixtures that cost a minute (reference runs):
 #: their tests go to one worker together, so the fixtures run once.
 SHARED_FIXTURE_MODULES = {"test_orbax_emergency", "test_orbax_loops", "test_orbax_v1"}
