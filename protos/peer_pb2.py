@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from bubblesnap.protos import daemon_pb2 as bubblesnap_dot_protos_dot_daemon__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62ubblesnap/protos/peer.proto\x12\rbubblesnap.v1\x1a\x1e\x62ubblesnap/protos/daemon.proto\"-\n\x0bJoinRequest\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x0e\n\x0cJoinResponse\"\x1e\n\x0fHoldingsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x85\x01\n\x08HeldCopy\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.bubblesnap.v1.CopyRole\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x15\n\rreplica_group\x18\x06 \x03(\x05\"J\n\x10HoldingsResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\'\n\x06\x63opies\x18\x02 \x03(\x0b\x32\x17.bubblesnap.v1.HeldCopy\"\xcb\x01\n\x10ReplicateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x11\n\tchecksums\x18\x06 \x03(\x04\x12\x14\n\x0c\x64\x61ta_address\x18\x07 \x01(\t\x12\x0e\n\x06ticket\x18\x08 \x01(\x0c\x12\x15\n\rreplica_group\x18\t \x03(\x05\"\x13\n\x11ReplicateResponse\"I\n\x0fOpenReadRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05slots\x18\x04 \x03(\x05\"\xc6\x01\n\x10OpenReadResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x03\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\"\n\x05slots\x18\x07 \x03(\x0b\x32\x13.bubblesnap.v1.Slot\":\n\x0f\x44\x65scribeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\x1d\n\x0eLayoutsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"q\n\nRankLayout\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x15\n\rreplica_group\x18\x04 \x03(\x05\";\n\x0fLayoutsResponse\x12(\n\x05ranks\x18\x01 \x03(\x0b\x32\x19.bubblesnap.v1.RankLayout\"P\n\x0fRollbackRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"B\n\x11ResumeStepRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\"\n\x12ResumeStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"*\n\x10RollbackResponse\x12\x16\n\x0e\x64ropped_copies\x18\x01 \x01(\x05\"Y\n\x11LogReplicaRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12)\n\x07records\x18\x03 \x03(\x0b\x32\x18.bubblesnap.v1.LogRecord\"\x14\n\x12LogReplicaResponse*?\n\x08\x43opyRole\x12\x19\n\x15\x43OPY_ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PRIMARY\x10\x01\x12\x0b\n\x07REPLICA\x10\x02\x32\x92\x06\n\x04Peer\x12?\n\x04Join\x12\x1a.bubblesnap.v1.JoinRequest\x1a\x1b.bubblesnap.v1.JoinResponse\x12K\n\x08Holdings\x12\x1e.bubblesnap.v1.HoldingsRequest\x1a\x1f.bubblesnap.v1.HoldingsResponse\x12N\n\tReplicate\x12\x1f.bubblesnap.v1.ReplicateRequest\x1a .bubblesnap.v1.ReplicateResponse\x12K\n\x08OpenRead\x12\x1e.bubblesnap.v1.OpenReadRequest\x1a\x1f.bubblesnap.v1.OpenReadResponse\x12K\n\x08\x44\x65scribe\x12\x1e.bubblesnap.v1.DescribeRequest\x1a\x1f.bubblesnap.v1.OpenReadResponse\x12H\n\x07Layouts\x12\x1d.bubblesnap.v1.LayoutsRequest\x1a\x1e.bubblesnap.v1.LayoutsResponse\x12K\n\x08Rollback\x12\x1e.bubblesnap.v1.RollbackRequest\x1a\x1f.bubblesnap.v1.RollbackResponse\x12Q\n\nResumeStep\x12 .bubblesnap.v1.ResumeStepRequest\x1a!.bubblesnap.v1.ResumeStepResponse\x12W\n\x10\x41ppendLogReplica\x12 .bubblesnap.v1.LogReplicaRequest\x1a!.bubblesnap.v1.LogReplicaResponse\x12O\n\x0eReadLogReplica\x12\x1d.bubblesnap.v1.ReadLogRequest\x1a\x1e.bubblesnap.v1.ReadLogResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x62ubblesnap/protos/peer.proto\x12\rbubblesnap.v1\x1a\x1e\x62ubblesnap/protos/daemon.proto\"-\n\x0bJoinRequest\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x0e\n\x0cJoinResponse\"\x1e\n\x0fHoldingsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x85\x01\n\x08HeldCopy\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.bubblesnap.v1.CopyRole\x12\x12\n\nworld_size\x18\x05 \x01(\x05\x12\x15\n\rreplica_group\x18\x06 \x03(\x05\"&\n\x08JobSteps\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x03(\x03\"v\n\x10HoldingsResponse\x12\r\n\x05index\x18\x01 \x01(\x05\x12\'\n\x06\x63opies\x18\x02 \x03(\x0b\x32\x17.bubblesnap.v1.HeldCopy\x12*\n\tcommitted\x18\x03 \x03(\x0b\x32\x17.bubblesnap.v1.JobSteps\"\xcb\x01\n\x10ReplicateRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x11\n\tchecksums\x18\x06 \x03(\x04\x12\x14\n\x0c\x64\x61ta_address\x18\x07 \x01(\t\x12\x0e\n\x06ticket\x18\x08 \x01(\x0c\x12\x15\n\rreplica_group\x18\t \x03(\x05\"\x13\n\x11ReplicateResponse\"I\n\x0fOpenReadRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05slots\x18\x04 \x03(\x05\"\xc6\x01\n\x10OpenReadResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x03\x12\x11\n\tchecksums\x18\x04 \x03(\x04\x12*\n\x07tensors\x18\x05 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x12\n\nworld_size\x18\x06 \x01(\x05\x12\"\n\x05slots\x18\x07 \x03(\x0b\x32\x13.bubblesnap.v1.Slot\":\n\x0f\x44\x65scribeRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\x1d\n\x0eLayoutsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"q\n\nRankLayout\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12*\n\x07tensors\x18\x03 \x03(\x0b\x32\x19.bubblesnap.v1.TensorSpec\x12\x15\n\rreplica_group\x18\x04 \x03(\x05\";\n\x0fLayoutsResponse\x12(\n\x05ranks\x18\x01 \x03(\x0b\x32\x19.bubblesnap.v1.RankLayout\"P\n\x0fRollbackRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"B\n\x11ResumeStepRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\"\n\x12ResumeStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\"*\n\x10RollbackResponse\x12\x16\n\x0e\x64ropped_copies\x18\x01 \x01(\x05\"Y\n\x11LogReplicaRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12)\n\x07records\x18\x03 \x03(\x0b\x32\x18.bubblesnap.v1.LogRecord\"\x14\n\x12LogReplicaResponse*?\n\x08\x43opyRole\x12\x19\n\x15\x43OPY_ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PRIMARY\x10\x01\x12\x0b\n\x07REPLICA\x10\x02\x32\x92\x06\n\x04Peer\x12?\n\x04Join\x12\x1a.bubblesnap.v1.JoinRequest\x1a\x1b.bubblesnap.v1.JoinResponse\x12K\n\x08Holdings\x12\x1e.bubblesnap.v1.HoldingsRequest\x1a\x1f.bubblesnap.v1.HoldingsResponse\x12N\n\tReplicate\x12\x1f.bubblesnap.v1.ReplicateRequest\x1a .bubblesnap.v1.ReplicateResponse\x12K\n\x08OpenRead\x12\x1e.bubblesnap.v1.OpenReadRequest\x1a\x1f.bubblesnap.v1.OpenReadResponse\x12K\n\x08\x44\x65scribe\x12\x1e.bubblesnap.v1.DescribeRequest\x1a\x1f.bubblesnap.v1.OpenReadResponse\x12H\n\x07Layouts\x12\x1d.bubblesnap.v1.LayoutsRequest\x1a\x1e.bubblesnap.v1.LayoutsResponse\x12K\n\x08Rollback\x12\x1e.bubblesnap.v1.RollbackRequest\x1a\x1f.bubblesnap.v1.RollbackResponse\x12Q\n\nResumeStep\x12 .bubblesnap.v1.ResumeStepRequest\x1a!.bubblesnap.v1.ResumeStepResponse\x12W\n\x10\x41ppendLogReplica\x12 .bubblesnap.v1.LogReplicaRequest\x1a!.bubblesnap.v1.LogReplicaResponse\x12O\n\x0eReadLogReplica\x12\x1d.bubblesnap.v1.ReadLogRequest\x1a\x1e.bubblesnap.v1.ReadLogResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bubblesnap.protos.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COPYROLE']._serialized_start=1499
-  _globals['_COPYROLE']._serialized_end=1562
+  _globals['_COPYROLE']._serialized_start=1583
+  _globals['_COPYROLE']._serialized_end=1646
   _globals['_JOINREQUEST']._serialized_start=79
   _globals['_JOINREQUEST']._serialized_end=124
   _globals['_JOINRESPONSE']._serialized_start=126
@@ -42,36 +42,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HOLDINGSREQUEST']._serialized_end=172
   _globals['_HELDCOPY']._serialized_start=175
   _globals['_HELDCOPY']._serialized_end=308
-  _globals['_HOLDINGSRESPONSE']._serialized_start=310
-  _globals['_HOLDINGSRESPONSE']._serialized_end=384
-  _globals['_REPLICATEREQUEST']._serialized_start=387
-  _globals['_REPLICATEREQUEST']._serialized_end=590
-  _globals['_REPLICATERESPONSE']._serialized_start=592
-  _globals['_REPLICATERESPONSE']._serialized_end=611
-  _globals['_OPENREADREQUEST']._serialized_start=613
-  _globals['_OPENREADREQUEST']._serialized_end=686
-  _globals['_OPENREADRESPONSE']._serialized_start=689
-  _globals['_OPENREADRESPONSE']._serialized_end=887
-  _globals['_DESCRIBEREQUEST']._serialized_start=889
-  _globals['_DESCRIBEREQUEST']._serialized_end=947
-  _globals['_LAYOUTSREQUEST']._serialized_start=949
-  _globals['_LAYOUTSREQUEST']._serialized_end=978
-  _globals['_RANKLAYOUT']._serialized_start=980
-  _globals['_RANKLAYOUT']._serialized_end=1093
-  _globals['_LAYOUTSRESPONSE']._serialized_start=1095
-  _globals['_LAYOUTSRESPONSE']._serialized_end=1154
-  _globals['_ROLLBACKREQUEST']._serialized_start=1156
-  _globals['_ROLLBACKREQUEST']._serialized_end=1236
-  _globals['_RESUMESTEPREQUEST']._serialized_start=1238
-  _globals['_RESUMESTEPREQUEST']._serialized_end=1304
-  _globals['_RESUMESTEPRESPONSE']._serialized_start=1306
-  _globals['_RESUMESTEPRESPONSE']._serialized_end=1340
-  _globals['_ROLLBACKRESPONSE']._serialized_start=1342
-  _globals['_ROLLBACKRESPONSE']._serialized_end=1384
-  _globals['_LOGREPLICAREQUEST']._serialized_start=1386
-  _globals['_LOGREPLICAREQUEST']._serialized_end=1475
-  _globals['_LOGREPLICARESPONSE']._serialized_start=1477
-  _globals['_LOGREPLICARESPONSE']._serialized_end=1497
-  _globals['_PEER']._serialized_start=1565
-  _globals['_PEER']._serialized_end=2351
+  _globals['_JOBSTEPS']._serialized_start=310
+  _globals['_JOBSTEPS']._serialized_end=348
+  _globals['_HOLDINGSRESPONSE']._serialized_start=350
+  _globals['_HOLDINGSRESPONSE']._serialized_end=468
+  _globals['_REPLICATEREQUEST']._serialized_start=471
+  _globals['_REPLICATEREQUEST']._serialized_end=674
+  _globals['_REPLICATERESPONSE']._serialized_start=676
+  _globals['_REPLICATERESPONSE']._serialized_end=695
+  _globals['_OPENREADREQUEST']._serialized_start=697
+  _globals['_OPENREADREQUEST']._serialized_end=770
+  _globals['_OPENREADRESPONSE']._serialized_start=773
+  _globals['_OPENREADRESPONSE']._serialized_end=971
+  _globals['_DESCRIBEREQUEST']._serialized_start=973
+  _globals['_DESCRIBEREQUEST']._serialized_end=1031
+  _globals['_LAYOUTSREQUEST']._serialized_start=1033
+  _globals['_LAYOUTSREQUEST']._serialized_end=1062
+  _globals['_RANKLAYOUT']._serialized_start=1064
+  _globals['_RANKLAYOUT']._serialized_end=1177
+  _globals['_LAYOUTSRESPONSE']._serialized_start=1179
+  _globals['_LAYOUTSRESPONSE']._serialized_end=1238
+  _globals['_ROLLBACKREQUEST']._serialized_start=1240
+  _globals['_ROLLBACKREQUEST']._serialized_end=1320
+  _globals['_RESUMESTEPREQUEST']._serialized_start=1322
+  _globals['_RESUMESTEPREQUEST']._serialized_end=1388
+  _globals['_RESUMESTEPRESPONSE']._serialized_start=1390
+  _globals['_RESUMESTEPRESPONSE']._serialized_end=1424
+  _globals['_ROLLBACKRESPONSE']._serialized_start=1426
+  _globals['_ROLLBACKRESPONSE']._serialized_end=1468
+  _globals['_LOGREPLICAREQUEST']._serialized_start=1470
+  _globals['_LOGREPLICAREQUEST']._serialized_end=1559
+  _globals['_LOGREPLICARESPONSE']._serialized_start=1561
+  _globals['_LOGREPLICARESPONSE']._serialized_end=1581
+  _globals['_PEER']._serialized_start=1649
+  _globals['_PEER']._serialized_end=2435
 # @@protoc_insertion_point(module_scope)

@@ -51,13 +51,23 @@ class HeldCopy(_message.Message):
     replica_group: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., role: _Optional[_Union[CopyRole, str]] = ..., world_size: _Optional[int] = ..., replica_group: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class JobSteps(_message.Message):
+    __slots__ = ("job", "steps")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class HoldingsResponse(_message.Message):
-    __slots__ = ("index", "copies")
+    __slots__ = ("index", "copies", "committed")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     index: int
     copies: _containers.RepeatedCompositeFieldContainer[HeldCopy]
-    def __init__(self, index: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[HeldCopy, _Mapping]]] = ...) -> None: ...
+    committed: _containers.RepeatedCompositeFieldContainer[JobSteps]
+    def __init__(self, index: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[HeldCopy, _Mapping]]] = ..., committed: _Optional[_Iterable[_Union[JobSteps, _Mapping]]] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("job", "world_size", "rank", "step", "tensors", "checksums", "data_address", "ticket", "replica_group")

@@ -73,6 +73,13 @@ def test_replicas_counted_and_step_committed_with_k_plus_one_copies(start_ring):
     assert not rows[(1, 2)].replica and rows[(0, 2)].replica
     assert rows[(1, 2)].copies == 2 and rows[(0, 2)].copies == 2
     assert (2, 2) not in rows
+    # a peer's Holdings answer carries the steps it takes as committed (the others keep
+    # them committed if its host goes before they saw them whole)
+    wait_for(lambda: committed(ring.daemons[1], 2), "step 2 committed on daemon 1")
+    held = peer_pb2_grpc.PeerStub(grpc.insecure_channel(ring.peers[1])).Holdings(
+        ppb.HoldingsRequest(job=JOB), timeout=10)
+    vouched = {c.job: list(c.steps) for c in held.committed}
+    assert max(vouched[JOB]) == 2  # the newest step snapshotted, taken committed
 
 
 def test_host_loss_is_restored_from_a_peer_and_re_replicated(start_ring):

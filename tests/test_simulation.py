@@ -60,20 +60,36 @@ def test_the_same_seed_replays_the_same_history():
 
 def test_the_caps_old_grace_loses_a_committed_step():
     """Seed 0 with the cap's grace counted from the copy's own landing only (before the
-    fix): step 12 was reported committed by daemon 0, the others never saw it whole in
-    time and freed their copies of rank 1 (the step's last copies landed late)."""
+    fix): step 25 was reported committed, and the daemons holding rank 1's copies freed
+    them by the cap before they saw the step whole (its last copies landed late)."""
     group = Group(0, Config(grace_from_group=False, leave_unpushed=False))
-    with pytest.raises(Violation, match="step 12, reported committed, has no live copy of rank 1"):
+    with pytest.raises(Violation, match="step 25, reported committed, has no live copy of rank 1"):
         group.run_for(EVENTS)
 
 
 def test_a_silent_peers_last_answer_once_made_a_freed_copy_count():
-    """Seed 3 judging committed on a silent peer's last answer too (before the fix): daemon
-    2 took step 2496 committed counting daemon 0's copy of rank 0, which daemon 0 had
-    freed since; the step had one copy of rank 0, and lost it."""
-    group = Group(3, Config(fresh_judgement=False, leave_unpushed=False))
-    with pytest.raises(Violation, match="step 2496, reported committed, has no live copy of"):
+    """Seed 3 judging committed on a silent peer's last answer too, and with no peer
+    vouching for its committed steps (before both fixes; vouching alone keeps seeds
+    0-11 whole): a daemon took step 944 committed counting a silent peer's copy of rank
+    0 that peer had freed since; the step had one copy of rank 0, and lost it."""
+    group = Group(3, Config(fresh_judgement=False, peers_vouch=False, leave_unpushed=False))
+    with pytest.raises(Violation, match="step 944, reported committed, has no live copy of"):
         group.run_for(EVENTS)
+
+
+def test_a_host_lost_before_the_others_agreed_on_a_commit_once_lost_the_step():
+    """Each daemon taking a step committed on its own gathering alone (before the fix):
+    seed 0 loses host 2 after daemon 2 alone saw step 457 whole and reported it; daemon 1
+    never took it as committed and freed its copy of rank 1 by the cap. Now a Holdings
+    answer carries the steps the peer takes as committed, and a daemon that finds a
+    peer lost spares what it holds newer than its own committed steps until the job
+    resumes (Config.peers_vouch): the same seed keeps the contract."""
+    old = Group(0, Config(peers_vouch=False, leave_unpushed=False))
+    with pytest.raises(Violation, match="step 457, reported committed, has no live copy of rank 1"):
+        old.run_for(EVENTS)
+    fixed = Group(0, Config(leave_unpushed=False))
+    fixed.run_for(EVENTS)
+    assert fixed.checked == EVENTS and len(fixed.restores) >= 10, fixed.restores
 
 
 def test_after_commit_failing_before_the_first_commit_leaves_no_step_whole():
@@ -104,22 +120,10 @@ def test_after_commit_failing_once_the_job_committed_always_resumes(seed):
 def test_open_a_rollback_that_is_not_atomic_lets_an_abandoned_runs_bytes_back_in():
     """A resume rolls every later copy back with one Rollback call per peer; one that is
     lost, or a push of the abandoned run still in flight when it resumes, leaves that
-    run's bytes where the new run counts them as a copy of its own step. Seed 1 resumes
-    from step 58 with such copies of rank 0. Copies need the run they belong to (a
+    run's bytes where the new run counts them as a copy of its own step. Seed 0 resumes
+    from step 402 with such copies of rank 2. Copies need the run they belong to (a
     generation) for a daemon to tell; until then the other histories keep Rollback
     calls reliable and let pushes drain before a resume (Config.atomic_rollback)."""
-    group = Group(1, Config(atomic_rollback=False, leave_unpushed=False))
-    with pytest.raises(Violation, match="step 58 chosen for the resume has copies of another"):
-        group.run_for(EVENTS)
-
-
-def test_open_a_host_lost_before_the_others_agreed_on_a_commit():
-    """A daemon takes a step committed on its own gathering alone: seed 0 loses host 2
-    after daemon 1 alone saw step 320 whole (and reported it); daemon 0 never took it as
-    committed and, with rank 2's other copy gone, freed its own by the cap. Daemons need
-    to learn each other's committed steps (in the Holdings answer, say); until then the
-    other histories lose a host only once every daemon took the newest committed step
-    (Config.host_loss_after_agreement)."""
-    group = Group(0, Config(host_loss_after_agreement=False, leave_unpushed=False))
-    with pytest.raises(Violation, match="step 320, reported committed, has no live copy of rank 2"):
+    group = Group(0, Config(atomic_rollback=False, leave_unpushed=False))
+    with pytest.raises(Violation, match="step 402 chosen for the resume has copies of another"):
         group.run_for(EVENTS)

@@ -40,6 +40,9 @@ class PeerGroup:
         self._refused: set[str] = set()  # addresses that refused a Join (another group)
         self._joining: set[int] = set()  # quiet peers a heartbeat's Join is on its way to
         self._last_holdings: dict[tuple[int, str], list[Holding]] = {}
+        self._last_committed: dict[tuple[int, str], set[int]] = {}  # as the peer took them
+        self._answered: dict[str, set[int]] = {}  # job -> the peers its last gathering heard
+        self._lost: set[str] = set()  # jobs a peer was lost to since peer_lost() asked
         self._missed: dict[str, tuple[set[int], set[int]]] = {}  # job -> (silent, unknown)
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max(1, len(self._addresses)),
@@ -108,6 +111,7 @@ class PeerGroup:
                 self._addresses[index] = address
                 for key in [k for k in self._last_holdings if k[0] == index]:
                     del self._last_holdings[key]  # a new daemon: it starts empty
+                self._lost |= set(self._answered)  # the one it replaced went with its copies
             if not self._liveness.mark(index, alive=True, quiet=True):
                 # our channel to it may be in a reconnect backoff (up to 1 s) failing every
                 # call at once, and a push would pass over it: a fresh one dials now
@@ -198,8 +202,8 @@ class PeerGroup:
                 log.info("peer %d (%s) did not take the join: %s", index, address,
                          err.code().name)
 
-    def holdings(self, job: str, own) -> list[Holding]:
-        """The committed copies of ``job`` in the group; ``own`` is this daemon's.
+    def holdings(self, job: str, own_of) -> list[Holding]:
+        """The committed copies of ``job`` in the group; ``own_of()`` gives this daemon's.
 
         A peer that misses one call but is not dead yet (``dead_after_seconds``)
         counts with what it answered last: a busy peer must not look like lost
@@ -212,11 +216,12 @@ class PeerGroup:
         """
         if self._etcd is None:
             silent: set[int] = set()
-            found = self._gather(job, own, silent)
+            found = self._gather(job, own_of, silent)
             with self._lock:
                 self._missed[job] = (silent, {i for i in silent
                                               if (i, job) not in self._last_holdings})
             return found
+        own = own_of()
         self._etcd.publish(job, own)
         try:
             theirs = self._etcd.holdings_of(job, {h.rank for h in own})
@@ -304,7 +309,7 @@ class PeerGroup:
         deadline = time.monotonic() + self.options.dead_after_seconds + 2.0
         while True:
             silent: set[int] = set()
-            found = self._gather(job, own_of(), silent)
+            found = self._gather(job, own_of, silent)
             if not silent:
                 return found
             if time.monotonic() > deadline:
@@ -314,13 +319,14 @@ class PeerGroup:
                     "without them. Try again")
             time.sleep(0.2)
 
-    def _gather(self, job: str, own, silent: set[int]) -> list[Holding]:
+    def _gather(self, job: str, own_of, silent: set[int]) -> list[Holding]:
         """Every daemon's holdings; ``silent`` gets the peers that did not answer and are
-        not dead (counted with what they answered last)."""
-        found = [Holding(self.index, h.rank, h.step, h.replica, h.world_size, h.group)
-                 for h in own]
+        not dead (counted with what they answered last). This daemon's own copies are
+        taken once the peers answered: retention may free one meanwhile, and a step
+        judged whole on a copy already gone would be reported committed without it."""
         request = ppb.HoldingsRequest(job=job)
         futures = {i: self._calls.submit(self.call, i, "Holdings", request) for i in self.others()}
+        found, answered = [], set()
         for index, future in futures.items():
             try:
                 answer = future.result()
@@ -335,13 +341,41 @@ class PeerGroup:
                       for c in answer.copies if c.job == job]
             with self._lock:
                 self._last_holdings[(index, job)] = theirs
+                self._last_committed[(index, job)] = {
+                    s for c in answer.committed if c.job == job for s in c.steps}
             found += theirs
-        return found
+            answered.add(index)
+        with self._lock:
+            if self._answered.get(job, set()) - answered:
+                self._lost.add(job)
+            self._answered[job] = answered
+        return [Holding(self.index, h.rank, h.step, h.replica, h.world_size, h.group)
+                for h in own_of()] + found
+
+    def committed_by_peers(self, job: str) -> set[int]:
+        """The steps of ``job`` the peers took as committed, as they answered last (on the
+        static ring; with etcd the aggregator's summary is every daemon's)."""
+        with self._lock:
+            return {s for (_, name), steps in self._last_committed.items() if name == job
+                    for s in steps}
+
+    def peer_lost(self, job: str) -> bool:
+        """Whether, since this was last asked, a peer that answered a gathering of ``job``
+        stopped answering or a new daemon took a peer's position (static ring): the
+        peer may have reported steps committed that no other daemon heard of."""
+        with self._lock:
+            lost = job in self._lost
+            self._lost.discard(job)
+            return lost
 
     def forget_holdings(self, job: str) -> None:
         with self._lock:
+            self._answered.pop(job, None)
+            self._lost.discard(job)
             for key in [k for k in self._last_holdings if k[1] == job]:
                 del self._last_holdings[key]
+            for key in [k for k in self._last_committed if k[1] == job]:
+                del self._last_committed[key]
 
     def close(self) -> None:
         self._calls.shutdown(wait=False)

@@ -88,10 +88,10 @@ def kept_committed(world_size: int, holdings, copies_wanted: int, summary=None, 
     ``rolled_back_to``: the job was rolled back to this step and etcd has not
     judged anew: the summary still counts the dropped steps, which kept as
     committed would make retention free the step restored. ``held``: the
-    steps this daemon took as committed before; each stays committed while
-    the group can still restore it (a lost host takes copies away, but a step
-    the trainers were told is committed must not become fair game for the cap
-    on uncommitted copies). ``epoch_whole``: False when the current epoch's
+    steps this daemon or a peer (as it answered last) took as committed before; each
+    stays committed while the group can still restore it (a host lost before the
+    others saw a step whole takes copies away, but a step the trainers were told is
+    committed must not become fair game for the cap on uncommitted copies). ``epoch_whole``: False when the current epoch's
     layouts can never cover its job-wide arrays; its steps are not committed.
     ``stale``: daemons whose holdings are what they answered last, not now (silent
     this time): a step is not judged committed on their copies, which may have been

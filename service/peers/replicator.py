@@ -50,6 +50,7 @@ class Replicator:
         self._transfers = transfers
         self._views: dict[str, list[group_view.Holding]] = {}
         self._seen: dict[str, dict] = {}  # job -> holders() of its last gathering
+        self._spared: dict[str, set[int]] = {}  # job -> steps kept from the cap: see _refresh
         self._rolled_back: dict[str, int] = {}  # job -> step, until etcd judges anew
         self._rollbacks: dict[str, int] = {}  # job -> how many times it was rolled back
         self._probed: dict[int, float] = {}  # when a peer believed dead was last asked
@@ -117,6 +118,7 @@ class Replicator:
         with self._lock:
             self._views.pop(job, None)
             self._seen.pop(job, None)
+            self._spared.pop(job, None)
             self._waiting = {key: kept for key, times in self._waiting.items() if (kept := {
                 s: t for s, t in times.items() if key[0] != job or s <= step})}
             self._short = {key: s for key, s in self._short.items()
@@ -140,7 +142,7 @@ class Replicator:
         if answered:
             holdings = self._group.holdings_answered(job, lambda: self._store.holdings(job))
         else:
-            holdings = self._group.holdings(job, self._store.holdings(job))
+            holdings = self._group.holdings(job, lambda: self._store.holdings(job))
         with self._lock:
             self._views[job] = holdings
         return holdings
@@ -241,12 +243,18 @@ class Replicator:
             with self._lock:
                 cut = self._rolled_back.get(job)
             coverage = self._layouts.coverage(job)
+            # a step a peer took as committed is held here too: it may have told its
+            # trainers, and then lost a host before this daemon saw the step whole
+            held = set(self._store.committed(job)) | self._group.committed_by_peers(job)
             committed = group_view.kept_committed(
-                world, holdings, wanted, self._group.summary(job), self._store.committed(job),
+                world, holdings, wanted, self._group.summary(job), held,
                 cut, epoch_whole=not coverage.known or coverage.whole,
                 stale=self._group.unanswered(job))
-            self._store.set_group_committed(job, committed, self._changed(job, holdings),
-                                            gathered_at)
+            self._store.set_group_committed(job, committed, self._changed(job, holdings)
+                                            | self._spare(job), gathered_at)
+            with self._lock:
+                newest = max(committed, default=-1)
+                self._spared[job] = {s for s in self._spared.get(job, ()) if s > newest}
             if only_job or self._group.unanswered(job, ever=True):
                 continue  # a peer that is not dead never answered: its copies are unknown
             kept = committed[-self._store.options.keep_steps:]
@@ -268,6 +276,20 @@ class Replicator:
             short = {(rank, step) for (name, rank), step in self._short.items()
                      if name == job and (name, rank) not in self._waiting}
         return unpushed - short
+
+    def _spare(self, job: str) -> set[int]:
+        """The steps of ``job`` the cap on uncommitted copies spares (their grace starts
+        again every gathering): when a peer is lost, every step held here newer than
+        what this daemon takes committed, until the job rolls back or a newer step is
+        committed. The lost peer may have seen one whole and reported it committed just
+        before it went, with no gathering of it answered since to tell this daemon."""
+        if self._group.peer_lost(job):
+            newest = max(self._store.committed(job), default=-1)
+            held = {h.step for h in self._store.holdings(job) if h.step > newest}
+            with self._lock:
+                self._spared.setdefault(job, set()).update(held)
+        with self._lock:
+            return set(self._spared.get(job, ()))
 
     def _changed(self, job: str, holdings) -> set[int]:
         """Steps of ``job`` a copy of which landed in the group since the last gathering;

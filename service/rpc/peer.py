@@ -24,11 +24,14 @@ class PeerServicer:
 
     @unary
     def Holdings(self, request, context):
+        job = messages.job(request.job, optional=True)
         return ppb.HoldingsResponse(index=self._group.index, copies=[
             ppb.HeldCopy(job=h.job, rank=h.rank, step=h.step,
                          role=ppb.REPLICA if h.replica else ppb.PRIMARY,
                          world_size=h.world_size, replica_group=h.group)
-            for h in self._store.holdings(messages.job(request.job, optional=True))])
+            for h in self._store.holdings(job)], committed=[
+            ppb.JobSteps(job=name, steps=self._store.committed(name))
+            for name in ([job] if job else self._store.job_names())])
 
     @unary
     def Replicate(self, request, context):

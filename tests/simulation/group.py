@@ -68,12 +68,12 @@ class Config:
     # the new run counts them (an open issue: see tests/test_simulation.py). True keeps
     # those two out: Rollback calls are not lost, and a resume waits for pushes in flight.
     atomic_rollback: bool = True
-    # A daemon takes a step committed on its own gathering alone: one that saw the step
-    # whole reports it, and if its host dies before the others saw it whole, they may free
-    # their copies of it with the cap on uncommitted copies (an open issue; see
-    # tests/test_simulation.py). True keeps hosts alive until every live daemon took the
-    # newest step reported committed as committed too.
-    host_loss_after_agreement: bool = True
+    # A Holdings answer carries the steps the peer took as committed, which the gatherer
+    # keeps committed while the group can restore them. False: as before, each daemon
+    # took a step committed on its own gathering alone, and one that saw a step whole
+    # reported it while the others, its host lost before they saw it whole, freed their
+    # copies of it with the cap on uncommitted copies (a test shows it).
+    peers_vouch: bool = True
     # Re-replication leaves a daemon's unpushed new copies to their push (the coalescing
     # skips some), but the last one a push left short. False: every copy short of 1 + k
     # is re-replicated, as before (the histories the older seeds below were found in).
@@ -123,6 +123,10 @@ class Daemon:
         self.live = set(range(cfg.daemons))
         self.silent: dict[int, float] = {}
         self.last: dict[int, list[Holding]] = {}
+        self.vouched: dict[int, list[int]] = {}  # peer -> its committed steps, answered last
+        self.answered: set[int] = set()  # the peers that answered the last gathering
+        self.replaced = False  # a new incarnation of a peer joined since the last gathering
+        self.spared: set[int] = set()  # steps kept from the cap since a peer was lost
         self.work: dict[int, list[int]] = {}
         # rank -> the step its last new-copy push left short of replicas (or adopted
         # unpushed): re-replication pushes it; the other unpushed copies are the new-copy
@@ -215,13 +219,15 @@ class Daemon:
         self.work = {r: [s for s in steps if s <= step] for r, steps in self.work.items()}
         self.work = {r: steps for r, steps in self.work.items() if steps}
         self.last.clear()
+        self.vouched.clear()
+        self.spared.clear()
         self.seen = {}
 
     # -- the peer service -----------------------------------------------------------------
 
     def handle(self, source: int, method: str, payload):
         if method == "Holdings":
-            return 0.0, lambda: ("ok", self.holdings())
+            return 0.0, lambda: ("ok", (self.holdings(), list(self.committed)))
         if method == "Join":
             return 0.0, lambda: self._joined(source, payload)
         if method == "Rollback":
@@ -238,6 +244,8 @@ class Daemon:
     def _joined(self, source: int, incarnation: int):
         if self.known.get(source, incarnation) != incarnation:
             self.last.pop(source, None)  # a new daemon there (a new address): it starts empty
+            self.vouched.pop(source, None)
+            self.replaced = True
         self.known[source] = incarnation
         self.mark(source, ("ok", None))
         return "ok", None
@@ -330,16 +338,17 @@ class Daemon:
         cfg = self.group.cfg
         if not self.copies and not self.committed and not self.group.registered(self):
             return  # no job here yet
-        started, own = self.now, self.holdings()
-        others = self.others()
+        started, others = self.now, self.others()
         results = yield Gather(tuple(Call(i, "Holdings", None, cfg.call_timeout)
                                      for i in others))
-        holdings, silent = list(own), set()
+        # its own copies as held now: the cap may have freed one while the peers answered,
+        # and a step judged whole on it would be reported with a copy already gone
+        holdings, silent = self.holdings(), set()
         for peer, result in zip(others, results, strict=True):
             self.mark(peer, result)
             if result[0] == "ok":
-                self.last[peer] = result[1]
-                holdings += result[1]
+                self.last[peer], self.vouched[peer] = result[1]
+                holdings += result[1][0]
             elif peer in self.not_dead():
                 silent.add(peer)
                 holdings += self.last.get(peer, [])
@@ -350,10 +359,22 @@ class Daemon:
         else:  # as before the fix: the grace counts from the copy's own landing alone
             changed = set()
         stale = silent if self.group.cfg.fresh_judgement else set()
+        held = set(self.committed)
+        answered = {p for p, r in zip(others, results, strict=True) if r[0] == "ok"}
+        lost, self.answered, self.replaced = self.answered - answered or self.replaced, \
+            answered, False
+        if cfg.peers_vouch:
+            held |= {s for p in self.others() for s in self.vouched.get(p, ())}
+            newest = self.committed[-1] if self.committed else -1
+            if lost:
+                self.spared |= {s for _, s in self.copies if s > newest}
+            changed |= self.spared
         self.set_committed(group_view.kept_committed(self.group.world, holdings,
-                                                     1 + cfg.replicas, None, self.committed,
+                                                     1 + cfg.replicas, None, held,
                                                      stale=stale),
                            changed, started)
+        if self.committed:
+            self.spared = {s for s in self.spared if s > self.committed[-1]}
         if only_commits or {p for p in silent if p not in self.last}:
             return
         kept = self.committed[-cfg.keep_steps:]
@@ -454,9 +475,6 @@ class Group:
         if self.newest_committed < 0:
             return True
         found = group_view.holders(self._live_holdings())
-        if self.cfg.host_loss_after_agreement and not all(
-                self.newest_committed in d.committed for d in self.daemons if d.alive):
-            return False
         return all(len(found.get((r, self.newest_committed), ())) >= 1 + self.cfg.replicas
                    for r in range(self.world))
 
@@ -563,9 +581,8 @@ class Group:
             if self.newest_committed >= 0:
                 raise Violation(f"a resume found nothing to restore after step "
                                 f"{self.newest_committed} was committed: {record}")
-            for daemon in self.daemons:  # a new run under the job's name: its copies go first
-                daemon.copies.clear()
-                daemon.committed = []
+            for daemon in self.daemons:  # a new run under the job's name: the old one goes
+                daemon.roll_back(-1)  # first, with what each daemon knew of it
             self._new_run(-1)
             return
         step = steps[-1] if chosen is None else chosen
