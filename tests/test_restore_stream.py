@@ -51,6 +51,13 @@ def committed(daemon, step: int) -> bool:
     return any(s.step == step and s.committed for s in status.jobs[0].steps)
 
 
+def copies_held(daemon, step: int) -> dict[int, int]:
+    """rank -> the live copies of its ``step`` the group holds, as ``daemon`` sees them."""
+    status = daemon.stub.Status(pb.StatusRequest(job=JOB), timeout=10)
+    return {r.rank: r.copies for job in status.jobs for s in job.steps if s.step == step
+            for r in s.ranks}
+
+
 def streamed(daemon, request) -> tuple[list[str], pb.RestoreResponse]:
     """The segments named before the answer, and the answer, which must be the last
     message; each segment the answer uses was named with its size. (One named and then
@@ -80,7 +87,7 @@ def assert_restores(daemon, rank: int, step: int, source: str, world: int) -> No
 
 def test_each_tier_names_the_answers_segment_first(start_ring, tmp_path):
     durable = tmp_path / "durable"
-    ring = start_ring(2, "--replicas", "1", "--durable-dir", str(durable),
+    ring = start_ring(3, "--replicas", "1", "--durable-dir", str(durable),
                       "--durable-every-steps", "1")
     snapshot_steps(ring.daemons, range(2), world=2)
     wait_for(lambda: committed(ring.daemons[0], 1), "step 1 committed")
@@ -92,12 +99,15 @@ def test_each_tier_names_the_answers_segment_first(start_ring, tmp_path):
     wait_for(lambda: 1 in ring.daemons[0].stub.Status(pb.StatusRequest(job=JOB), timeout=10)
              .jobs[0].durable_steps, "step 1 written durably")
     ring.daemons[1].kill()
+    # back to two copies of each rank on the survivors first: the replacement gets none
+    wait_for(lambda: copies_held(ring.daemons[0], 1) == {0: 2, 1: 2},
+             "both ranks' copies re-replicated on the survivors")
     replacement = ring.replace(1)
     named, answer = streamed(replacement, pb.RestoreRequest(job=JOB, rank=1, alone=True))
     assert (named, answer.source) == ([answer.segment_path], "peer")
 
-    ring.daemons[0].kill()
-    replacement.kill()
+    for daemon in (ring.daemons[0], replacement, ring.daemons[2]):
+        daemon.kill()
     fresh = ring.replace(0)
     named, answer = streamed(fresh, pb.RestoreRequest(job=JOB, rank=0, alone=True))
     assert (named, answer.source) == ([answer.segment_path], "durable")
@@ -159,13 +169,17 @@ def test_regions_that_lie_as_one_run_in_a_held_copy_are_answered_where_they_lie(
 
 
 def test_runs_of_a_peers_copy_pulled_whole_are_answered_in_the_pulled_segment(start_ring):
-    ring = start_ring(2, "--replicas", "1")
+    ring = start_ring(3, "--replicas", "1")
     held = ring.daemons[0]
     two_rank_job(held, JOB, steps=())  # registered; committed once replicated:
     snapshot(held.stub, JOB, 0, 0, [GLOBAL[0:4], np.int32(0)])
     snapshot(held.stub, JOB, 1, 0, [GLOBAL[4:8]])
     wait_for(lambda: committed(held, 0), "step 0 committed with both ranks' copies twice")
     ring.daemons[1].kill()
+    # The survivors bring both copies back to two before the replacement comes: it gets
+    # none of them by re-replication, and restores every byte from its peers.
+    wait_for(lambda: copies_held(ring.daemons[2], 0) == {0: 2, 1: 2},
+             "both ranks' copies re-replicated to daemon 2")
     replacement = ring.replace(1)
     named, answer = streamed(replacement, three_row_blocks())
     paths = [answer.segment_path, *answer.other_segments]
