@@ -419,7 +419,7 @@ def static_backend(size: int, steps: int, refresh: float, dead_after: float) -> 
     rounds, judging = [], []
     for _ in range(steps):
         start = time.perf_counter()
-        holdings = ring.holdings(JOB, own_copies(0, size, range(2)))
+        holdings = ring.holdings(JOB, lambda: own_copies(0, size, range(2)))
         rounds.append(time.perf_counter() - start)
         start = time.perf_counter()
         group_view.committed_steps(size, holdings, 1 + REPLICAS)

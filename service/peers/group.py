@@ -14,6 +14,7 @@ from bubblesnap.service.errors import InvalidArgument, Unavailable
 from bubblesnap.service.peers import group_name, group_view
 from bubblesnap.service.peers.group_view import Holding
 from bubblesnap.service.peers.liveness import Liveness
+from bubblesnap.service.peers.peer_answers import PeerAnswers
 from bubblesnap.service.peers.peer_options import PeerOptions
 
 log = logging.getLogger("bubblesnap.daemon")
@@ -39,11 +40,7 @@ class PeerGroup:
         self._group_metadata = group_name.metadata(options.group)
         self._refused: set[str] = set()  # addresses that refused a Join (another group)
         self._joining: set[int] = set()  # quiet peers a heartbeat's Join is on its way to
-        self._last_holdings: dict[tuple[int, str], list[Holding]] = {}
-        self._last_committed: dict[tuple[int, str], set[int]] = {}  # as the peer took them
-        self._answered: dict[str, set[int]] = {}  # job -> the peers its last gathering heard
-        self._lost: set[str] = set()  # jobs a peer was lost to since peer_lost() asked
-        self._missed: dict[str, tuple[set[int], set[int]]] = {}  # job -> (silent, unknown)
+        self._answers = PeerAnswers()
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max(1, len(self._addresses)),
                                          thread_name_prefix="peer-call")
@@ -109,9 +106,7 @@ class PeerGroup:
             if self._addresses[index] != address:
                 log.info("peer %d is now at %s (was %s)", index, address, self._addresses[index])
                 self._addresses[index] = address
-                for key in [k for k in self._last_holdings if k[0] == index]:
-                    del self._last_holdings[key]  # a new daemon: it starts empty
-                self._lost |= set(self._answered)  # the one it replaced went with its copies
+                self._answers.replaced(index)
             if not self._liveness.mark(index, alive=True, quiet=True):
                 # our channel to it may be in a reconnect backoff (up to 1 s) failing every
                 # call at once, and a push would pass over it: a fresh one dials now
@@ -215,28 +210,20 @@ class PeerGroup:
         read last.
         """
         if self._etcd is None:
-            silent: set[int] = set()
-            found = self._gather(job, own_of, silent)
-            with self._lock:
-                self._missed[job] = (silent, {i for i in silent
-                                              if (i, job) not in self._last_holdings})
-            return found
+            return self._gather(job, own_of, set())
         own = own_of()
         self._etcd.publish(job, own)
         try:
             theirs = self._etcd.holdings_of(job, {h.rank for h in own})
         except EtcdUnavailable:
-            with self._lock:
-                return list(self._last_holdings.get((-1, job), []))
-        with self._lock:
-            self._last_holdings[(-1, job)] = theirs
+            return self._answers.last(-1, job)
+        self._answers.heard(-1, job, theirs)
         return theirs
 
     def unanswered(self, job: str, ever: bool = False) -> set[int]:
         """Peers not dead that did not answer the last gathering of ``job`` (``ever``: and
         never answered it before: what they hold is not known; re-replication waits)."""
-        with self._lock:
-            return set(self._missed.get(job, (set(), set()))[ever])
+        return self._answers.unanswered(job, ever)
 
     def summary(self, job: str) -> tuple[list[int], list[int]] | None:
         """(committed, restorable) steps of ``job`` as etcd's aggregator found them;
@@ -333,49 +320,32 @@ class PeerGroup:
             except grpc.RpcError:
                 if index in self.not_dead():
                     silent.add(index)
-                    with self._lock:
-                        found += self._last_holdings.get((index, job), [])
+                    found += self._answers.last(index, job)
                 continue
             theirs = [Holding(index, c.rank, c.step, c.role == ppb.REPLICA, c.world_size,
                               tuple(c.replica_group))
                       for c in answer.copies if c.job == job]
-            with self._lock:
-                self._last_holdings[(index, job)] = theirs
-                self._last_committed[(index, job)] = {
-                    s for c in answer.committed if c.job == job for s in c.steps}
+            self._answers.heard(index, job, theirs,
+                                {s for c in answer.committed if c.job == job for s in c.steps})
             found += theirs
             answered.add(index)
-        with self._lock:
-            if self._answered.get(job, set()) - answered:
-                self._lost.add(job)
-            self._answered[job] = answered
+        self._answers.gathered(job, answered, silent)
         return [Holding(self.index, h.rank, h.step, h.replica, h.world_size, h.group)
                 for h in own_of()] + found
 
     def committed_by_peers(self, job: str) -> set[int]:
         """The steps of ``job`` the peers took as committed, as they answered last (on the
         static ring; with etcd the aggregator's summary is every daemon's)."""
-        with self._lock:
-            return {s for (_, name), steps in self._last_committed.items() if name == job
-                    for s in steps}
+        return self._answers.committed(job)
 
     def peer_lost(self, job: str) -> bool:
         """Whether, since this was last asked, a peer that answered a gathering of ``job``
         stopped answering or a new daemon took a peer's position (static ring): the
         peer may have reported steps committed that no other daemon heard of."""
-        with self._lock:
-            lost = job in self._lost
-            self._lost.discard(job)
-            return lost
+        return self._answers.lost(job)
 
     def forget_holdings(self, job: str) -> None:
-        with self._lock:
-            self._answered.pop(job, None)
-            self._lost.discard(job)
-            for key in [k for k in self._last_holdings if k[1] == job]:
-                del self._last_holdings[key]
-            for key in [k for k in self._last_committed if k[1] == job]:
-                del self._last_committed[key]
+        self._answers.forget(job)
 
     def close(self) -> None:
         self._calls.shutdown(wait=False)
