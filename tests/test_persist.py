@@ -117,3 +117,21 @@ def test_a_staging_folder_is_made_while_another_rank_s_move_in_removes_its_paren
     monkeypatch.setattr(os, "mkdir", mkdir_after_a_move_in)
     assert persist.make_staging(folder, 0) == staging
     assert struck and os.path.isdir(staging)
+
+
+def test_a_rank_that_wrote_no_database_moves_nothing_and_is_done(tmp_path):
+    """Orbax writes replica 0 only: a process whose every shard is a replica another writes
+    (the second slice of Orbax's emergency tests) leaves no ``ocdbt.process_N`` folder,
+    and its daemon's write of it is done all the same (it once failed NOT_FOUND, and the
+    4-process job waited in Orbax's barriers). A rank that did write is moved in."""
+    from bubblesnap.service.durable import persist
+
+    folder = tmp_path / "run" / "0.orbax-checkpoint-tmp" / "state.orbax-checkpoint-tmp"
+    folder.mkdir(parents=True)
+    empty = persist.make_staging(str(folder), 2)
+    assert persist.move_in(empty, str(folder), 2)
+    assert not os.path.exists(empty) and not (folder / "ocdbt.process_2").exists()
+    written = persist.make_staging(str(folder), 0)
+    os.makedirs(os.path.join(written, "ocdbt.process_0"))
+    assert persist.move_in(written, str(folder), 0)
+    assert (folder / "ocdbt.process_0").is_dir() and not os.path.exists(written)

@@ -216,10 +216,15 @@ def move_in(staging: str, folder: str, rank: int) -> bool:
     """Moves ``rank``'s database written in ``staging`` into ``folder`` (one rename), and
     the staging folder goes; False when the folder holds the rank's database already
     (its trainer wrote it itself, not waiting for this daemon: the first rename wins, so
-    a part is never written twice) or is gone (the step was finalized so)."""
+    a part is never written twice) or is gone (the step was finalized so). A rank that
+    wrote no database (each of its shards a replica another process writes, as Orbax
+    writes only replica 0) has nothing to move: True, as plain Orbax leaves no folder."""
     target = fmt.child_path(folder, rank)
+    source = fmt.child_path(staging, rank)
     try:
-        os.rename(fmt.child_path(staging, rank), target)
+        if not os.path.exists(source) and os.path.isdir(staging) and os.path.isdir(folder):
+            return True
+        os.rename(source, target)
         return True
     except OSError as err:
         if not os.path.isdir(folder) or (os.path.isdir(target) and os.listdir(target)):
