@@ -20,7 +20,7 @@ import numpy as np
 
 from bubblesnap.clients._bubble_stream import BubbleStream
 from bubblesnap.clients._commits import CommitsInFlight
-from bubblesnap.clients._job_commit import job_outcome
+from bubblesnap.clients._job_commit import job_outcome, wait_committed
 from bubblesnap.clients._log_calls import LogCalls
 from bubblesnap.clients._regions import in_request_order
 from bubblesnap.clients._restore_call import restore_call
@@ -97,6 +97,11 @@ class Session:
     def call_async(self, method: str, request):
         """Calls ``method`` with the session's deadline without waiting; its future."""
         return getattr(self._stub, method).future(request, timeout=self.timeout())
+
+    def wait_committed(self, step: int, timeout: float) -> bool:
+        """Whether the whole job committed ``step`` within ``timeout`` seconds, as this
+        daemon sees the group; raises grpc.RpcError."""
+        return wait_committed(self._stub, self.job, step, timeout, self.options)[0]
 
     def timeout(self) -> float:
         """The deadline of a call made now (``options.rpc_timeout_seconds``, or less in a

@@ -26,8 +26,9 @@ Standard and PyTree handlers; every other item is its own handler's, as in Orbax
 - ``restore`` takes each item from the fastest tier holding the step (this host's
   memory, a neighbour's) when the arguments are ones memory answers exactly, else
   Orbax reads the folder.
-- ``memory_interval_steps`` (CheckpointManagerOptions) adds steps held in memory only,
-  between the ones the policy keeps (tier/memory_steps.py).
+- ``memory_interval_steps`` (CheckpointManagerOptions) adds a local tier: steps held
+  in the daemons' memory, listed and restored beside the ones the policy keeps
+  (tier/memory_steps.py; Orbax's emergency manager gives its local options instead).
 
 The daemon writes the steps when ``directory`` lies inside its ``--durable-dir``;
 elsewhere (or with no daemon answering) Orbax writes them itself, as plain Orbax, and
@@ -45,7 +46,8 @@ from bubblesnap.clients.jax.manager.manager_options import (
     CheckpointManagerOptions,
     bubblesnap_settings,
 )
-from bubblesnap.clients.jax.tier.memory_steps import MemorySteps
+from bubblesnap.clients.jax.tier.local_policy import LocalPolicy
+from bubblesnap.clients.jax.tier.memory_steps import KEPT, MemorySteps
 from bubblesnap.clients.jax.tier.memory_tier import MemoryTier
 from bubblesnap.clients.results import RestoreError
 
@@ -56,10 +58,13 @@ StepAlreadyExistsError = orbax_manager.StepAlreadyExistsError
 class CheckpointManager(orbax_manager.CheckpointManager):
     """Orbax's ``CheckpointManager`` with bubblesnap's memory tier (the module's text).
 
-    Takes Orbax's constructor arguments and Orbax's or bubblesnap's options."""
+    Takes Orbax's constructor arguments and Orbax's or bubblesnap's options;
+    ``local_policy`` (a ``LocalPolicy``) names the local tier's steps instead of
+    ``memory_interval_steps`` (Orbax's emergency manager's local options)."""
 
     def __init__(self, directory, checkpointers=None, options=None, metadata=None,
-                 item_names=None, item_handlers=None, logger=None, handler_registry=None):
+                 item_names=None, item_handlers=None, logger=None, handler_registry=None,
+                 *, local_policy: LocalPolicy | None = None):
         settings = bubblesnap_settings(options)
         multiprocessing = getattr(options, "multiprocessing_options", None) or \
             ocp.options.MultiprocessingOptions()
@@ -72,8 +77,11 @@ class CheckpointManager(orbax_manager.CheckpointManager):
                          metadata=metadata, item_names=item_names, item_handlers=item_handlers,
                          logger=logger, handler_registry=handler_registry)
         self._tier.check_daemon()
-        self._memory_steps = MemorySteps(self, self._tier, settings.memory_interval_steps) \
-            if settings.memory_interval_steps and self._tier.local else None
+        if local_policy is None and settings.memory_interval_steps:
+            local_policy = LocalPolicy.every(settings.memory_interval_steps, KEPT)
+        read_only = getattr(options, "read_only", False)
+        self._memory_steps = MemorySteps(self, self._tier, local_policy) \
+            if local_policy is not None and self._tier.local and not read_only else None
 
     def _finish_left(self, options) -> None:
         """Before Orbax lists the steps: the daemons finish (or drop) every save an earlier
@@ -93,7 +101,7 @@ class CheckpointManager(orbax_manager.CheckpointManager):
     # -- which steps ------------------------------------------------------------------
 
     def all_steps(self, read: bool = False):
-        """Orbax's steps, and the steps held in memory only (``memory_interval_steps``)."""
+        """Orbax's steps, and the local steps the daemons hold (tier/memory_steps.py)."""
         steps = super().all_steps(read)
         if self._memory_steps is None or self._orbax_view:
             return steps  # Orbax's own decisions count the steps it saved
@@ -104,7 +112,7 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         return steps[-1] if steps else None
 
     def should_save(self, step: int) -> bool:
-        """Orbax's decision, or a step held in memory only is due."""
+        """Orbax's decision, or a local step is due."""
         if self._policy_saves(step):
             return True
         return self._memory_steps is not None and self._memory_steps.due(step)
@@ -140,11 +148,10 @@ class CheckpointManager(orbax_manager.CheckpointManager):
     def save(self, step: int, items=None, save_kwargs=None, metrics=None, force=False,
              args=None, custom_metadata=None) -> bool:
         """Orbax's save, each pytree item copied into the daemon's memory and written by
-        it (a step held in memory only when the policy does not save it and
-        ``memory_interval_steps`` says so)."""
+        it; a local step the policy does not save is held in memory only."""
         self._drop_abandoned(step, args, items)
-        if self._memory_steps is not None and not force and self._memory_steps.due(step) \
-                and not self._policy_saves(step):
+        local = self._memory_steps is not None and not force and self._memory_steps.due(step)
+        if local and not self._policy_saves(step):
             return self._memory_steps.save(step, args)
         handler = getattr(self._checkpointer, "handler", None)
         if hasattr(handler, "_get_or_set_handler"):  # Orbax v1 brings one to every save
@@ -153,20 +160,41 @@ class CheckpointManager(orbax_manager.CheckpointManager):
             saved = super().save(step, items=items, save_kwargs=save_kwargs, metrics=metrics,
                                  force=force, args=args, custom_metadata=custom_metadata)
         self._tier.saves.sweep(before=step)  # Orbax waited for the saves before it
+        if local and saved and args is not None:  # a local step too: kept as the tier keeps
+            self._memory_steps.save(step, args, persisted=True)
         return saved
 
-    def restore(self, step, items=None, restore_kwargs=None, directory=None, args=None):
-        """Orbax's restore, each pytree item from the fastest tier holding the step."""
+    def restore(self, step, items=None, restore_kwargs=None, directory=None, args=None, *,
+                from_memory: bool | None = None):
+        """Orbax's restore, each pytree item from the fastest tier holding the step;
+        ``from_memory`` True: the local step from the local tier whether its folder is
+        there or not (False: Orbax's folder; None: the local tier when no folder is)."""
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"No steps found in {self.directory}.")
-        if self._memory_steps is not None and directory is None and \
-                step not in super().all_steps() and step in self._memory_steps.held():
+        if from_memory is None:
+            from_memory = self._memory_steps is not None and directory is None and \
+                not self._on_disk(step) and step in self._memory_steps.held()
+        if from_memory:
             return self._memory_steps.restore(step, args)
         with self._at_step(step):
             return super().restore(step, items=items, restore_kwargs=restore_kwargs,
                                    directory=directory, args=args)
+
+    def held_locally(self, step: int) -> bool:
+        """Whether ``step`` is a local step the daemons hold whole (tier/memory_steps.py)."""
+        return self._memory_steps is not None and step in self._memory_steps.held()
+
+    def _on_disk(self, step: int) -> bool:
+        """Whether Orbax lists ``step`` and its folder is there (a local step's may be
+        gone: its policy, or someone, removed it)."""
+        if step not in super().all_steps():
+            return False
+        try:
+            return self._get_read_step_directory(step, self.directory).exists()
+        except ValueError:  # Orbax finds no folder of that step
+            return False
 
     def restore_from_memory(self, step: int, item: str, folder, args):
         """``item`` of ``step`` from the daemons' memory as Orbax's ``args`` (of a pytree
@@ -176,10 +204,12 @@ class CheckpointManager(orbax_manager.CheckpointManager):
             return self._tier.restore_item(item, folder, args)
 
     def wait_until_finished(self):
-        """Orbax's wait (every step the policy saved is on disk), and the steps held in
-        memory only are committed in the daemons."""
+        """Orbax's wait (every step the policy saved is on disk), and the local steps are
+        committed in the daemons (the newest one for the whole job)."""
         super().wait_until_finished()
         self._tier.wait()
+        if self._memory_steps is not None:
+            self._memory_steps.wait()
         self._tier.saves.sweep()
 
     def delete(self, step: int):
@@ -188,6 +218,8 @@ class CheckpointManager(orbax_manager.CheckpointManager):
         super().delete(step)
         if not self._options.read_only:
             self._tier.forget([step])
+            if self._memory_steps is not None:
+                self._memory_steps.forget([step])
 
     def close(self):
         super().close()
