@@ -17,6 +17,7 @@ one JSON document).
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -66,10 +67,17 @@ def main(argv=None) -> int:
     if not os.path.isfile(source):
         parser.error(f"{source} does not exist: --orbax-src names the root of a google/orbax "
                      "checkout")
-    work = args.work or tempfile.mkdtemp(prefix="bubblesnap-orbax-conformance-")
+    with work_folder(args, "bubblesnap-orbax-conformance-") as work:
+        return _run(args, source, work)
+
+
+@contextlib.contextmanager
+def work_folder(args, prefix: str):
+    """``args.work`` (made if missing, kept), else a fresh folder removed after."""
+    work = args.work or tempfile.mkdtemp(prefix=prefix)
     os.makedirs(work, exist_ok=True)
     try:
-        return _run(args, source, work)
+        yield work
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -94,38 +102,86 @@ def _run(args, source: str, work: str) -> int:
                      {"BUBBLESNAP_CONFORMANCE_ORBAX_SRC": os.path.dirname(source)})
 
 
-def run_tests(args, test_file: str, work: str, env: dict) -> int:
-    """Runs ``test_file`` (in ``work``) under the plugin, ``args.target`` against
-    ``args.keyword``; prints the failures and counts (``args.json``: one document)."""
+def run_tests(args, test_files, work: str, env: dict, processes: int = 1) -> int:
+    """Runs ``test_files`` (a name or a list of names, in ``work``) under the plugin, ``args.target`` against
+    ``args.keyword``; prints the failures and counts (``args.json``: one document).
+
+    ``processes`` > 1: that many pytest processes joined by ``jax.distributed`` (8 CPU
+    devices among them), as Orbax's run_multihost.py starts a multi-process test, each
+    with its own daemon of one static ring started here for the whole run (its
+    ``--durable-dir`` the tests' temp root); a test failed in any process failed."""
     with open(os.path.join(work, "pytest.ini"), "w") as f:
         f.write("[pytest]\naddopts = -p no:cacheprovider\n")
-    report = os.path.join(work, "report.jsonl")
     tmp = os.path.join(work, "tmp")
     os.makedirs(tmp, exist_ok=True)
+    reports = [os.path.join(work, f"report-{i}.jsonl") for i in range(processes)]
     env = {**os.environ,
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
            "TEST_TMPDIR": tmp,
            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
            "BUBBLESNAP_CONFORMANCE_TARGET": args.target,
-           "BUBBLESNAP_CONFORMANCE_REPORT": report,
            "BUBBLESNAP_CONFORMANCE_DAEMON_FLAGS": args.daemon_flags, **env}
     command = [sys.executable, "-m", "pytest", "-q", "--import-mode=importlib",
                "-p", "tests.conformance.orbax_plugin", "-c", os.path.join(work, "pytest.ini"),
-               "--rootdir", work, test_file]
+               "--rootdir", work,
+               *([test_files] if isinstance(test_files, str) else test_files)]
     if args.keyword:
         command += ["-k", args.keyword]
-    proc = subprocess.run(command, cwd=work, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    if processes > 1:  # a test one process failed leaves the others at its barriers
+        command += ["--timeout", "300"]
+    with contextlib.ExitStack() as stack:
+        each = [{"BUBBLESNAP_CONFORMANCE_REPORT": report} for report in reports]
+        if processes > 1:
+            from bubblesnap.testing import DaemonProcess, Ring, free_port
+            coordinator = f"127.0.0.1:{free_port()}"
+            for i, extra in enumerate(each):
+                extra["BUBBLESNAP_CONFORMANCE_PROCESS"] = f"{i}/{processes}@{coordinator}"
+            if args.target == "bubblesnap":
+                started = iter(range(1000))
+
+                def start(*flags, **options):  # each daemon's log a file of its own
+                    log = os.path.join(work, f"daemon-{next(started)}.log")
+                    return DaemonProcess(*flags, stderr=log, log_level="INFO", **options)
+                ring = Ring(processes, "--durable-dir", tmp, *args.daemon_flags.split(),
+                            start=start)
+                stack.callback(ring.stop)
+                for extra, daemon in zip(each, ring.daemons):
+                    extra["BUBBLESNAP_DAEMON"] = daemon.address
+        logs = [open(os.path.join(work, f"pytest-{i}.log"), "w+") for i in range(processes)]
+        for log in logs:
+            stack.enter_context(log)
+        procs = [subprocess.Popen(command, cwd=work, env={**env, **extra}, stdout=log,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for extra, log in zip(each, logs)]
+        for proc in procs:
+            proc.wait()
+        outcomes = read_outcomes(reports)
+        if not outcomes:
+            logs[0].seek(0)
+            print(logs[0].read()[-5000:], file=sys.stderr)
+            return 2
+    return summarize(args, outcomes)
+
+
+def read_outcomes(reports: list[str]) -> dict:
+    """Each test's outcome, from the plugin's reports (one per process): failed where any
+    process failed it, with that process's report."""
     outcomes = {}
-    if os.path.exists(report):
+    for report in reports:
+        if not os.path.exists(report):
+            continue
         with open(report) as f:
             for line in f:
                 entry = json.loads(line)
-                if entry["test"] not in outcomes or entry["outcome"] == "failed":
+                if entry["test"] not in outcomes or entry["outcome"] == "failed" and \
+                        outcomes[entry["test"]]["outcome"] != "failed":
                     outcomes[entry["test"]] = entry
-    if not outcomes:
-        print(proc.stdout[-5000:], file=sys.stderr)
-        return 2
+    return outcomes
+
+
+def summarize(args, outcomes: dict) -> int:
+    """Prints the failures, their classes and the counts (``args.json``: one document);
+    0 when none failed."""
     failures = {name: {"class": classify(e.get("error", "")),
                        "why": last_line(e.get("error", ""))}
                 for name, e in outcomes.items() if e["outcome"] == "failed"}

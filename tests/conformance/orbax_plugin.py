@@ -12,7 +12,12 @@ configured by the environment it sets:
   ``training.Checkpointer`` to bubblesnap's (bubblesnap.clients.jax.training), before
   the test file is imported (the import swap the README describes) and starts a daemon
   per test, at its defaults, with the test's temp folder as ``--durable-dir``;
-  ``orbax`` runs plain Orbax.
+  ``orbax`` runs plain Orbax. Orbax's emergency ``CheckpointManager`` is bound to
+  bubblesnap's (bubblesnap.clients.jax.emergency) too.
+- ``BUBBLESNAP_CONFORMANCE_PROCESS``: ``i/n@host:port``: this is process ``i`` of a job
+  of ``n`` joined by ``jax.distributed`` at that coordinator, its daemon at
+  ``$BUBBLESNAP_DAEMON`` (one of a ring the runner started for the whole run) instead
+  of one per test.
 - ``BUBBLESNAP_CONFORMANCE_REPORT``: a JSON lines file each test's outcome is appended to,
   with how its pytree items went: saved through the daemon or by Orbax itself,
   restored from the daemons' memory or read by Orbax.
@@ -37,8 +42,15 @@ def pytest_configure(config):
     from bubblesnap.testing import free_port
 
     # Orbax's multi-process test base waits at a barrier of JAX's distributed client: a
-    # job of one process, as Orbax's own runner starts it (run_multihost.py).
-    jax.distributed.initialize(f"127.0.0.1:{free_port()}", 1, 0)
+    # job of one process, or process i of n ("i/n@coordinator"), as Orbax's own runner
+    # starts them (run_multihost.py).
+    process = os.environ.get("BUBBLESNAP_CONFORMANCE_PROCESS")
+    if process:
+        index, rest = process.split("/", 1)
+        count, coordinator = rest.split("@", 1)
+        jax.distributed.initialize(coordinator, int(count), int(index))
+    else:
+        jax.distributed.initialize(f"127.0.0.1:{free_port()}", 1, 0)
     from absl import flags
     flags.FLAGS(["pytest"], known_only=True)  # absltest reads --test_tmpdir ($TEST_TMPDIR)
 
@@ -50,10 +62,20 @@ def pytest_configure(config):
         from orbax.checkpoint import checkpoint_manager
         from orbax.checkpoint.experimental.v1 import training as orbax_training
 
-        from bubblesnap.clients.jax import CheckpointManager, CheckpointManagerOptions, training
+        from orbax.checkpoint.experimental.emergency import (
+            checkpoint_manager as orbax_emergency,
+        )
+
+        from bubblesnap.clients.jax import (
+            CheckpointManager,
+            CheckpointManagerOptions,
+            emergency,
+            training,
+        )
         checkpoint_manager.CheckpointManager = CheckpointManager
         checkpoint_manager.CheckpointManagerOptions = CheckpointManagerOptions
         orbax_training.Checkpointer = training.Checkpointer
+        orbax_emergency.CheckpointManager = emergency.CheckpointManager
         _count_tiers()
 
 
@@ -80,7 +102,8 @@ def _daemon_per_test(request):
     """A daemon for this test, its durable tier the test's temp folder (absltest's
     ``<TEST_TMPDIR>/<class>/<test method>``), reached through $BUBBLESNAP_DAEMON."""
     COUNTS.update(dict.fromkeys(COUNTS, 0))
-    if TARGET != "bubblesnap":
+    if TARGET != "bubblesnap" or os.environ.get("BUBBLESNAP_CONFORMANCE_PROCESS"):
+        # a multi-process run: each process's daemon of a ring the runner started
         yield
         return
     from bubblesnap.testing import DaemonProcess

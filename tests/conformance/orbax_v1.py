@@ -15,10 +15,8 @@ bubblesnap's and a daemon per test (``tests/conformance/orbax_plugin.py``);
 
 import argparse
 import os
-import shutil
-import tempfile
 
-from tests.conformance.orbax_manager import add_run_arguments, run_tests
+from tests.conformance.orbax_manager import add_run_arguments, run_tests, work_folder
 
 TEST_FILE = "checkpointer_test.py"
 #: Orbax's test file: its test classes are those of the base, run as they are.
@@ -43,15 +41,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\\n\\n")[0])
     add_run_arguments(parser, "Checkpointer")
     args = parser.parse_args(argv)
-    work = args.work or tempfile.mkdtemp(prefix="bubblesnap-orbax-v1-conformance-")
-    os.makedirs(work, exist_ok=True)
-    try:
+    with work_folder(args, "bubblesnap-orbax-v1-conformance-") as work:
         with open(os.path.join(work, TEST_FILE), "w") as f:
             f.write(TEST_TEXT)
         return run_tests(args, TEST_FILE, work, {})
-    finally:
-        if args.work is None:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
