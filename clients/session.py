@@ -99,8 +99,7 @@ class Session:
         return getattr(self._stub, method).future(request, timeout=self.timeout())
 
     def wait_committed(self, step: int, timeout: float) -> bool:
-        """Whether the whole job committed ``step`` within ``timeout`` seconds, as this
-        daemon sees the group; raises grpc.RpcError."""
+        """Whether the job committed ``step`` within ``timeout`` s; raises grpc.RpcError."""
         return wait_committed(self._stub, self.job, step, timeout, self.options)[0]
 
     def timeout(self) -> float:
