@@ -41,6 +41,10 @@ log = logging.getLogger("bubblesnap.client")
 #: daemons keep in memory, --keep, unless it was raised; an older step's folder removed,
 #: the step is no longer listed). Counted, not asked: a save never waits for the daemon.
 KEPT = 16
+#: How long ``wait_until_finished`` waits for the newest local step's job commit (it takes
+#: well under a second in a healthy group; a group missing a daemon may not commit it
+#: until re-replication, and a training loop must not wait that out).
+COMMIT_WAIT_SECONDS = 10.0
 
 
 class MemorySteps:
@@ -140,8 +144,8 @@ class MemorySteps:
 
     def wait(self) -> None:
         """Waits until the daemons hold the newest local step this process saved committed
-        for the whole job (every process lists it then), at most the client's
-        ``commit_timeout_seconds``; a daemon that does not answer is not waited for."""
+        for the whole job (every process lists it then), at most
+        :data:`COMMIT_WAIT_SECONDS`; a sick daemon is not waited for."""
         if not self._saved:
             return
         step = max(self._saved)
@@ -152,7 +156,8 @@ class MemorySteps:
             if session.sick_for():  # a sick daemon is not waited for
                 return
             try:
-                session.wait_committed(step, session.options.commit_timeout_seconds)
+                session.wait_committed(step, min(COMMIT_WAIT_SECONDS,
+                                                 session.options.commit_timeout_seconds))
             except grpc.RpcError:
                 return
 
