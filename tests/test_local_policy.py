@@ -3,8 +3,7 @@ LocalCheckpointOptions turned into which steps are saved and kept, as Orbax's lo
 manager decides them (the expectations are those of Orbax's own emergency tests)."""
 
 import pytest
-from orbax.checkpoint._src.checkpoint_managers import preservation_policy
-from orbax.checkpoint._src.checkpoint_managers import save_decision_policy
+from orbax.checkpoint._src.checkpoint_managers import preservation_policy, save_decision_policy
 from orbax.checkpoint.experimental.emergency.checkpoint_manager import LocalCheckpointOptions
 
 from bubblesnap.clients.jax.tier.local_policy import LocalPolicy

@@ -103,8 +103,9 @@ def _run(args, source: str, work: str) -> int:
 
 
 def run_tests(args, test_files, work: str, env: dict, processes: int = 1) -> int:
-    """Runs ``test_files`` (a name or a list of names, in ``work``) under the plugin, ``args.target`` against
-    ``args.keyword``; prints the failures and counts (``args.json``: one document).
+    """Runs ``test_files`` (a name or a list of names, in ``work``) under the plugin,
+    ``args.target`` against ``args.keyword``; prints the failures and counts
+    (``args.json``: one document).
 
     ``processes`` > 1: that many pytest processes joined by ``jax.distributed`` (8 CPU
     devices among them), as Orbax's run_multihost.py starts a multi-process test, each
@@ -145,14 +146,14 @@ def run_tests(args, test_files, work: str, env: dict, processes: int = 1) -> int
                 ring = Ring(processes, "--durable-dir", tmp, *args.daemon_flags.split(),
                             start=start)
                 stack.callback(ring.stop)
-                for extra, daemon in zip(each, ring.daemons):
+                for extra, daemon in zip(each, ring.daemons, strict=True):
                     extra["BUBBLESNAP_DAEMON"] = daemon.address
         logs = [open(os.path.join(work, f"pytest-{i}.log"), "w+") for i in range(processes)]
         for log in logs:
             stack.enter_context(log)
         procs = [subprocess.Popen(command, cwd=work, env={**env, **extra}, stdout=log,
                                   stderr=subprocess.STDOUT, text=True)
-                 for extra, log in zip(each, logs)]
+                 for extra, log in zip(each, logs, strict=True)]
         for proc in procs:
             proc.wait()
         outcomes = read_outcomes(reports)
@@ -173,8 +174,9 @@ def read_outcomes(reports: list[str]) -> dict:
         with open(report) as f:
             for line in f:
                 entry = json.loads(line)
-                if entry["test"] not in outcomes or entry["outcome"] == "failed" and \
-                        outcomes[entry["test"]]["outcome"] != "failed":
+                known = outcomes.get(entry["test"])
+                if known is None or (entry["outcome"] == "failed" and
+                                     known["outcome"] != "failed"):
                     outcomes[entry["test"]] = entry
     return outcomes
 

@@ -60,11 +60,10 @@ def pytest_configure(config):
         testing.__path__.append(extra)  # a namespace package: the source's modules after
     if TARGET == "bubblesnap":
         from orbax.checkpoint import checkpoint_manager
-        from orbax.checkpoint.experimental.v1 import training as orbax_training
-
         from orbax.checkpoint.experimental.emergency import (
             checkpoint_manager as orbax_emergency,
         )
+        from orbax.checkpoint.experimental.v1 import training as orbax_training
 
         from bubblesnap.clients.jax import (
             CheckpointManager,

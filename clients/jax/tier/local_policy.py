@@ -66,7 +66,7 @@ class LocalPolicy:
         """Which of the steps ``saved`` ((step, unix time), oldest first) are kept."""
         keep = self.preservation.should_preserve(
             [_info(*s) for s in saved], context=preservation_lib.PreservationContext())
-        return [step for (step, _), kept in zip(saved, keep) if kept]
+        return [step for (step, _), kept in zip(saved, keep, strict=True) if kept]
 
 
 def _info(step: int, when: float) -> CheckpointInfo:
